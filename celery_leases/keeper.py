@@ -1,0 +1,129 @@
+"""The keeper: one thread per worker process that renews every lease the process holds."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from .errors import LeaseError
+from .lease import Lease
+from .store import Store
+
+logger = logging.getLogger("celery_leases.keeper")
+
+
+class Keeper(threading.Thread):
+    """Renews all leases of one store held by this process, in one statement per tick."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(name="celery-leases-keeper", daemon=True)
+        self.store = store
+        self.pid = os.getpid()
+        self._leases: dict[int, Lease] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._failing = False
+
+    def add(self, lease: Lease) -> None:
+        with self._lock:
+            self._leases[id(lease)] = lease
+        self._wake.set()
+
+    def remove(self, lease: Lease) -> None:
+        with self._lock:
+            self._leases.pop(id(lease), None)
+
+    def held(self) -> list[Lease]:
+        with self._lock:
+            return list(self._leases.values())
+
+    def interval(self) -> float | None:
+        leases = self.held()
+        return min(lease.renew_interval for lease in leases) if leases else None
+
+    def tick(self) -> None:
+        """Renew every held lease once; mark the ones lost, stalled or asked to stop."""
+        leases = [lease for lease in self.held() if not (lease.lost or lease.released)]
+        renewable = [lease for lease in leases if not lease.stalled]
+        for lease in leases:
+            if lease.stalled and lease not in renewable:
+                logger.warning(
+                    "celery-leases: job %s made no checkpoint for %.0f s: no longer renewing "
+                    "its lease, so the job moves to another worker",
+                    lease.job_id,
+                    lease.stall_timeout or 0,
+                )
+        if not renewable:
+            return
+        sent = time.monotonic()
+        try:
+            renewal = self.store.renew([(lease.job_id, lease.token) for lease in renewable])
+        except LeaseError as exc:
+            if not self._failing:
+                logger.error("celery-leases: cannot renew leases: %s", exc)
+            self._failing = True
+            now = time.monotonic()
+            for lease in renewable:
+                if now > lease.deadline and not lease.lost:
+                    lease.lost = True
+                    logger.error(
+                        "celery-leases: lease lost on job %s: renewals failed until it expired",
+                        lease.job_id,
+                    )
+            return
+        if self._failing:
+            logger.info("celery-leases: renewals work again")
+            self._failing = False
+        for lease in renewable:
+            if lease.job_id in renewal.held:
+                lease.deadline = sent + lease.duration
+                lease.stop_requested = renewal.stops.get(lease.job_id) or lease.stop_requested
+            elif not (lease.released or lease.lost):
+                lease.lost = True
+                logger.warning(
+                    "celery-leases: lease lost on job %s (token %s): another attempt holds it",
+                    lease.job_id,
+                    lease.token,
+                )
+
+    def run(self) -> None:
+        while not self._stopped.is_set():
+            interval = self.interval()
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stopped.is_set():
+                return
+            if interval is None:
+                continue
+            try:
+                self.tick()
+            except Exception:
+                logger.exception("celery-leases: keeper tick failed")
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._wake.set()
+
+
+_keepers: dict[tuple[int, int], Keeper] = {}
+_keepers_lock = threading.Lock()
+
+
+def keeper_for(store: Store) -> Keeper:
+    """This process's running keeper for ``store`` (started on first use, also after fork)."""
+    key = (os.getpid(), id(store))
+    with _keepers_lock:
+        keeper = _keepers.get(key)
+        if keeper is None or not keeper.is_alive():
+            keeper = _keepers[key] = Keeper(store)
+            keeper.start()
+        return keeper
+
+
+def all_keepers() -> list[Keeper]:
+    """The keepers of this process."""
+    with _keepers_lock:
+        return [k for (pid, _), k in _keepers.items() if pid == os.getpid()]

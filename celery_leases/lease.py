@@ -1,0 +1,59 @@
+"""The lease an attempt holds on its job while it runs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Lease:
+    """The running attempt's hold on its job.
+
+    ``token`` is the fencing token (it grows on every claim), ``attempt`` counts claims from 1,
+    ``checkpoint`` is the last saved state (None before the first checkpoint), and ``owner``
+    names the worker process. Durations are seconds.
+    """
+
+    job_id: str
+    token: int
+    attempt: int
+    checkpoint: Any
+    owner: str
+    duration: float
+    renew_interval: float
+    stall_timeout: float | None = None
+    #: Seconds since the checkpoint was saved, at claim time (None without one).
+    checkpoint_age: float | None = None
+    #: Set when another attempt took the job, or renewals failed past the lease's end.
+    lost: bool = False
+    #: ``cancel`` or ``preempt`` when the job was asked to stop at its next checkpoint.
+    stop_requested: str | None = None
+    released: bool = False
+    detached: bool = False
+    # Monotonic times of this process: when the lease ends without a renewal, and the last
+    # checkpoint (for the stall deadline). Never compared with a database time.
+    deadline: float = field(default=0.0, repr=False)
+    last_progress: float = field(default=0.0, repr=False)
+
+    def __post_init__(self) -> None:
+        now = time.monotonic()
+        self.deadline = self.deadline or now + self.duration
+        self.last_progress = self.last_progress or now
+
+    @property
+    def stalled(self) -> bool:
+        """True when no checkpoint was saved for longer than the stall timeout."""
+        if self.stall_timeout is None:
+            return False
+        return time.monotonic() - self.last_progress > self.stall_timeout
+
+
+class _Current(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Lease] = []
+
+
+current = _Current()

@@ -1,0 +1,49 @@
+"""Worker process signals: hand leases back when a worker shuts down."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import current_app
+from celery.signals import worker_process_shutdown, worker_shutting_down
+
+from .config import settings_for
+from .errors import LeaseError
+from .keeper import all_keepers
+from .store import store_for
+
+logger = logging.getLogger("celery_leases")
+
+
+@worker_process_shutdown.connect(weak=False)
+def release_on_process_shutdown(**_: Any) -> None:
+    """A pool process is exiting with leases held: release them so they are reaped at once."""
+    for keeper in all_keepers():
+        keeper.stop()
+        for lease in keeper.held():
+            if lease.released or lease.lost:
+                continue
+            try:
+                keeper.store.release(lease.job_id, lease.token, reap_in=0.0)
+                lease.released = True
+                logger.warning("celery-leases: job %s released at process shutdown", lease.job_id)
+            except LeaseError as exc:
+                logger.warning("celery-leases: could not release job %s: %s", lease.job_id, exc)
+
+
+@worker_shutting_down.connect(weak=False)
+def preempt_on_shutdown(sender: Any = None, **_: Any) -> None:
+    """Warm shutdown: ask this worker's running attempts to stop at their next checkpoint."""
+    try:
+        settings = settings_for(current_app)
+        if not settings.preempt_on_shutdown:
+            return
+        count = store_for(settings).request_stop_owned_by(f"{sender}/", "preempt")
+    except LeaseError as exc:
+        logger.warning("celery-leases: could not preempt running jobs: %s", exc)
+        return
+    if count:
+        logger.warning(
+            "celery-leases: %d running job(s) will hand back at their next checkpoint", count
+        )

@@ -1,0 +1,99 @@
+"""The reaper: re-publishes jobs whose lease expired, gives up on poison jobs, purges old ones.
+
+Schedule ``celery_leases.reap`` with celery beat (:func:`schedule_reaper`), or run one pass
+with ``celery -A proj leases reap``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import shared_task
+from celery.utils.log import get_task_logger
+
+from . import metrics
+from .config import settings_for
+from .store import store_for
+from .task import republish
+
+logger = get_task_logger("celery_leases.reaper")
+
+#: Largest number of batches one pass handles, so a pass always ends.
+MAX_BATCHES = 100
+
+
+@dataclass
+class ReapReport:
+    """What one reaper pass did."""
+
+    republished: list[str] = field(default_factory=list)
+    gave_up: list[str] = field(default_factory=list)
+    publish_failed: list[str] = field(default_factory=list)
+    purged: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "republished": self.republished,
+            "gave_up": self.gave_up,
+            "publish_failed": self.publish_failed,
+            "purged": self.purged,
+        }
+
+
+def reap(app: Any) -> ReapReport:
+    """Run one reaper pass for ``app``'s leases database and return what it did."""
+    settings = settings_for(app)
+    store = store_for(settings)
+    report = ReapReport()
+    for _ in range(MAX_BATCHES):
+        batch = store.reap(
+            batch=settings.reap_batch,
+            grace=settings.reap_grace,
+            max_stalled=settings.max_attempts_without_progress,
+            max_attempts=settings.max_attempts,
+        )
+        for job in batch.gave_up:
+            report.gave_up.append(job.id)
+            metrics.count("gave_up")
+            logger.error("job %s (%s): %s", job.id, job.task, job.error)
+        for job in batch.republish:
+            try:
+                republish(app, job)
+            except Exception as exc:  # the row keeps its pushed expiry: a later pass retries
+                report.publish_failed.append(job.id)
+                logger.error("job %s: re-publish failed, next pass retries: %r", job.id, exc)
+                continue
+            report.republished.append(job.id)
+            metrics.count("reaped")
+            where = "no checkpoint" if job.checkpoint is None else "its checkpoint"
+            logger.info(
+                "job %s (%s): lease expired (owner %s, attempt %d), re-published to resume from %s",
+                job.id,
+                job.task,
+                job.owner or "none",
+                job.attempts,
+                where,
+            )
+        if len(batch.republish) + len(batch.gave_up) < settings.reap_batch:
+            break
+    for _ in range(MAX_BATCHES):
+        purged = store.purge(older_than=settings.retention, batch=settings.reap_batch)
+        report.purged += purged
+        if purged < settings.reap_batch:
+            break
+    return report
+
+
+@shared_task(name="celery_leases.reap", bind=True, ignore_result=True)  # type: ignore[untyped-decorator]
+def reap_task(self: Any) -> dict[str, Any]:
+    """One reaper pass, as a task for celery beat."""
+    return reap(self.app).as_dict()
+
+
+def schedule_reaper(app: Any, every: float = 10.0) -> None:
+    """Add ``celery_leases.reap`` to ``app``'s beat schedule every ``every`` seconds.
+
+    It keeps the user's own entries; call it after assigning ``beat_schedule`` yourself.
+    """
+    app.add_periodic_task(every, app.signature("celery_leases.reap"), name="celery_leases.reap")

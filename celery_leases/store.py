@@ -1,0 +1,769 @@
+"""The lease store: every SQL statement of celery-leases lives here.
+
+The store speaks in operations (register, claim, renew, checkpoint, finish, fail, release,
+reap, ...). Each worker operation is one conditional statement whose row count or RETURNING
+tells the outcome, and every time is computed by the database clock inside the SQL.
+MariaDB/MySQL have no ``UPDATE ... RETURNING``: there a claim reads its row back in the same
+transaction, and a renew tick that misses rows asks which ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.engine import Connection, Engine
+
+from .config import Settings
+from .errors import ConfigurationError, JobNotFound, LeaseError, StoreUnavailable
+from .schema import (
+    CANCELLED,
+    DONE,
+    FAILED,
+    FINISHED_STATES,
+    LIVE_STATES,
+    QUEUED,
+    RUNNING,
+    SCHEMA_VERSION,
+    db_now,
+    jobs_table,
+)
+
+T = TypeVar("T")
+
+GAVE_UP_NO_PROGRESS = (
+    "gave up: its last attempts ended (crashed, killed or lost) without saving a checkpoint "
+    "(leases_max_attempts_without_progress)"
+)
+GAVE_UP_MAX_ATTEMPTS = "gave up: reached leases_max_attempts"
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A successful claim: this attempt now holds the lease under ``token``."""
+
+    token: int
+    attempt: int
+    checkpoint: Any
+    checkpoint_age: float | None
+    created: bool
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A refused claim. ``reason`` is the job's state, or ``held`` when a live lease holds it."""
+
+    reason: str
+    owner: str | None
+    expires_in: float | None
+
+
+@dataclass(frozen=True)
+class Renewal:
+    """Outcome of one renew tick: the jobs still held, and stop requests seen on them."""
+
+    held: frozenset[str]
+    stops: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job as recorded in the leases table. Ages and ``expires_in`` are seconds, DB clock."""
+
+    id: str
+    task: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    options: dict[str, Any]
+    state: str
+    owner: str | None
+    token: int
+    attempts: int
+    stalled_attempts: int
+    checkpoint: Any
+    progress_done: int | None
+    progress_total: int | None
+    result: Any
+    error: str | None
+    stop_requested: str | None
+    expires_in: float | None
+    checkpoint_age: float | None
+    age: float
+    created_at: float
+    claimed_at: float | None
+    renewed_at: float | None
+    checkpoint_at: float | None
+    finished_at: float | None
+
+
+@dataclass(frozen=True)
+class Reaped:
+    """What one reaper batch did: jobs to re-publish, and jobs given up as failed."""
+
+    republish: list[Job]
+    gave_up: list[Job]
+    #: The owner each expired lease had before the reaper cleared it.
+    previous_owners: dict[str, str | None] = field(default_factory=dict)
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+class Store:
+    """Operations on the jobs table of one database. Safe to share between threads."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.table = jobs_table(sa.MetaData(), settings.table)
+        self._engine: Engine | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+        self._schema_ready = False
+        self._url = sa.engine.make_url(settings.database_url)
+
+    @property
+    def safe_url(self) -> str:
+        """The database URL with its password hidden."""
+        return self._url.render_as_string(hide_password=True)
+
+    @property
+    def engine(self) -> Engine:
+        """This process's engine (a forked child gets its own connections)."""
+        if self._engine is None or self._pid != os.getpid():
+            with self._lock:
+                if self._engine is None or self._pid != os.getpid():
+                    if self._engine is not None:
+                        self._engine.dispose(close=False)
+                    self._engine = self._create_engine()
+                    self._pid = os.getpid()
+        return self._engine
+
+    @property
+    def dialect(self) -> str:
+        return self._url.get_backend_name()
+
+    @property
+    def _returning(self) -> bool:
+        return self.dialect not in ("mysql", "mariadb")
+
+    def _create_engine(self) -> Engine:
+        options: dict[str, Any] = {"pool_pre_ping": True}
+        if self.dialect == "sqlite":
+            options["connect_args"] = {"timeout": 30}
+        options.update(self.settings.engine_options)
+        try:
+            engine = sa.create_engine(self._url, **options)
+        except (sa.exc.ArgumentError, ImportError) as exc:
+            raise ConfigurationError(f"cannot use leases database {self.safe_url}: {exc}") from exc
+        if self.dialect == "sqlite":
+            sa.event.listen(engine, "connect", _sqlite_on_connect)
+        elif self.dialect in ("mysql", "mariadb"):
+            sa.event.listen(engine, "connect", _mysql_on_connect)
+        return engine
+
+    def _run(self, operation: Callable[[Connection], T], *, ensure: bool = True) -> T:
+        """Run ``operation`` in one transaction, wrapping driver errors once."""
+        try:
+            if ensure and not self._schema_ready:
+                self.ensure_schema()
+            with self.engine.begin() as connection:
+                return operation(connection)
+        except (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError) as exc:
+            raise StoreUnavailable(
+                f"leases database {self.safe_url} is unavailable: {_first_line(exc)}"
+            ) from exc
+        except sa.exc.SQLAlchemyError as exc:
+            raise LeaseError(f"leases database {self.safe_url} error: {_first_line(exc)}") from exc
+
+    def ensure_schema(self) -> None:
+        """Create the jobs table if missing; refuse a table from an older schema."""
+
+        def create(connection: Connection) -> None:
+            self.table.create(connection, checkfirst=True)
+            present = {c["name"] for c in sa.inspect(connection).get_columns(self.table.name)}
+            missing = [c.name for c in self.table.columns if c.name not in present]
+            if missing:
+                raise ConfigurationError(
+                    f"table {self.table.name!r} in {self.safe_url} was created by another "
+                    f"schema (missing columns: {', '.join(missing)}); this celery-leases "
+                    f"needs schema version {SCHEMA_VERSION}: migrate it with "
+                    f"celery_leases.metadata, or set leases_table to a new name"
+                )
+
+        try:
+            self._run(create, ensure=False)
+        except LeaseError as exc:
+            if not isinstance(exc.__cause__, sa.exc.IntegrityError | sa.exc.ProgrammingError):
+                raise
+            # Another process created the table at the same moment: check what it made.
+            self._run(create, ensure=False)
+        self._schema_ready = True
+
+    # -- writes of the client -------------------------------------------------------------
+
+    def register(
+        self,
+        job_id: str,
+        *,
+        task: str,
+        args: str,
+        kwargs: str,
+        options: str,
+        countdown: float | None = None,
+        queued_timeout: float | None = None,
+    ) -> bool:
+        """Record a queued job (JSON texts given); False if the id is already recorded."""
+        t = self.table
+        now = db_now()
+        run_after = now + countdown if countdown else None
+        expires = None
+        if queued_timeout is not None:
+            expires = now + (countdown or 0.0) + queued_timeout
+        values = {
+            "id": job_id,
+            "task": task,
+            "args": args,
+            "kwargs": kwargs,
+            "options": options,
+            "state": QUEUED,
+            "token": 0,
+            "attempts": 0,
+            "stalled_attempts": 0,
+            "run_after": run_after,
+            "expires_at": expires,
+            "created_at": now,
+            "schema_version": SCHEMA_VERSION,
+        }
+        return self._run(lambda c: self._inserted(c, values))
+
+    def _inserted(self, c: Connection, values: dict[str, Any]) -> bool:
+        """Insert unless the id exists; True when inserted."""
+        stmt = self._insert_ignore(self.table, values)
+        if self._returning:
+            # INSERT's rowcount is not reliable on every driver here; RETURNING is.
+            return c.execute(stmt.returning(self.table.c.id)).first() is not None
+        return bool(c.execute(stmt).rowcount == 1)
+
+    def _insert_ignore(self, t: sa.Table, values: dict[str, Any]) -> Any:
+        if self.dialect == "postgresql":
+            return postgresql.insert(t).values(values).on_conflict_do_nothing()
+        if self.dialect == "sqlite":
+            return sqlite.insert(t).values(values).on_conflict_do_nothing()
+        if self.dialect in ("mysql", "mariadb"):
+            return mysql.insert(t).values(values).prefix_with("IGNORE")
+        return sa.insert(t).values(values)
+
+    # -- writes of a worker: one statement each --------------------------------------------
+
+    def claim(
+        self,
+        job_id: str,
+        *,
+        owner: str,
+        duration: float,
+        task: str,
+        args: str,
+        kwargs: str,
+    ) -> Claimed | Refused:
+        """Take the lease if the job is queued or its lease expired; bump the token."""
+        t = self.table
+        now = db_now()
+        claimable = sa.and_(
+            t.c.id == job_id,
+            sa.or_(t.c.state == QUEUED, sa.and_(t.c.state == RUNNING, t.c.expires_at <= now)),
+        )
+        stmt = (
+            sa.update(t)
+            .where(claimable)
+            .values(
+                token=t.c.token + 1,
+                attempts=t.c.attempts + 1,
+                state=RUNNING,
+                owner=owner,
+                duration=duration,
+                expires_at=now + duration,
+                claimed_at=now,
+                renewed_at=now,
+            )
+        )
+        read = [t.c.token, t.c.attempts, t.c.checkpoint, (now - t.c.checkpoint_at)]
+
+        def run(c: Connection) -> Claimed | Refused | None:
+            if self._returning:
+                row = c.execute(stmt.returning(*read)).first()
+            else:
+                row = None
+                if c.execute(stmt).rowcount == 1:
+                    row = c.execute(sa.select(*read).where(t.c.id == job_id)).first()
+            if row is not None:
+                return Claimed(row[0], row[1], _loads(row[2]), row[3], created=False)
+            found = c.execute(
+                sa.select(t.c.state, t.c.owner, t.c.expires_at - now).where(t.c.id == job_id)
+            ).first()
+            if found is not None:
+                state, holder, expires_in = found
+                return Refused("held" if state == RUNNING else state, holder, expires_in)
+            return None
+
+        outcome = self._run(run)
+        if outcome is not None:
+            return outcome
+        # A message with no row (sent by name from elsewhere): create the job already claimed.
+        values = {
+            "id": job_id,
+            "task": task,
+            "args": args,
+            "kwargs": kwargs,
+            "options": "{}",
+            "state": RUNNING,
+            "owner": owner,
+            "token": 1,
+            "attempts": 1,
+            "stalled_attempts": 0,
+            "duration": duration,
+            "expires_at": now + duration,
+            "created_at": now,
+            "claimed_at": now,
+            "renewed_at": now,
+            "schema_version": SCHEMA_VERSION,
+        }
+        if self._run(lambda c: self._inserted(c, values)):
+            return Claimed(1, 1, None, None, created=True)
+        return self.claim(
+            job_id, owner=owner, duration=duration, task=task, args=args, kwargs=kwargs
+        )
+
+    def renew(self, leases: Sequence[tuple[str, int]]) -> Renewal:
+        """Extend every lease still held under its token, in one statement."""
+        if not leases:
+            return Renewal(frozenset(), {})
+        t = self.table
+        now = db_now()
+        held_by_token = sa.and_(
+            sa.tuple_(t.c.id, t.c.token).in_([sa.tuple_(i, k) for i, k in leases]),
+            t.c.state == RUNNING,
+        )
+        stmt = (
+            sa.update(t).where(held_by_token).values(expires_at=now + t.c.duration, renewed_at=now)
+        )
+
+        def run(c: Connection) -> Renewal:
+            if self._returning:
+                rows = c.execute(stmt.returning(t.c.id, t.c.stop_requested)).all()
+            else:
+                c.execute(stmt)
+                rows = c.execute(sa.select(t.c.id, t.c.stop_requested).where(held_by_token)).all()
+            return Renewal(
+                frozenset(r[0] for r in rows), {r[0]: r[1] for r in rows if r[1] is not None}
+            )
+
+        return self._run(run)
+
+    def checkpoint(
+        self,
+        job_id: str,
+        token: int,
+        state: str,
+        *,
+        progress: tuple[int, int | None] | None = None,
+        connection: Connection | None = None,
+    ) -> tuple[bool, str | None]:
+        """Save a checkpoint (JSON text) and renew, fenced by ``token``.
+
+        Returns (saved, stop request). With ``connection`` the statement joins the caller's
+        transaction, so the caller's own writes and the checkpoint commit or roll back together.
+        """
+        t = self.table
+        now = db_now()
+        values: dict[str, Any] = {
+            "checkpoint": state,
+            "checkpoint_at": now,
+            "renewed_at": now,
+            "expires_at": now + t.c.duration,
+        }
+        if progress is not None:
+            values["progress_done"], values["progress_total"] = progress
+        stmt = (
+            sa.update(t)
+            .where(t.c.id == job_id, t.c.token == token, t.c.state == RUNNING)
+            .values(values)
+        )
+
+        def run(c: Connection) -> tuple[bool, str | None]:
+            if self._returning:
+                row = c.execute(stmt.returning(t.c.stop_requested)).first()
+                return (row is not None, row[0] if row is not None else None)
+            return (c.execute(stmt).rowcount == 1, None)
+
+        if connection is not None:
+            try:
+                return run(connection)
+            except sa.exc.SQLAlchemyError as exc:
+                raise LeaseError(f"checkpoint failed: {_first_line(exc)}") from exc
+        return self._run(run)
+
+    def _end(self, job_id: str, token: int, values: dict[str, Any]) -> bool:
+        t = self.table
+        stmt = (
+            sa.update(t)
+            .where(t.c.id == job_id, t.c.token == token, t.c.state == RUNNING)
+            .values(values)
+        )
+        return self._run(lambda c: c.execute(stmt).rowcount == 1)
+
+    def finish(self, job_id: str, token: int, *, result: str | None) -> bool:
+        """Mark the job done, fenced by ``token``. False if this attempt lost the lease."""
+        return self._end(
+            job_id,
+            token,
+            {
+                "state": DONE,
+                "owner": None,
+                "expires_at": None,
+                "result": result,
+                "stop_requested": None,
+                "finished_at": db_now(),
+            },
+        )
+
+    def fail(self, job_id: str, token: int, *, error: str, state: str = FAILED) -> bool:
+        """Mark the job failed (or cancelled), keeping its checkpoint; fenced by ``token``."""
+        return self._end(
+            job_id,
+            token,
+            {
+                "state": state,
+                "owner": None,
+                "expires_at": None,
+                "error": error,
+                "stop_requested": None,
+                "finished_at": db_now(),
+            },
+        )
+
+    def release(self, job_id: str, token: int, *, reap_in: float | None) -> bool:
+        """Give the lease back, fenced by ``token``.
+
+        ``reap_in`` seconds from now the reaper re-publishes the job; None when a message for
+        it is already on its way (a Celery retry).
+        """
+        now = db_now()
+        return self._end(
+            job_id,
+            token,
+            {
+                "state": QUEUED,
+                "owner": None,
+                "stop_requested": None,
+                "expires_at": None if reap_in is None else now + reap_in,
+            },
+        )
+
+    # -- operators and the reaper ----------------------------------------------------------
+
+    def get(self, job_id: str) -> Job | None:
+        """The job recorded under ``job_id``, or None."""
+        rows = self._select(self.table.c.id == job_id, limit=1)
+        return rows[0] if rows else None
+
+    def list_jobs(
+        self, *, states: Iterable[str] = (), task: str | None = None, limit: int = 50
+    ) -> list[Job]:
+        """Jobs, newest first, filtered by state and task name."""
+        t = self.table
+        where = []
+        if states:
+            where.append(t.c.state.in_(list(states)))
+        if task:
+            where.append(t.c.task == task)
+        return self._select(*where, limit=limit, order=t.c.created_at.desc())
+
+    def _select(self, *where: Any, limit: int, order: Any = None) -> list[Job]:
+        t = self.table
+        now = db_now()
+        cols = [c for c in t.columns if c.name not in ("duration", "schema_version")]
+        stmt = (
+            sa.select(
+                *cols,
+                (t.c.expires_at - now).label("expires_in"),
+                (now - t.c.checkpoint_at).label("checkpoint_age"),
+                (now - t.c.created_at).label("age"),
+            )
+            .where(*where)
+            .limit(limit)
+        )
+        if order is not None:
+            stmt = stmt.order_by(order)
+        return [_job(row._mapping) for row in self._run(lambda c: c.execute(stmt).all())]
+
+    def request_stop(self, job_ids: Sequence[str], kind: str) -> int:
+        """Ask running attempts to stop at their next checkpoint (``cancel`` or ``preempt``)."""
+        t = self.table
+        stmt = (
+            sa.update(t)
+            .where(t.c.id.in_(list(job_ids)), t.c.state == RUNNING)
+            .values(stop_requested=kind)
+        )
+        return self._run(lambda c: c.execute(stmt).rowcount)
+
+    def request_stop_owned_by(self, owner_prefix: str, kind: str) -> int:
+        """Ask every running attempt whose owner starts with ``owner_prefix`` to stop."""
+        t = self.table
+        escaped = owner_prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        stmt = (
+            sa.update(t)
+            .where(t.c.state == RUNNING, t.c.owner.like(escaped + "%", escape="\\"))
+            .values(stop_requested=kind)
+        )
+        return self._run(lambda c: c.execute(stmt).rowcount)
+
+    def cancel_queued(self, job_id: str) -> bool:
+        """Cancel a job that no worker holds; its message will be dropped by the claim."""
+        t = self.table
+        stmt = (
+            sa.update(t)
+            .where(t.c.id == job_id, t.c.state == QUEUED)
+            .values(
+                state=CANCELLED,
+                expires_at=None,
+                error="cancelled by an operator",
+                finished_at=db_now(),
+            )
+        )
+        return self._run(lambda c: c.execute(stmt).rowcount == 1)
+
+    def requeue(self, job_id: str, *, from_states: Sequence[str] = (FAILED, CANCELLED)) -> Job:
+        """Put a finished job back to ``queued`` (its checkpoint kept) and return it."""
+        t = self.table
+        stmt = (
+            sa.update(t)
+            .where(t.c.id == job_id, t.c.state.in_(list(from_states)))
+            .values(
+                state=QUEUED,
+                owner=None,
+                expires_at=None,
+                error=None,
+                finished_at=None,
+                stalled_attempts=0,
+                stop_requested=None,
+            )
+        )
+        if not self._run(lambda c: c.execute(stmt).rowcount == 1):
+            job = self.get(job_id)
+            if job is None:
+                raise JobNotFound(f"no job {job_id!r} in {self.table.name}")
+            from .errors import InvalidJobState
+
+            raise InvalidJobState(
+                f"job {job_id} is {job.state}; only {' or '.join(from_states)} jobs can be retried"
+            )
+        job = self.get(job_id)
+        assert job is not None
+        return job
+
+    def expire(self, job_id: str) -> bool:
+        """Expire a running job's lease now, so the next reaper pass re-publishes it."""
+        t = self.table
+        stmt = (
+            sa.update(t).where(t.c.id == job_id, t.c.state == RUNNING).values(expires_at=db_now())
+        )
+        return self._run(lambda c: c.execute(stmt).rowcount == 1)
+
+    def reap(
+        self,
+        *,
+        batch: int,
+        grace: float,
+        max_stalled: int | None,
+        max_attempts: int | None,
+    ) -> Reaped:
+        """Mark one batch of expired live jobs: re-publish them, or give up on poison ones.
+
+        Each expired lease is marked by a conditional update that pushes its expiry ``grace``
+        seconds forward, so concurrent reapers re-publish it once.
+        """
+        t = self.table
+        now = db_now()
+        expired = sa.and_(t.c.state.in_(LIVE_STATES), t.c.expires_at <= now)
+        no_progress = sa.and_(
+            t.c.state == RUNNING,
+            sa.or_(t.c.checkpoint_at.is_(None), t.c.checkpoint_at < t.c.claimed_at),
+        )
+        give_up_when = []
+        if max_stalled is not None:
+            give_up_when.append(sa.and_(no_progress, t.c.stalled_attempts + 1 >= max_stalled))
+        if max_attempts is not None:
+            give_up_when.append(t.c.attempts >= max_attempts)
+
+        def run(c: Connection) -> Reaped:
+            found = {
+                r[0]: r[1]
+                for r in c.execute(
+                    sa.select(t.c.id, t.c.owner)
+                    .where(expired)
+                    .order_by(t.c.expires_at)
+                    .limit(batch)
+                    .with_for_update(skip_locked=True)
+                ).all()
+            }
+            ids = list(found)
+            if not ids:
+                return Reaped([], [])
+            gave_up: list[str] = []
+            if give_up_when:
+                poison = sa.and_(t.c.id.in_(ids), expired, sa.or_(*give_up_when))
+                gave_up = [r[0] for r in c.execute(sa.select(t.c.id).where(poison)).all()]
+                if gave_up:
+                    reason = sa.case(
+                        (no_progress, sa.literal(GAVE_UP_NO_PROGRESS)),
+                        else_=sa.literal(GAVE_UP_MAX_ATTEMPTS),
+                    )
+                    # MySQL evaluates SET left to right: read the old state before changing it.
+                    c.execute(
+                        sa.update(t)
+                        .where(t.c.id.in_(gave_up), expired)
+                        .ordered_values(
+                            (t.c.error, reason),
+                            (
+                                t.c.stalled_attempts,
+                                t.c.stalled_attempts + sa.case((no_progress, 1), else_=0),
+                            ),
+                            (t.c.state, FAILED),
+                            (t.c.owner, None),
+                            (t.c.expires_at, None),
+                            (t.c.finished_at, now),
+                        )
+                    )
+            live = [i for i in ids if i not in set(gave_up)]
+            marked: list[str] = []
+            if live:
+                stmt = (
+                    sa.update(t)
+                    .where(t.c.id.in_(live), expired)
+                    .ordered_values(
+                        (
+                            t.c.stalled_attempts,
+                            sa.case(
+                                (no_progress, t.c.stalled_attempts + 1),
+                                (t.c.state == RUNNING, 0),
+                                else_=t.c.stalled_attempts,
+                            ),
+                        ),
+                        (t.c.state, QUEUED),
+                        (t.c.owner, None),
+                        (t.c.expires_at, now + grace),
+                    )
+                )
+                if self._returning:
+                    marked = [r[0] for r in c.execute(stmt.returning(t.c.id)).all()]
+                else:
+                    c.execute(stmt)
+                    marked = live  # the select above locked these rows for this transaction
+            return Reaped(self._jobs(c, marked), self._jobs(c, gave_up), found)
+
+        return self._run(run)
+
+    def _jobs(self, c: Connection, ids: list[str]) -> list[Job]:
+        if not ids:
+            return []
+        t = self.table
+        now = db_now()
+        cols = [col for col in t.columns if col.name not in ("duration", "schema_version")]
+        stmt = sa.select(
+            *cols,
+            (t.c.expires_at - now).label("expires_in"),
+            (now - t.c.checkpoint_at).label("checkpoint_age"),
+            (now - t.c.created_at).label("age"),
+        ).where(t.c.id.in_(ids))
+        return [_job(row._mapping) for row in c.execute(stmt).all()]
+
+    def purge(self, *, older_than: float, batch: int) -> int:
+        """Delete up to ``batch`` jobs finished more than ``older_than`` seconds ago."""
+        t = self.table
+        old = sa.and_(t.c.state.in_(FINISHED_STATES), t.c.finished_at <= db_now() - older_than)
+
+        def run(c: Connection) -> int:
+            ids = [r[0] for r in c.execute(sa.select(t.c.id).where(old).limit(batch)).all()]
+            if not ids:
+                return 0
+            return c.execute(sa.delete(t).where(t.c.id.in_(ids), old)).rowcount
+
+        return self._run(run)
+
+    def now(self) -> float:
+        """The database clock, in epoch seconds."""
+        return float(self._run(lambda c: c.execute(sa.select(db_now())).scalar_one()))
+
+
+def _job(m: Any) -> Job:
+    return Job(
+        id=m["id"],
+        task=m["task"],
+        args=_loads(m["args"]) or [],
+        kwargs=_loads(m["kwargs"]) or {},
+        options=_loads(m["options"]) or {},
+        state=m["state"],
+        owner=m["owner"],
+        token=m["token"],
+        attempts=m["attempts"],
+        stalled_attempts=m["stalled_attempts"],
+        checkpoint=_loads(m["checkpoint"]),
+        progress_done=m["progress_done"],
+        progress_total=m["progress_total"],
+        result=_loads(m["result"]),
+        error=m["error"],
+        stop_requested=m["stop_requested"],
+        expires_in=m["expires_in"],
+        checkpoint_age=m["checkpoint_age"],
+        age=m["age"],
+        created_at=m["created_at"],
+        claimed_at=m["claimed_at"],
+        renewed_at=m["renewed_at"],
+        checkpoint_at=m["checkpoint_at"],
+        finished_at=m["finished_at"],
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip().splitlines()
+    return text[0] if text else type(orig).__name__
+
+
+def _sqlite_on_connect(dbapi_connection: Any, record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def _mysql_on_connect(dbapi_connection: Any, record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("SET time_zone = '+00:00'")
+    cursor.close()
+
+
+_stores: dict[tuple[str, str, str], Store] = {}
+_stores_lock = threading.Lock()
+
+
+def store_for(settings: Settings) -> Store:
+    """The shared Store of these settings (one engine per process and database)."""
+    key = (
+        settings.database_url,
+        settings.table,
+        json.dumps(settings.engine_options, sort_keys=True, default=repr),
+    )
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is None:
+            store = _stores[key] = Store(settings)
+        return store

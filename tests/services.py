@@ -1,0 +1,179 @@
+"""The real services the tests run against, and how a test asks for one.
+
+``require("postgres")`` returns the service's URL, or skips the test when the service does not
+answer (fails it instead when ``CI=true``). Each URL can be overridden with an environment
+variable: ``LEASES_TEST_POSTGRES_URL``, ``LEASES_TEST_MARIADB_URL``, ``LEASES_TEST_REDIS_URL``,
+``LEASES_TEST_RABBITMQ_URL``.
+
+Celery settings travel to worker subprocesses as JSON in ``TEST_CELERY_CONFIG`` (plus the broker
+URL alone in ``TEST_BROKER_URL``): build the environment with :func:`celery_env` in the test and
+read it back with :func:`config_from_env` in the app module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+POSTGRES_URL = os.environ.get(
+    "LEASES_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+MARIADB_URL = os.environ.get("LEASES_TEST_MARIADB_URL", "mysql+pymysql://root@127.0.0.1:3306/test")
+REDIS_URL = os.environ.get("LEASES_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+RABBITMQ_URL = os.environ.get("LEASES_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+URLS = {
+    "postgres": POSTGRES_URL,
+    "mariadb": MARIADB_URL,
+    "redis": REDIS_URL,
+    "rabbitmq": RABBITMQ_URL,
+}
+
+#: Seconds a reachability check may take before the service counts as unreachable.
+CONNECT_TIMEOUT = 3
+
+# service -> None (answers) or the error text; one check per service per test session.
+_checked: dict[str, str | None] = {}
+
+
+def in_ci() -> bool:
+    """True when ``CI=true``: an unreachable service then fails a test instead of skipping it."""
+    return os.environ.get("CI", "").lower() == "true"
+
+
+def require(service: str) -> str:
+    """Return the URL of ``service`` ("postgres", "mariadb", "redis", "rabbitmq").
+
+    Skips the calling test when the service does not answer, or fails it when ``CI=true``.
+    """
+    url = URLS[service]
+    if service not in _checked:
+        try:
+            _CHECKS[service](url)
+        except Exception as exc:
+            _checked[service] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        else:
+            _checked[service] = None
+    error = _checked[service]
+    if error is not None:
+        message = f"{service} unreachable at {url}: {error}"
+        if in_ci():
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    return url
+
+
+def _check_database(url: str) -> None:
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url, connect_args={"connect_timeout": CONNECT_TIMEOUT})
+    try:
+        with engine.connect() as connection:
+            connection.execute(sa.text("SELECT 1"))
+    finally:
+        engine.dispose()
+
+
+def _check_redis(url: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(
+        url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=CONNECT_TIMEOUT
+    )
+    try:
+        client.ping()
+    finally:
+        client.close()
+
+
+def _check_rabbitmq(url: str) -> None:
+    import kombu
+
+    with kombu.Connection(url, connect_timeout=CONNECT_TIMEOUT) as connection:
+        connection.ensure_connection(max_retries=1, interval_start=0, interval_step=0)
+
+
+_CHECKS = {
+    "postgres": _check_database,
+    "mariadb": _check_database,
+    "redis": _check_redis,
+    "rabbitmq": _check_rabbitmq,
+}
+
+
+def celery_env(settings: dict[str, Any]) -> dict[str, str]:
+    """Environment variables that carry Celery ``settings`` to a worker or beat subprocess."""
+    env = {"TEST_CELERY_CONFIG": json.dumps(settings)}
+    if "broker_url" in settings:
+        env["TEST_BROKER_URL"] = settings["broker_url"]
+    return env
+
+
+def config_from_env() -> dict[str, Any]:
+    """The Celery settings a test passed with :func:`celery_env` (for app modules under tests/)."""
+    settings: dict[str, Any] = json.loads(os.environ.get("TEST_CELERY_CONFIG", "{}"))
+    if "TEST_BROKER_URL" in os.environ:
+        settings["broker_url"] = os.environ["TEST_BROKER_URL"]
+    return settings
+
+
+#: How long (seconds) a claim on a Redis database lasts if its test run dies without releasing it.
+REDIS_CLAIM_TTL = 3600
+_REDIS_CLAIM_KEY = "celery-leases-tests:claimed-db:{}"
+
+
+@contextlib.contextmanager
+def private_redis_url() -> Iterator[str]:
+    """Yield a Redis URL whose database number no other test (or test run) is using.
+
+    Databases 1..N-1 of the server in ``REDIS_URL`` are claimed with a key in ``REDIS_URL``'s
+    own database, so two test runs on one machine never share one. The database is flushed
+    when claimed and when released. Redis pub/sub is server-wide, but kombu prefixes its fanout
+    channels with the database number, so remote control stays private too.
+    """
+    import redis
+
+    base = require("redis")
+    client = redis.Redis.from_url(base, socket_timeout=CONNECT_TIMEOUT)
+    token = uuid.uuid4().hex
+    try:
+        try:
+            count = int(client.config_get("databases")["databases"])
+        except redis.RedisError:
+            count = 16
+        base_db = client.connection_pool.connection_kwargs.get("db", 0)
+        for db in (n for n in range(count) if n != base_db):
+            if client.set(_REDIS_CLAIM_KEY.format(db), token, nx=True, ex=REDIS_CLAIM_TTL):
+                break
+        else:
+            raise RuntimeError(f"all {count - 1} Redis databases at {base} are claimed by tests")
+        url = urlunsplit(urlsplit(base)._replace(path=f"/{db}"))
+        private = redis.Redis.from_url(url, socket_timeout=CONNECT_TIMEOUT)
+        try:
+            private.flushdb()
+            yield url
+        finally:
+            private.flushdb()
+            private.close()
+            if client.get(_REDIS_CLAIM_KEY.format(db)) == token.encode():
+                client.delete(_REDIS_CLAIM_KEY.format(db))
+    finally:
+        client.close()
+
+
+def delete_rabbitmq_entities(url: str, *, queues: Iterable[str], exchanges: Iterable[str]) -> None:
+    """Delete ``queues`` and ``exchanges`` on the RabbitMQ at ``url``; missing ones are fine."""
+    import kombu
+
+    with kombu.Connection(url, connect_timeout=CONNECT_TIMEOUT) as connection:
+        for queue in queues:
+            connection.default_channel.queue_delete(queue)
+        for exchange in exchanges:
+            connection.default_channel.exchange_delete(exchange)

@@ -1,0 +1,76 @@
+"""The test infrastructure itself: real workers, real brokers, service checks."""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from tests import services
+from tests.services import celery_env
+from tests.workers import Spawner, pid_exists
+
+PLAIN_APP = "tests.apps.plain_app"
+
+
+def client_app(settings: dict[str, Any]) -> Celery:
+    app = Celery("client", set_as_current=False)
+    app.conf.update(settings)
+    return app
+
+
+def wait_until_gone(pids: list[int], timeout: float = 5) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (alive := [pid for pid in pids if pid_exists(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def test_a_real_worker_runs_a_task_and_dies_with_its_pool_on_sigkill(
+    spawn: Spawner, celery_settings: dict[str, Any]
+) -> None:
+    settings = {**celery_settings, "result_backend": "rpc://"}
+    worker = spawn.worker(PLAIN_APP, env=celery_env(settings), concurrency=1)
+    client = client_app(settings)
+    try:
+        assert client.send_task("plain.add", args=(2, 3)).get(timeout=10) == 5
+    finally:
+        client.close()
+    pool = worker.children()
+    assert len(pool) == 1
+
+    worker.kill()
+
+    assert worker.wait(timeout=5) == -signal.SIGKILL
+    assert wait_until_gone([worker.pid, *pool]) == []
+
+
+def test_a_worker_and_beat_run_on_the_filesystem_broker(
+    spawn: Spawner, filesystem_broker: dict[str, Any]
+) -> None:
+    # Given a beat that sends plain.add(20, 22) every half second
+    settings = {
+        **filesystem_broker,
+        "beat_schedule": {"add": {"task": "plain.add", "schedule": 0.5, "args": [20, 22]}},
+    }
+    worker = spawn.worker(PLAIN_APP, env=celery_env(settings))
+    beat = spawn.beat(PLAIN_APP, env=celery_env(settings), max_interval=1)
+
+    # Then the worker runs it
+    worker.wait_for_log(r"Task plain\.add\[\S+\] succeeded in \S+: 42", timeout=10)
+    assert "Scheduler: Sending due task add (plain.add)" in beat.log_text()
+    assert beat.schedule_path.parent == worker.log_path.parent
+
+
+def test_an_unreachable_service_skips_the_test_or_fails_it_in_ci(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(services.URLS, "redis", "redis://127.0.0.1:9/0")
+    monkeypatch.setattr(services, "_checked", {})
+    for ci, outcome in (("false", pytest.skip.Exception), ("true", pytest.fail.Exception)):
+        monkeypatch.setenv("CI", ci)
+        with pytest.raises(outcome, match=r"redis unreachable at redis://127\.0\.0\.1:9/0: "):
+            services.require("redis")
