@@ -40,6 +40,8 @@ DEFAULTS: dict[str, Any] = {
     "retention": 7 * 24 * 3600.0,
     # Seconds without a checkpoint after which a running attempt counts as stalled; None is off.
     "stall_timeout": None,
+    # Terminate a prefork pool process whose task stalled, freeing its slot.
+    "kill_stalled": False,
     # On warm shutdown, running leased tasks hand back at their next checkpoint.
     "preempt_on_shutdown": True,
 }
@@ -65,12 +67,19 @@ class Settings:
     max_attempts: int | None
     retention: float
     stall_timeout: float | None
+    kill_stalled: bool
     preempt_on_shutdown: bool
 
     def with_task_options(self, task: Any) -> Settings:
         """These settings with the task's own ``lease_*`` options applied and re-validated."""
         overrides = {}
-        for name in ("duration", "renew_interval", "max_checkpoint_bytes", "stall_timeout"):
+        for name in (
+            "duration",
+            "renew_interval",
+            "max_checkpoint_bytes",
+            "stall_timeout",
+            "kill_stalled",
+        ):
             value = getattr(task, f"lease_{name}", None)
             if value is not None:
                 overrides[name] = value
@@ -102,13 +111,29 @@ def _count(raw: dict[str, Any], name: str, where: str, *, optional: bool = False
     return value
 
 
+def _parses_as_url(url: str) -> bool:
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        make_url(url)
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
+        return False
+    return True
+
+
+def _hide_password(url: Any) -> Any:
+    """``url`` with any ``user:password@`` password replaced by ``***`` (for messages)."""
+    return re.sub(r"(://[^:@/]*:)[^@]*@", r"\1***@", url) if isinstance(url, str) else url
+
+
 def validate(raw: dict[str, Any], *, where: str = "") -> Settings:
     """Check raw setting values (names without the ``leases_`` prefix) and build Settings."""
     url = raw["database_url"]
-    if not isinstance(url, str) or "://" not in url:
+    if not isinstance(url, str) or "://" not in url or not _parses_as_url(url):
         raise ConfigurationError(
             f"{where}leases_database_url must be an SQLAlchemy URL such as "
-            f"'postgresql+psycopg://host/db', not {url!r}"
+            f"'postgresql+psycopg://host/db', not {_hide_password(url)!r}"
         )
     table = raw["table"]
     if not isinstance(table, str) or not _IDENTIFIER.match(table):
@@ -128,8 +153,11 @@ def validate(raw: dict[str, Any], *, where: str = "") -> Settings:
             f"{where}leases_renew_interval ({renew:g} s) must be shorter than "
             f"leases_duration ({duration:g} s), or every lease expires before it is renewed"
         )
-    if not isinstance(raw["preempt_on_shutdown"], bool):
-        raise ConfigurationError(f"{where}leases_preempt_on_shutdown must be True or False")
+    for flag in ("kill_stalled", "preempt_on_shutdown"):
+        if not isinstance(raw[flag], bool):
+            raise ConfigurationError(
+                f"{where}leases_{flag} must be True or False, not {raw[flag]!r}"
+            )
     grace = _number(raw, "reap_grace", where, optional=True)
     stall = _number(raw, "stall_timeout", where, optional=True)
     return Settings(
@@ -149,6 +177,7 @@ def validate(raw: dict[str, Any], *, where: str = "") -> Settings:
         max_attempts=_count(raw, "max_attempts", where, optional=True),
         retention=_number(raw, "retention", where) or 0.0,
         stall_timeout=stall,
+        kill_stalled=raw["kill_stalled"],
         preempt_on_shutdown=raw["preempt_on_shutdown"],
     )
 

@@ -30,6 +30,10 @@ class StoreUnavailable(LeaseError):
     """The leases database cannot be reached."""
 
 
+class CorruptJob(LeaseError):
+    """A stored job holds a value that is not JSON; celery-leases reads JSON only."""
+
+
 class JobNotFound(LeaseError):
     """No job with this id is recorded in the leases table."""
 

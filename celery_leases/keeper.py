@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -47,15 +48,13 @@ class Keeper(threading.Thread):
     def tick(self) -> None:
         """Renew every held lease once; mark the ones lost, stalled or asked to stop."""
         leases = [lease for lease in self.held() if not (lease.lost or lease.released)]
-        renewable = [lease for lease in leases if not lease.stalled]
+        renewable = []
         for lease in leases:
-            if lease.stalled and lease not in renewable:
-                logger.warning(
-                    "celery-leases: job %s made no checkpoint for %.0f s: no longer renewing "
-                    "its lease, so the job moves to another worker",
-                    lease.job_id,
-                    lease.stall_timeout or 0,
-                )
+            if not lease.stalled:
+                renewable.append(lease)
+            elif not lease.stall_reported:
+                lease.stall_reported = True
+                self._stalled(lease)
         if not renewable:
             return
         sent = time.monotonic()
@@ -89,6 +88,26 @@ class Keeper(threading.Thread):
                     lease.token,
                 )
 
+    def _stalled(self, lease: Lease) -> None:
+        """Stop renewing a stalled attempt's lease; with kill_stalled, end its process."""
+        logger.warning(
+            "celery-leases: job %s made no checkpoint for %.0f s: stalled, no longer renewing "
+            "its lease so the job moves to another worker",
+            lease.job_id,
+            lease.stall_timeout or 0,
+        )
+        if not (lease.kill_when_stalled and _is_pool_process()):
+            return
+        try:
+            if self.store.release(lease.job_id, lease.token, reap_in=0.0):
+                lease.released = True
+        except LeaseError as exc:
+            logger.warning("celery-leases: could not release stalled job %s: %s", lease.job_id, exc)
+        logger.error(
+            "celery-leases: terminating pool process %d stuck in job %s", os.getpid(), lease.job_id
+        )
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def run(self) -> None:
         while not self._stopped.is_set():
             interval = self.interval()
@@ -121,6 +140,15 @@ def keeper_for(store: Store) -> Keeper:
             keeper = _keepers[key] = Keeper(store)
             keeper.start()
         return keeper
+
+
+def _is_pool_process() -> bool:
+    """True in a prefork pool child, where ending the process frees one slot only."""
+    try:
+        from billiard.process import current_process
+    except ImportError:
+        return False
+    return bool(current_process().name.startswith("ForkPoolWorker"))
 
 
 def all_keepers() -> list[Keeper]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,8 @@ class Lease:
     duration: float
     renew_interval: float
     stall_timeout: float | None = None
+    #: Terminate this (prefork pool) process when the attempt stalls.
+    kill_when_stalled: bool = False
     #: Seconds since the checkpoint was saved, at claim time (None without one).
     checkpoint_age: float | None = None
     #: Set when another attempt took the job, or renewals failed past the lease's end.
@@ -33,6 +37,7 @@ class Lease:
     stop_requested: str | None = None
     released: bool = False
     detached: bool = False
+    stall_reported: bool = False
     # Monotonic times of this process: when the lease ends without a renewal, and the last
     # checkpoint (for the stall deadline). Never compared with a database time.
     deadline: float = field(default=0.0, repr=False)
@@ -49,6 +54,12 @@ class Lease:
         if self.stall_timeout is None:
             return False
         return time.monotonic() - self.last_progress > self.stall_timeout
+
+
+#: Called as hook(lease, state) after every saved checkpoint; celery_leases.testing sets it.
+checkpoint_hook: contextvars.ContextVar[Callable[[Lease, Any], None] | None] = (
+    contextvars.ContextVar("celery_leases_checkpoint_hook", default=None)
+)
 
 
 class _Current(threading.local):

@@ -16,7 +16,7 @@ from .store import store_for
 logger = logging.getLogger("celery_leases")
 
 
-@worker_process_shutdown.connect(weak=False)
+@worker_process_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
 def release_on_process_shutdown(**_: Any) -> None:
     """A pool process is exiting with leases held: release them so they are reaped at once."""
     for keeper in all_keepers():
@@ -32,11 +32,17 @@ def release_on_process_shutdown(**_: Any) -> None:
                 logger.warning("celery-leases: could not release job %s: %s", lease.job_id, exc)
 
 
-@worker_shutting_down.connect(weak=False)
+@worker_shutting_down.connect(weak=False)  # type: ignore[untyped-decorator]
 def preempt_on_shutdown(sender: Any = None, **_: Any) -> None:
     """Warm shutdown: ask this worker's running attempts to stop at their next checkpoint."""
+    from .task import LeasedTask
+
+    app = current_app
+    # Every `celery` command imports this package (its CLI plugin): act only for leased apps.
+    if not any(isinstance(task, LeasedTask) for task in app.tasks.values()):
+        return
     try:
-        settings = settings_for(current_app)
+        settings = settings_for(app)
         if not settings.preempt_on_shutdown:
             return
         count = store_for(settings).request_stop_owned_by(f"{sender}/", "preempt")

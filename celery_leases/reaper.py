@@ -71,7 +71,7 @@ def reap(app: Any) -> ReapReport:
                 "job %s (%s): lease expired (owner %s, attempt %d), re-published to resume from %s",
                 job.id,
                 job.task,
-                job.owner or "none",
+                batch.previous_owners.get(job.id) or "none",
                 job.attempts,
                 where,
             )

@@ -21,7 +21,7 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
 from .config import Settings
-from .errors import ConfigurationError, JobNotFound, LeaseError, StoreUnavailable
+from .errors import ConfigurationError, CorruptJob, JobNotFound, LeaseError, StoreUnavailable
 from .schema import (
     CANCELLED,
     DONE,
@@ -42,6 +42,7 @@ GAVE_UP_NO_PROGRESS = (
     "(leases_max_attempts_without_progress)"
 )
 GAVE_UP_MAX_ATTEMPTS = "gave up: reached leases_max_attempts"
+GAVE_UP_CORRUPT = "gave up: its stored args, options or checkpoint are not JSON"
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,16 @@ class Reaped:
     previous_owners: dict[str, str | None] = field(default_factory=dict)
 
 
-def _loads(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
+def _loads(text: str | None, job_id: str = "?", column: str = "?") -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise CorruptJob(
+            f"job {job_id}: column {column} holds text that is not JSON ({exc}); "
+            f"celery-leases reads JSON only"
+        ) from exc
 
 
 class Store:
@@ -220,7 +229,7 @@ class Store:
         queued_timeout: float | None = None,
     ) -> bool:
         """Record a queued job (JSON texts given); False if the id is already recorded."""
-        t = self.table
+
         now = db_now()
         run_after = now + countdown if countdown else None
         expires = None
@@ -260,6 +269,22 @@ class Store:
             return mysql.insert(t).values(values).prefix_with("IGNORE")
         return sa.insert(t).values(values)
 
+    def give_up(self, job_id: str, *, error: str) -> bool:
+        """Fail a live job whatever its lease (its stored values cannot be read)."""
+        t = self.table
+        stmt = (
+            sa.update(t)
+            .where(t.c.id == job_id, t.c.state.in_(LIVE_STATES))
+            .values(state=FAILED, owner=None, expires_at=None, error=error, finished_at=db_now())
+        )
+        return self._run(lambda c: c.execute(stmt).rowcount == 1)
+
+    def forget(self, job_id: str) -> bool:
+        """Delete a job registered but never published (its publish failed)."""
+        t = self.table
+        stmt = sa.delete(t).where(t.c.id == job_id, t.c.state == QUEUED, t.c.token == 0)
+        return self._run(lambda c: c.execute(stmt).rowcount == 1)
+
     # -- writes of a worker: one statement each --------------------------------------------
 
     def claim(
@@ -271,6 +296,7 @@ class Store:
         task: str,
         args: str,
         kwargs: str,
+        options: str = "{}",
     ) -> Claimed | Refused:
         """Take the lease if the job is queued or its lease expired; bump the token."""
         t = self.table
@@ -291,6 +317,8 @@ class Store:
                 expires_at=now + duration,
                 claimed_at=now,
                 renewed_at=now,
+                # A preemption was for the attempt that saw it; a cancel stands.
+                stop_requested=sa.case((t.c.stop_requested == "cancel", "cancel"), else_=sa.null()),
             )
         )
         read = [t.c.token, t.c.attempts, t.c.checkpoint, (now - t.c.checkpoint_at)]
@@ -303,7 +331,9 @@ class Store:
                 if c.execute(stmt).rowcount == 1:
                     row = c.execute(sa.select(*read).where(t.c.id == job_id)).first()
             if row is not None:
-                return Claimed(row[0], row[1], _loads(row[2]), row[3], created=False)
+                return Claimed(
+                    row[0], row[1], _loads(row[2], job_id, "checkpoint"), row[3], created=False
+                )
             found = c.execute(
                 sa.select(t.c.state, t.c.owner, t.c.expires_at - now).where(t.c.id == job_id)
             ).first()
@@ -321,7 +351,7 @@ class Store:
             "task": task,
             "args": args,
             "kwargs": kwargs,
-            "options": "{}",
+            "options": options,
             "state": RUNNING,
             "owner": owner,
             "token": 1,
@@ -337,7 +367,13 @@ class Store:
         if self._run(lambda c: self._inserted(c, values)):
             return Claimed(1, 1, None, None, created=True)
         return self.claim(
-            job_id, owner=owner, duration=duration, task=task, args=args, kwargs=kwargs
+            job_id,
+            owner=owner,
+            duration=duration,
+            task=task,
+            args=args,
+            kwargs=kwargs,
+            options=options,
         )
 
     def renew(self, leases: Sequence[tuple[str, int]]) -> Renewal:
@@ -400,6 +436,8 @@ class Store:
             if self._returning:
                 row = c.execute(stmt.returning(t.c.stop_requested)).first()
                 return (row is not None, row[0] if row is not None else None)
+            # No RETURNING on MariaDB: the stop request reaches the attempt at the keeper's
+            # next renew tick instead, to keep the checkpoint one statement.
             return (c.execute(stmt).rowcount == 1, None)
 
         if connection is not None:
@@ -478,7 +516,7 @@ class Store:
     ) -> list[Job]:
         """Jobs, newest first, filtered by state and task name."""
         t = self.table
-        where = []
+        where: list[sa.ColumnElement[bool]] = []
         if states:
             where.append(t.c.state.in_(list(states)))
         if task:
@@ -592,13 +630,20 @@ class Store:
         t = self.table
         now = db_now()
         expired = sa.and_(t.c.state.in_(LIVE_STATES), t.c.expires_at <= now)
+        # Read the clock once per statement (an InitPlan on PostgreSQL), so the search on
+        # (state, expires_at) is an index range and not a filter.
+        candidates = sa.and_(
+            t.c.state.in_(LIVE_STATES), t.c.expires_at <= sa.select(db_now()).scalar_subquery()
+        )
         no_progress = sa.and_(
             t.c.state == RUNNING,
             sa.or_(t.c.checkpoint_at.is_(None), t.c.checkpoint_at < t.c.claimed_at),
         )
         give_up_when = []
+        stalled_out: Any = sa.false()
         if max_stalled is not None:
-            give_up_when.append(sa.and_(no_progress, t.c.stalled_attempts + 1 >= max_stalled))
+            stalled_out = sa.and_(no_progress, t.c.stalled_attempts + 1 >= max_stalled)
+            give_up_when.append(stalled_out)
         if max_attempts is not None:
             give_up_when.append(t.c.attempts >= max_attempts)
 
@@ -607,7 +652,7 @@ class Store:
                 r[0]: r[1]
                 for r in c.execute(
                     sa.select(t.c.id, t.c.owner)
-                    .where(expired)
+                    .where(candidates)
                     .order_by(t.c.expires_at)
                     .limit(batch)
                     .with_for_update(skip_locked=True)
@@ -622,7 +667,7 @@ class Store:
                 gave_up = [r[0] for r in c.execute(sa.select(t.c.id).where(poison)).all()]
                 if gave_up:
                     reason = sa.case(
-                        (no_progress, sa.literal(GAVE_UP_NO_PROGRESS)),
+                        (stalled_out, sa.literal(GAVE_UP_NO_PROGRESS)),
                         else_=sa.literal(GAVE_UP_MAX_ATTEMPTS),
                     )
                     # MySQL evaluates SET left to right: read the old state before changing it.
@@ -666,9 +711,40 @@ class Store:
                 else:
                     c.execute(stmt)
                     marked = live  # the select above locked these rows for this transaction
-            return Reaped(self._jobs(c, marked), self._jobs(c, gave_up), found)
+            republish, corrupt = self._parse_jobs(c, marked)
+            if corrupt:
+                c.execute(
+                    sa.update(t)
+                    .where(t.c.id.in_(list(corrupt)))
+                    .values(
+                        state=FAILED,
+                        owner=None,
+                        expires_at=None,
+                        finished_at=now,
+                        error=GAVE_UP_CORRUPT,
+                    )
+                )
+            failed, _ = self._parse_jobs(c, gave_up + list(corrupt))
+            return Reaped(republish, failed, found)
 
         return self._run(run)
+
+    def _parse_jobs(self, c: Connection, ids: list[str]) -> tuple[list[Job], dict[str, str]]:
+        """The jobs ``ids``, and the ids whose stored values are not JSON (with the error)."""
+        try:
+            return self._jobs(c, ids), {}
+        except CorruptJob:
+            pass  # find which rows, one by one
+        jobs: list[Job] = []
+        corrupt: dict[str, str] = {}
+        for job_id in ids:
+            try:
+                jobs.extend(self._jobs(c, [job_id]))
+            except CorruptJob as exc:
+                corrupt[job_id] = str(exc)
+        if corrupt:
+            jobs = [job for job in jobs if job.id not in corrupt]
+        return jobs, corrupt
 
     def _jobs(self, c: Connection, ids: list[str]) -> list[Job]:
         if not ids:
@@ -687,7 +763,8 @@ class Store:
     def purge(self, *, older_than: float, batch: int) -> int:
         """Delete up to ``batch`` jobs finished more than ``older_than`` seconds ago."""
         t = self.table
-        old = sa.and_(t.c.state.in_(FINISHED_STATES), t.c.finished_at <= db_now() - older_than)
+        cutoff = sa.select(db_now() - older_than).scalar_subquery()
+        old = sa.and_(t.c.state.in_(FINISHED_STATES), t.c.finished_at <= cutoff)
 
         def run(c: Connection) -> int:
             ids = [r[0] for r in c.execute(sa.select(t.c.id).where(old).limit(batch)).all()]
@@ -701,23 +778,43 @@ class Store:
         """The database clock, in epoch seconds."""
         return float(self._run(lambda c: c.execute(sa.select(db_now())).scalar_one()))
 
+    def ids_starting_with(self, prefix: str, *, limit: int) -> list[str]:
+        """Ids of up to ``limit`` jobs whose id starts with ``prefix`` (case-sensitive)."""
+        t = self.table
+        stmt = (
+            sa.select(t.c.id)
+            .where(t.c.id.startswith(prefix, autoescape=True))
+            .order_by(t.c.id)
+            .limit(limit)
+        )
+        # LIKE ignores case on SQLite and MySQL's default collations.
+        ids = self._run(lambda c: c.execute(stmt).scalars().all())
+        return [i for i in ids if i.startswith(prefix)]
+
+    def count_by_state(self) -> dict[str, int]:
+        """How many jobs the table holds in each state."""
+        t = self.table
+        stmt = sa.select(t.c.state, sa.func.count()).group_by(t.c.state)
+        return {state: count for state, count in self._run(lambda c: c.execute(stmt).all())}
+
 
 def _job(m: Any) -> Job:
+    job_id = m["id"]
     return Job(
         id=m["id"],
         task=m["task"],
-        args=_loads(m["args"]) or [],
-        kwargs=_loads(m["kwargs"]) or {},
-        options=_loads(m["options"]) or {},
+        args=_loads(m["args"], job_id, "args") or [],
+        kwargs=_loads(m["kwargs"], job_id, "kwargs") or {},
+        options=_loads(m["options"], job_id, "options") or {},
         state=m["state"],
         owner=m["owner"],
         token=m["token"],
         attempts=m["attempts"],
         stalled_attempts=m["stalled_attempts"],
-        checkpoint=_loads(m["checkpoint"]),
+        checkpoint=_loads(m["checkpoint"], job_id, "checkpoint"),
         progress_done=m["progress_done"],
         progress_total=m["progress_total"],
-        result=_loads(m["result"]),
+        result=_loads(m["result"], job_id, "result"),
         error=m["error"],
         stop_requested=m["stop_requested"],
         expires_in=m["expires_in"],

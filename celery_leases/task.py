@@ -26,13 +26,14 @@ from .errors import (
     ArgumentsError,
     Cancelled,
     CheckpointError,
+    CorruptJob,
     LeaseError,
     LeaseLost,
     Preempted,
     StoreUnavailable,
 )
 from .keeper import keeper_for
-from .lease import Lease, current
+from .lease import Lease, checkpoint_hook, current
 from .schema import CANCELLED
 from .store import Refused, Store, store_for
 
@@ -57,14 +58,15 @@ class LeasedTask(Task):  # type: ignore[misc]
     """Base class for tasks that hold a lease, checkpoint, and resume after a crash.
 
     Use as ``@app.task(base=LeasedTask, bind=True)``. Task options ``lease_duration``,
-    ``lease_renew_interval`` (seconds), ``lease_max_checkpoint_bytes`` and
-    ``lease_stall_timeout`` override the app's ``leases_*`` settings for one task.
+    ``lease_renew_interval``, ``lease_stall_timeout`` (seconds), ``lease_max_checkpoint_bytes``
+    and ``lease_kill_stalled`` override the app's ``leases_*`` settings for one task.
     """
 
     lease_duration: float | None = None
     lease_renew_interval: float | None = None
     lease_max_checkpoint_bytes: int | None = None
     lease_stall_timeout: float | None = None
+    lease_kill_stalled: bool | None = None
 
     _lease_settings_cache: Settings | None = None
 
@@ -129,6 +131,9 @@ class LeasedTask(Task):  # type: ignore[misc]
             raise LeaseLost(f"job {lease.job_id}: this attempt lost its lease; stop")
         if lease.detached:
             lease.checkpoint = json.loads(text)
+            hook = checkpoint_hook.get()
+            if hook is not None:
+                hook(lease, lease.checkpoint)
             return
         started = time.monotonic()
         saved, stop = self._write_checkpoint(lease, text, done_total, connection)
@@ -147,6 +152,9 @@ class LeasedTask(Task):  # type: ignore[misc]
         lease.last_progress = time.monotonic()
         if done_total is not None:
             self._report_progress(*done_total)
+        hook = checkpoint_hook.get()
+        if hook is not None:
+            hook(lease, lease.checkpoint)
         stop = stop or lease.stop_requested
         if stop == "cancel":
             raise Cancelled(f"job {lease.job_id} was cancelled; stopped at its checkpoint")
@@ -230,7 +238,7 @@ class LeasedTask(Task):  # type: ignore[misc]
                     f"arguments of {self.name} must be JSON-serializable to be recorded "
                     f"for a resume ({exc}); nothing was published"
                 ) from exc
-            store.register(
+            registered = store.register(
                 task_id,
                 task=self.name,
                 args=args_text,
@@ -239,6 +247,21 @@ class LeasedTask(Task):  # type: ignore[misc]
                 countdown=_countdown(options),
                 queued_timeout=settings.queued_timeout,
             )
+            if not registered:
+                _log.warning(
+                    "job %s is already recorded; this message is dropped at its claim unless "
+                    "the job is queued or its lease expired",
+                    task_id,
+                )
+            try:
+                return super().apply_async(
+                    args, kwargs, task_id, producer, link, link_error, shadow, **options
+                )
+            except BaseException:
+                if registered:
+                    # Never published: leave no queued row that no message will ever claim.
+                    store.forget(task_id)
+                raise
         return super().apply_async(
             args, kwargs, task_id, producer, link, link_error, shadow, **options
         )
@@ -261,11 +284,33 @@ class LeasedTask(Task):  # type: ignore[misc]
                 task=self.name,
                 args=_safe_dumps(list(args)) or "[]",
                 kwargs=_safe_dumps(kwargs) or "{}",
+                options=_delivery_options(request),
             )
         except StoreUnavailable as exc:
+            if request.is_eager:
+                raise  # no broker message to deliver again; eager mode would recurse
             self._redeliver_later(args, kwargs, exc)
             raise Ignore() from exc
+        except CorruptJob as exc:
+            # The row cannot be read: fail it for good rather than redeliver it forever.
+            store.give_up(request.id, error=str(exc))
+            logger.error("job %s: %s; marked failed", request.id, exc)
+            raise
         if isinstance(outcome, Refused):
+            if outcome.reason == "held" and (request.delivery_info or {}).get("redelivered"):
+                # The broker gave back the message of an attempt that died (acks_late with
+                # reject_on_worker_lost, a lost connection) before its lease ran out: come back
+                # when it has, or nothing but a reaper would ever run the job again.
+                delay = max(outcome.expires_in or 0.0, 0.0) + 0.25
+                logger.info(
+                    "job %s: redelivered while a lease still holds it (owner %s); "
+                    "delivering again in %.1f s, when that lease has ended",
+                    request.id,
+                    outcome.owner,
+                    delay,
+                )
+                self._send_again(args, kwargs, countdown=delay)
+                raise Ignore()
             metrics.count("duplicates_dropped")
             logger.info("job %s: message dropped, %s", request.id, _refusal_text(outcome))
             raise Ignore()
@@ -278,6 +323,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             duration=settings.duration,
             renew_interval=settings.renew_interval,
             stall_timeout=settings.stall_timeout,
+            kill_when_stalled=settings.kill_stalled,
             checkpoint_age=outcome.checkpoint_age,
         )
         metrics.count("claims")
@@ -351,7 +397,9 @@ class LeasedTask(Task):  # type: ignore[misc]
                     )
                     raise Ignore() from None
             raise
-        except BaseException:
+        except BaseException as exc:
+            if getattr(exc, "simulated_crash", False):
+                raise  # celery_leases.testing: die like a killed process, lease still held
             # The process is going down (SystemExit, KeyboardInterrupt): hand the job back.
             self._release(store, lease, reap_in=0.0)
             raise
@@ -419,6 +467,13 @@ class LeasedTask(Task):  # type: ignore[misc]
             tries,
             exc,
         )
+        self._send_again(args, kwargs, countdown=delay, headers={DB_RETRY_HEADER: tries})
+
+    def _send_again(
+        self, args: Any, kwargs: Any, *, countdown: float, headers: dict[str, Any] | None = None
+    ) -> None:
+        """Publish the current message again (same id and routing) in ``countdown`` seconds."""
+        request = self.request
         delivery = request.delivery_info or {}
         token = _publishing_unregistered.set(True)
         try:
@@ -426,8 +481,8 @@ class LeasedTask(Task):  # type: ignore[misc]
                 args,
                 kwargs,
                 task_id=request.id,
-                countdown=delay,
-                headers={DB_RETRY_HEADER: tries},
+                countdown=countdown,
+                headers=headers or {},
                 queue=delivery.get("routing_key") or None,
                 exchange=delivery.get("exchange") or None,
                 priority=delivery.get("priority"),
@@ -470,6 +525,13 @@ def _progress(progress: Any) -> tuple[int, int | None] | None:
     raise CheckpointError(f"progress must be done or (done, total) integers, not {progress!r}")
 
 
+def _delivery_options(request: Any) -> str:
+    """Routing of a message that arrived without a row, so a re-publish goes back there."""
+    info = request.delivery_info or {}
+    options = {"queue": info.get("routing_key"), "priority": info.get("priority")}
+    return dumps({k: v for k, v in options.items() if v is not None})
+
+
 def _countdown(options: dict[str, Any]) -> float | None:
     countdown = options.get("countdown")
     if countdown:
@@ -479,7 +541,7 @@ def _countdown(options: dict[str, Any]) -> float | None:
         from datetime import datetime, timezone
 
         moment = eta if eta.tzinfo else eta.replace(tzinfo=timezone.utc)
-        return max(0.0, (moment - datetime.now(timezone.utc)).total_seconds())
+        return float(max(0.0, (moment - datetime.now(timezone.utc)).total_seconds()))
     return None
 
 

@@ -13,7 +13,7 @@ An unreachable PostgreSQL, MariaDB, Redis or RabbitMQ skips the test, or fails i
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,12 @@ def _drop_tables(url: str, name: str) -> None:
             ]
             for table in tables:
                 sa.Table(table, sa.MetaData()).drop(connection, checkfirst=True)
+    except sa.exc.OperationalError as exc:
+        pytest.fail(
+            f"could not drop {name} on {engine.dialect.name} within {DROP_LOCK_TIMEOUT} s; did "
+            f"the test leave a transaction open (an engine not disposed of)? {exc}",
+            pytrace=False,
+        )
     finally:
         engine.dispose()
 
@@ -168,8 +174,8 @@ def spawn(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Spawner]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
-) -> Iterator[None | pytest.TestReport]:
-    report: pytest.TestReport = yield
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
     spawner = item.stash.get(_spawners, None)
     if spawner is not None and report.failed:
         for process in spawner.processes:

@@ -17,10 +17,13 @@ import json
 import os
 import uuid
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 POSTGRES_URL = os.environ.get(
     "LEASES_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -145,7 +148,7 @@ def private_redis_url() -> Iterator[str]:
     token = uuid.uuid4().hex
     try:
         try:
-            count = int(client.config_get("databases")["databases"])
+            count = int(str(client.config_get("databases")["databases"]))
         except redis.RedisError:
             count = 16
         base_db = client.connection_pool.connection_kwargs.get("db", 0)
@@ -177,3 +180,24 @@ def delete_rabbitmq_entities(url: str, *, queues: Iterable[str], exchanges: Iter
             connection.default_channel.queue_delete(queue)
         for exchange in exchanges:
             connection.default_channel.exchange_delete(exchange)
+
+
+@contextlib.contextmanager
+def celery_client(settings: dict[str, Any]) -> Iterator[Celery]:
+    """A Celery app for the test process to send tasks and read results with, configured with
+    ``settings``; every connection it opened is closed on exit (``Celery.close()`` alone leaves
+    the result consumer's open, a ResourceWarning)."""
+    from celery import Celery
+
+    app = Celery("test-client", set_as_current=False)
+    app.conf.update(settings)
+    try:
+        yield app
+    finally:
+        consumer = getattr(app.backend, "result_consumer", None)
+        if consumer is not None:
+            # rpc:// raises AttributeError when it never started consuming.
+            with contextlib.suppress(AttributeError):
+                consumer.stop()
+        app.pool.force_close_all()
+        app.close()

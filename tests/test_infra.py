@@ -7,19 +7,12 @@ import time
 from typing import Any
 
 import pytest
-from celery import Celery
 
 from tests import services
-from tests.services import celery_env
+from tests.services import celery_client, celery_env
 from tests.workers import Spawner, pid_exists
 
 PLAIN_APP = "tests.apps.plain_app"
-
-
-def client_app(settings: dict[str, Any]) -> Celery:
-    app = Celery("client", set_as_current=False)
-    app.conf.update(settings)
-    return app
 
 
 def wait_until_gone(pids: list[int], timeout: float = 5) -> list[int]:
@@ -34,11 +27,8 @@ def test_a_real_worker_runs_a_task_and_dies_with_its_pool_on_sigkill(
 ) -> None:
     settings = {**celery_settings, "result_backend": "rpc://"}
     worker = spawn.worker(PLAIN_APP, env=celery_env(settings), concurrency=1)
-    client = client_app(settings)
-    try:
+    with celery_client(settings) as client:
         assert client.send_task("plain.add", args=(2, 3)).get(timeout=10) == 5
-    finally:
-        client.close()
     pool = worker.children()
     assert len(pool) == 1
 

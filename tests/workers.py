@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -32,6 +32,7 @@ REPO_ROOT = TESTS_DIR.parent
 # Every process started here and not yet reaped: killed at interpreter exit as a last resort.
 _live: set[CeleryProcess] = set()
 _numbers = itertools.count(1)
+P = TypeVar("P", bound="CeleryProcess")
 
 
 class CeleryProcess:
@@ -90,7 +91,7 @@ class CeleryProcess:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def start(self, timeout: float = 30) -> CeleryProcess:
+    def start(self: P, timeout: float = 30) -> P:
         """Start the process and wait until its log says it is ready (seconds)."""
         if self.process is not None:
             raise RuntimeError(f"{self!r} was already started")
@@ -176,7 +177,7 @@ class CeleryProcess:
             _live.discard(self)
         return self.process.returncode
 
-    def __enter__(self) -> CeleryProcess:
+    def __enter__(self: P) -> P:
         if self.process is None:
             self.start()
         return self
@@ -336,7 +337,7 @@ def pid_exists(pid: int) -> bool:
     """True if ``pid`` is a live process (zombies, which are dead but unreaped, count as gone)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
+    except (OSError, IndexError):
         return False
     return state not in ("Z", "X")
 
@@ -356,7 +357,9 @@ class Spawner:
         self.log_dir = Path(log_dir)
         self.processes: list[CeleryProcess] = []
 
-    def worker(self, app_module: str, *, start: bool = True, timeout: float = 30, **options: Any) -> Worker:
+    def worker(
+        self, app_module: str, *, start: bool = True, timeout: float = 30, **options: Any
+    ) -> Worker:
         """A Worker (same options), started unless ``start=False``; ``timeout`` in seconds."""
         worker = Worker(app_module, log_dir=self.log_dir, **options)
         self.processes.append(worker)
@@ -364,7 +367,9 @@ class Spawner:
             worker.start(timeout=timeout)
         return worker
 
-    def beat(self, app_module: str, *, start: bool = True, timeout: float = 30, **options: Any) -> Beat:
+    def beat(
+        self, app_module: str, *, start: bool = True, timeout: float = 30, **options: Any
+    ) -> Beat:
         """A Beat (same options), started unless ``start=False``; ``timeout`` in seconds."""
         beat = Beat(app_module, log_dir=self.log_dir, **options)
         self.processes.append(beat)
@@ -372,7 +377,7 @@ class Spawner:
             beat.start(timeout=timeout)
         return beat
 
-    def stop_all(self, timeout: float = 5) -> None:
+    def stop_all(self, timeout: float = 2) -> None:
         """Stop every process: SIGTERM to all at once, SIGKILL what is left after ``timeout``
         seconds."""
         for process in self.processes:

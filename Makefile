@@ -1,0 +1,36 @@
+# Developer and CI entry points. Everything runs from the project's own .venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Touched after a successful install: the venv is reinstalled only when pyproject.toml changes.
+STAMP := $(VENV)/.installed
+
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+.DEFAULT_GOAL := test
+.PHONY: venv test lint demo bench chaos
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -e '.[test]'
+	touch $@
+
+test: venv
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+demo: venv
+	$(BIN)/python -m examples.webhook_sync.demo $(DEMO_ARGS)
+
+bench: venv
+	$(BIN)/python -m bench.run_all
+
+chaos: venv
+	$(BIN)/python -m pytest tests/chaos -m chaos $(PYTEST_ARGS)

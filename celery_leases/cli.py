@@ -1,0 +1,771 @@
+"""``celery -A proj leases ...``: look at leased jobs and act on them from the shell.
+
+Registered under the ``celery.commands`` entry point. Every time shown is relative and comes from
+the database clock (the store's ``age``, ``expires_in`` and ``checkpoint_age``), never from the
+clock of the machine running the command. Colours only on a terminal; ``--json`` for scripts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
+
+import click
+import sqlalchemy as sa
+
+from .config import Settings, settings_for
+from .errors import InvalidJobState, JobNotFound, LeaseError, StoreUnavailable
+from .reaper import reap as reap_pass
+from .schema import CANCELLED, FAILED, FINISHED_STATES, QUEUED, RUNNING, STATES
+from .store import Job, Store, store_for
+from .task import republish
+
+#: Longest job id the table holds (``schema.jobs_table``).
+MAX_ID_LENGTH = 155
+#: Shortest id prefix accepted in place of a full job id.
+MIN_PREFIX = 4
+
+STYLES: dict[str, dict[str, Any]] = {
+    "queued": {"fg": "cyan"},
+    "running": {"fg": "bright_blue", "bold": True},
+    "stalled": {"fg": "yellow", "bold": True},
+    "done": {"fg": "green"},
+    "failed": {"fg": "red", "bold": True},
+    "cancelled": {"fg": "magenta"},
+    "expired": {"fg": "red"},
+    "dim": {"dim": True},
+    "bar": {"fg": "green"},
+    "header": {"bold": True},
+}
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+
+
+# -- parameters ----------------------------------------------------------------------------------
+
+
+class Duration(click.ParamType):  # type: ignore[type-arg]  # generic from click 8.2
+    """A duration such as ``30s``, ``15m``, ``12h``, ``7d``, ``1h30m`` or plain seconds."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, int | float):
+            return float(value)
+        text = str(value).strip().lower()
+        if re.fullmatch(r"\d+(\.\d+)?", text):
+            return float(text)
+        parts = _DURATION_PART.findall(text)
+        if not parts or "".join(n + u for n, u in parts) != text:
+            self.fail(f"{_short_repr(value)} is not a duration (use 30s, 15m, 12h, 7d)", param, ctx)
+        return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+class JobId(click.ParamType):  # type: ignore[type-arg]
+    """A job id, or a unique prefix of one (at least ``MIN_PREFIX`` characters)."""
+
+    name = "id"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        text = str(value)
+        if (
+            not text
+            or len(text) > MAX_ID_LENGTH
+            or any(ch.isspace() or not ch.isprintable() for ch in text)
+        ):
+            self.fail(
+                f"{_short_repr(value)} is not a job id (1 to {MAX_ID_LENGTH} printable "
+                f"characters, no spaces)",
+                param,
+                ctx,
+            )
+        return text
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(str(value))
+    return text if len(text) <= 60 else text[:56] + "...'"
+
+
+# -- the group -----------------------------------------------------------------------------------
+
+
+class LeasesGroup(click.Group):
+    """Turns every LeaseError and bad parameter into one line on stderr and an exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.BadParameter as exc:
+            _fail(ctx, exc.format_message(), code=2)
+        except LeaseError as exc:
+            _fail(ctx, str(exc), code=1)
+
+
+def _fail(ctx: click.Context, message: str, *, code: int) -> NoReturn:
+    secret = _password(ctx)
+    text = " ".join(message.split())
+    if secret:
+        text = text.replace(secret, "***")
+    click.echo(f"Error: {text}", err=True)
+    ctx.exit(code)
+
+
+def _password(ctx: click.Context) -> str | None:
+    try:
+        url = ctx.find_root().obj.app.conf.get("leases_database_url")
+        return sa.engine.make_url(url).password if url else None
+    except Exception:  # a URL SQLAlchemy cannot parse holds no password we could hide better
+        return None
+
+
+@click.group(cls=LeasesGroup)
+def leases() -> None:
+    """celery-leases jobs of the -A app: celery -A proj leases COMMAND."""
+
+
+def _app() -> Any:
+    """The -A app; without -A (or APP / CELERY_APP) celery hands plugins an empty default app."""
+    ctx = click.get_current_context()
+    root = ctx.find_root()
+    if root.params.get("app") is None:
+        _fail(
+            ctx,
+            f"celery leases needs your Celery app: celery -A proj leases {ctx.info_name} "
+            f"(without -A celery uses an empty default app)",
+            code=2,
+        )
+    return root.obj.app
+
+
+def _settings() -> Settings:
+    return settings_for(_app())
+
+
+def _store() -> Store:
+    return store_for(_settings())
+
+
+# -- output --------------------------------------------------------------------------------------
+
+
+class Output:
+    """How to write to stdout: colours, Unicode bars and the width to fit."""
+
+    def __init__(self) -> None:
+        ctx = click.get_current_context()
+        stream = sys.stdout
+        self.tty = stream.isatty()
+        self.colour = self.tty and not ctx.find_root().obj.no_color
+        encoding = getattr(stream, "encoding", None) or "ascii"
+        try:
+            "█░…".encode(encoding)
+            self.unicode = True
+        except (UnicodeEncodeError, LookupError):
+            self.unicode = False
+
+    @property
+    def width(self) -> int:
+        return shutil.get_terminal_size((100, 30)).columns
+
+    @property
+    def height(self) -> int:
+        return shutil.get_terminal_size((100, 30)).lines
+
+    def style(self, text: str, name: str | None) -> str:
+        if not self.colour or name is None or not text:
+            return text
+        return click.style(text, **STYLES[name])
+
+    def bar(self, done: int | None, total: int | None, width: int) -> tuple[str, str]:
+        """(plain, styled) progress text: a bar and a percentage, a count, or ``-``."""
+        if done is None:
+            return "-", self.style("-", "dim")
+        if not total:
+            text = f"{done:,} done"
+            return text, text
+        done = min(max(done, 0), total)
+        filled = done * width // total
+        full, empty = ("█", "░") if self.unicode else ("#", "-")
+        percent = f"{done * 100 // total:3d}%"
+        plain = full * filled + empty * (width - filled) + " " + percent
+        styled = (
+            self.style(full * filled, "bar")
+            + self.style(empty * (width - filled), "dim")
+            + " "
+            + percent
+        )
+        return plain, styled
+
+    def clip(self, text: str, width: int, where: str) -> str:
+        if len(text) <= width:
+            return text
+        dots = "…" if self.unicode else "~"
+        keep = width - 1
+        if where == "start":
+            return dots + text[len(text) - keep :]
+        if where == "middle":
+            head = keep - keep // 2
+            return text[:head] + dots + text[len(text) - keep // 2 :]
+        return text[:keep] + dots
+
+
+@dataclasses.dataclass
+class Column:
+    header: str
+    right: bool = False
+    #: Where a too-long value is cut (``start``, ``middle``, ``end``); None never shrinks.
+    clip: str | None = None
+    minimum: int = 8
+
+
+Cell = tuple[str, str]  # (plain text, text with colours)
+
+
+def table(out: Output, columns: Sequence[Column], rows: Sequence[Mapping[str, Cell]]) -> list[str]:
+    """Lines of an aligned table fitting ``out.width``; clippable columns shrink first."""
+    cells = [[row[c.header] for c in columns] for row in rows]
+    widths = [max([len(c.header), *(len(r[i][0]) for r in cells)]) for i, c in enumerate(columns)]
+    excess = sum(widths) + 2 * (len(columns) - 1) - out.width
+    while excess > 0:
+        shrinkable = [i for i, c in enumerate(columns) if c.clip and widths[i] > c.minimum]
+        if not shrinkable:
+            break
+        widest = max(shrinkable, key=lambda i: widths[i])
+        widths[widest] -= 1
+        excess -= 1
+
+    def line(cells: Sequence[Cell]) -> str:
+        parts = []
+        for i, (column, (plain, styled)) in enumerate(zip(columns, cells, strict=True)):
+            if len(plain) > widths[i]:
+                clipped = out.clip(plain, widths[i], column.clip or "end")
+                styled = styled.replace(plain, clipped) if out.colour else clipped
+                plain = clipped
+            pad = " " * (widths[i] - len(plain))
+            last = i == len(columns) - 1
+            parts.append(pad + styled if column.right else styled + ("" if last else pad))
+        return "  ".join(parts).rstrip()
+
+    header = [(c.header, out.style(c.header, "header")) for c in columns]
+    return [line(header), *(line(row) for row in cells)]
+
+
+def span(seconds: float) -> str:
+    """A compact duration: ``4.2s``, ``37s``, ``4m05s``, ``3h07m``, ``2d04h``, ``7d``."""
+    seconds = abs(seconds)
+    if seconds < 9.95:
+        return f"{seconds:.1f}s"
+    s = round(seconds)
+    for big, small, size, unit in (
+        (86400, 3600, "d", "h"),
+        (3600, 60, "h", "m"),
+        (60, 1, "m", "s"),
+    ):
+        if s >= big:
+            whole, rest = divmod(s, big)
+            part = rest // small
+            return f"{whole}{size}{part:02d}{unit}" if part else f"{whole}{size}"
+    return f"{s}s"
+
+
+# -- jobs as text --------------------------------------------------------------------------------
+
+
+class Jobs:
+    """The facts about jobs the commands show, derived from database-clock values."""
+
+    def __init__(self, app: Any, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+        self._stall: dict[str, float | None] = {}
+
+    def stall_timeout(self, task_name: str) -> float | None:
+        """The task's ``lease_stall_timeout``, else ``leases_stall_timeout`` (seconds)."""
+        if task_name not in self._stall:
+            own = getattr(self.app.tasks.get(task_name), "lease_stall_timeout", None)
+            self._stall[task_name] = own if own is not None else self.settings.stall_timeout
+        return self._stall[task_name]
+
+    @staticmethod
+    def since(job: Job, moment: float | None) -> float | None:
+        """Seconds from a recorded moment to now, both by the database clock."""
+        return None if moment is None else job.created_at + job.age - moment
+
+    def quiet_for(self, job: Job) -> float | None:
+        """Seconds this attempt has run without a checkpoint (running jobs only)."""
+        if job.state != RUNNING:
+            return None
+        moments = [m for m in (job.claimed_at, job.checkpoint_at) if m is not None]
+        return self.since(job, max(moments)) if moments else None
+
+    def stalled(self, job: Job) -> bool:
+        limit = self.stall_timeout(job.task)
+        quiet = self.quiet_for(job)
+        return limit is not None and quiet is not None and quiet > limit
+
+    def shown_state(self, job: Job) -> str:
+        return "stalled" if self.stalled(job) else job.state
+
+    def as_dict(self, job: Job) -> dict[str, Any]:
+        return {**dataclasses.asdict(job), "stalled": self.stalled(job)}
+
+
+def short_ids(jobs: Sequence[Job]) -> dict[str, str]:
+    """The shortest prefixes (8 characters or more) that tell the shown jobs apart."""
+    ids = {job.id for job in jobs}
+    length = 8
+    while length < MAX_ID_LENGTH and len({i[:length] for i in ids}) < len(ids):
+        length += 2
+    return {i: i[:length] for i in ids}
+
+
+JOB_COLUMNS = [
+    Column("ID", clip="end"),
+    Column("STATE"),
+    Column("TASK", clip="start", minimum=12),
+    Column("OWNER", clip="middle", minimum=10),
+    Column("TRY", right=True),
+    Column("TOKEN", right=True),
+    Column("LEASE", right=True),
+    Column("CKPT", right=True),
+    Column("PROGRESS"),
+]
+
+
+def job_rows(
+    out: Output, facts: Jobs, jobs: Sequence[Job], bar_width: int
+) -> list[dict[str, Cell]]:
+    ids = short_ids(jobs)
+    rows = []
+    for job in jobs:
+        state = facts.shown_state(job)
+        if job.state == RUNNING and job.expires_in is not None:
+            lease = span(job.expires_in) if job.expires_in > 0 else "expired"
+            lease_cell = (lease, out.style(lease, "expired" if lease == "expired" else None))
+        else:
+            lease_cell = ("-", out.style("-", "dim"))
+        ckpt = "-" if job.checkpoint_age is None else span(job.checkpoint_age)
+        ckpt_dim = "dim" if ckpt == "-" else None
+        # "celery@" is the default node name prefix: it tells nothing and costs a column.
+        owner = (job.owner or "-").removeprefix("celery@")
+        rows.append(
+            {
+                "ID": (ids[job.id], ids[job.id]),
+                "STATE": (state, out.style(state, state)),
+                "TASK": (job.task, job.task),
+                "OWNER": (owner, out.style(owner, None if job.owner else "dim")),
+                "TRY": (str(job.attempts), str(job.attempts)),
+                "TOKEN": (str(job.token), str(job.token)),
+                "LEASE": lease_cell,
+                "CKPT": (ckpt, out.style(ckpt, "stalled" if state == "stalled" else ckpt_dim)),
+                "PROGRESS": out.bar(job.progress_done, job.progress_total, bar_width),
+            }
+        )
+    return rows
+
+
+def job_table(
+    out: Output,
+    facts: Jobs,
+    jobs: Sequence[Job],
+    columns: Sequence[Column],
+    *,
+    min_bar: int,
+    max_bar: int,
+) -> list[str]:
+    """The jobs as table lines; progress bars grow from ``min_bar`` to ``max_bar`` characters
+    into spare width."""
+    rows = job_rows(out, facts, jobs, bar_width=min_bar)
+    widths = [max([len(c.header), *(len(row[c.header][0]) for row in rows)]) for c in columns]
+    spare = out.width - sum(widths) - 2 * (len(columns) - 1)
+    if spare > 0 and max_bar > min_bar:
+        rows = job_rows(out, facts, jobs, bar_width=min_bar + min(spare, max_bar - min_bar))
+    return table(out, columns, rows)
+
+
+def counts_text(counts: dict[str, int], stalled: int) -> list[str]:
+    """``["1 queued", "4 running (1 stalled)", ...]``; running always, other states if any."""
+    parts = []
+    for state in STATES:
+        n = counts.get(state, 0)
+        if n or state == RUNNING:
+            extra = f" ({stalled} stalled)" if state == RUNNING and stalled else ""
+            parts.append(f"{n} {state}{extra}")
+    return parts
+
+
+def stall_note(facts: Jobs, jobs: Sequence[Job]) -> list[str]:
+    stalled = [job for job in jobs if facts.stalled(job)]
+    if not stalled:
+        return []
+    limits = sorted({span(facts.stall_timeout(job.task) or 0) for job in stalled})
+    return [
+        f"stalled: no checkpoint for over {' / '.join(limits)} (leases_stall_timeout); "
+        f"its lease is no longer renewed"
+    ]
+
+
+# -- resolving ids -------------------------------------------------------------------------------
+
+
+def find_job(store: Store, text: str) -> Job:
+    """The job with id ``text``, or the only job whose id starts with it."""
+    job = store.get(text)
+    if job is not None:
+        return job
+    if len(text) >= MIN_PREFIX:
+        ids = store.ids_starting_with(text, limit=5)
+        if len(ids) == 1:
+            job = store.get(ids[0])
+            if job is not None:
+                return job
+        elif ids:
+            shown = ", ".join(ids[:3]) + (", ..." if len(ids) > 3 else "")
+            raise LeaseError(f"job id prefix {text!r} is ambiguous ({shown}): give more of it")
+    raise JobNotFound(f"no job {text!r} in table {store.table.name} of {store.safe_url}")
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+
+@leases.command("list")
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    type=click.Choice(STATES),
+    help="Only jobs in this state (repeatable).",
+)
+@click.option("--task", metavar="NAME", help="Only jobs of this task name.")
+@click.option(
+    "--limit", default=50, show_default=True, type=click.IntRange(min=1), help="At most N jobs."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array (all fields).")
+def list_jobs(states: tuple[str, ...], task: str | None, limit: int, as_json: bool) -> None:
+    """List jobs, newest first, with lease, checkpoint age and progress.
+
+    LEASE is the time left on a running job's lease, CKPT the age of its last checkpoint,
+    TRY its attempts; IDs are short prefixes, accepted by the other commands.
+    """
+    settings = _settings()
+    store = store_for(settings)
+    facts = Jobs(_app(), settings)
+    jobs = store.list_jobs(states=states, task=task, limit=limit)
+    if as_json:
+        click.echo(json.dumps([facts.as_dict(job) for job in jobs], indent=2))
+        return
+    out = Output()
+    counts = store.count_by_state()
+    total = sum(counts.values())
+    if jobs:
+        for text in job_table(out, facts, jobs, JOB_COLUMNS, min_bar=8, max_bar=20):
+            click.echo(text)
+    stalled = sum(1 for job in jobs if job.state == RUNNING and facts.stalled(job))
+    dot = " · " if out.unicode else ", "
+    summary = dot.join([f"showing {len(jobs)} of {total} jobs", *counts_text(counts, stalled)])
+    click.echo(summary if total else "no jobs yet")
+    for note in stall_note(facts, jobs):
+        click.echo(note)
+
+
+@leases.command()
+@click.argument("job_id", metavar="ID", type=JobId())
+@click.option("--json", "as_json", is_flag=True, help="Print the job as JSON.")
+def show(job_id: str, as_json: bool) -> None:
+    """One job in full, with its checkpoint. ID may be a unique prefix."""
+    settings = _settings()
+    job = find_job(store_for(settings), job_id)
+    facts = Jobs(_app(), settings)
+    if as_json:
+        click.echo(json.dumps(facts.as_dict(job), indent=2))
+        return
+    out = Output()
+    state = facts.shown_state(job)
+    quiet = facts.quiet_for(job)
+    limit = facts.stall_timeout(job.task)
+    status = out.style(job.state, job.state)
+    if state == "stalled" and quiet is not None and limit is not None:
+        status += out.style(
+            f" (stalled: no checkpoint for {span(quiet)}, over {span(limit)})", "stalled"
+        )
+    if job.stop_requested:
+        status += f", {job.stop_requested} requested at its next checkpoint"
+
+    def ago(moment: float | None) -> str | None:
+        seconds = facts.since(job, moment)
+        return None if seconds is None else f"{span(seconds)} ago"
+
+    lease = "-"
+    if job.state == RUNNING and job.expires_in is not None:
+        left = job.expires_in
+        lease = f"{span(left)} left" if left > 0 else f"expired {span(left)} ago, to be reaped"
+    progress = "-"
+    if job.progress_done is not None:
+        _, styled = out.bar(job.progress_done, job.progress_total, 20)
+        count = f"{job.progress_done:,}" + (
+            f" / {job.progress_total:,}" if job.progress_total else ""
+        )
+        progress = styled if job.progress_total else count
+        if job.progress_total:
+            progress += f"  ({count})"
+    attempts = f"{job.attempts} (token {job.token})"
+    if job.stalled_attempts:
+        attempts += f", {job.stalled_attempts} in a row ended without a checkpoint"
+    fields = [
+        ("task", job.task),
+        ("state", status),
+        ("owner", job.owner),
+        ("attempts", attempts),
+        ("lease", lease),
+        ("progress", progress),
+        ("created", ago(job.created_at)),
+        ("claimed", ago(job.claimed_at)),
+        ("renewed", ago(job.renewed_at) if job.state == RUNNING else None),
+        ("checkpoint", ago(job.checkpoint_at)),
+        ("finished", ago(job.finished_at)),
+        ("args", _compact(job.args)),
+        ("kwargs", _compact(job.kwargs) if job.kwargs else None),
+        ("routing", _compact(job.options) if job.options else None),
+        ("error", out.style(job.error, "failed") if job.error else None),
+        ("result", _compact(job.result) if job.result is not None else None),
+    ]
+    click.echo(out.style(f"job {job.id}", "header"))
+    for name, value in fields:
+        if value is not None and value != "-":
+            click.echo(f"  {name:<11} " + value.replace("\n", "\n" + " " * 14))
+    if job.checkpoint is None:
+        click.echo("checkpoint: none")
+    else:
+        click.echo("checkpoint:")
+        for text in json.dumps(job.checkpoint, indent=2, ensure_ascii=False).splitlines():
+            click.echo(f"  {text}")
+    if job.state in (FAILED, CANCELLED):
+        app = click.get_current_context().find_root().params.get("app")
+        again = "to resume it" if job.checkpoint is not None else "to run it again"
+        click.echo(f"{again}: celery -A {app} leases retry {job.id}")
+
+
+def _compact(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+@leases.command()
+@click.argument("job_id", metavar="ID", type=JobId())
+def retry(job_id: str) -> None:
+    """Re-publish a failed or cancelled job from its checkpoint."""
+    store = _store()
+    job = store.requeue(find_job(store, job_id).id)
+    try:
+        republish(_app(), job)
+    except Exception as exc:
+        store.cancel_queued(job.id)
+        raise LeaseError(
+            f"job {job.id} could not be published ({exc}); it is left cancelled, retry it again"
+        ) from exc
+    start = (
+        "from its checkpoint"
+        if job.checkpoint is not None
+        else "from the start (it has no checkpoint)"
+    )
+    click.echo(
+        f"job {job.id} ({job.task}) queued again: attempt {job.attempts + 1} resumes {start}"
+    )
+
+
+@leases.command()
+@click.argument("job_id", metavar="ID", type=JobId())
+def cancel(job_id: str) -> None:
+    """Cancel a job (a running one stops at its next checkpoint)."""
+    store = _store()
+    job = find_job(store, job_id)
+    for _ in range(3):  # the job may change state between the read and the write
+        if job.state == QUEUED and store.cancel_queued(job.id):
+            click.echo(
+                f"job {job.id} ({job.task}) cancelled: its message is dropped when a worker "
+                f"receives it"
+            )
+            return
+        if job.state == RUNNING and store.request_stop([job.id], "cancel"):
+            click.echo(
+                f"job {job.id} ({job.task}) running on {job.owner}: it stops at its next "
+                f"checkpoint and ends cancelled"
+            )
+            return
+        if job.state in FINISHED_STATES:
+            break
+        job = find_job(store, job.id)
+    raise InvalidJobState(
+        f"job {job.id} is {job.state}; only queued or running jobs can be cancelled"
+    )
+
+
+@leases.command()
+@click.argument("job_id", metavar="ID", type=JobId())
+def release(job_id: str) -> None:
+    """Expire a running job's lease now (its host is dead).
+
+    The next reaper pass (or ``leases reap``) re-publishes the job to resume elsewhere.
+    """
+    store = _store()
+    job = find_job(store, job_id)
+    if not store.expire(job.id):
+        job = find_job(store, job.id)
+        raise InvalidJobState(f"job {job.id} is {job.state}; only a running job holds a lease")
+    click.echo(
+        f"job {job.id} ({job.task}): lease of {job.owner} expired; the next reaper pass "
+        f"re-publishes it ('leases reap' does it now). If {job.owner} is alive after all, its "
+        f"next renewal takes the lease back."
+    )
+
+
+@leases.command()
+@click.option("--json", "as_json", is_flag=True, help="Print what it did as JSON.")
+@click.pass_context
+def reap(ctx: click.Context, as_json: bool) -> None:
+    """Run one reaper pass and print what it did.
+
+    It re-publishes jobs whose lease expired, gives up on poison jobs, and purges finished jobs
+    older than leases_retention.
+    """
+    settings = _settings()
+    report = reap_pass(_app())
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=2))
+    else:
+        click.echo(f"re-published {_jobs_text(report.republished)} whose lease had expired")
+        if report.gave_up:
+            click.echo(
+                f"gave up on {_jobs_text(report.gave_up)}, now failed: 'leases show' says why"
+            )
+        click.echo(
+            f"purged {report.purged} finished jobs older than {span(settings.retention)} "
+            f"(leases_retention)"
+        )
+    if report.publish_failed:
+        click.echo(
+            f"Error: could not publish {_jobs_text(report.publish_failed)}; the next pass retries",
+            err=True,
+        )
+        ctx.exit(1)
+
+
+def _jobs_text(ids: Sequence[str]) -> str:
+    noun = "job" if len(ids) == 1 else "jobs"
+    return f"{len(ids)} {noun}" + (f" ({', '.join(ids)})" if ids else "")
+
+
+@leases.command("init-db")
+def init_db() -> None:
+    """Create the jobs table if missing, and say where it is."""
+    store = _store()
+    store.ensure_schema()
+    click.echo(f"leases table {store.table.name} is ready in {store.safe_url}")
+
+
+@leases.command()
+@click.option(
+    "--older-than",
+    "older_than",
+    required=True,
+    type=Duration(),
+    help="Age since the job finished: 30s, 15m, 12h, 7d.",
+)
+def purge(older_than: float) -> None:
+    """Delete jobs that finished longer ago than --older-than."""
+    settings = _settings()
+    store = store_for(settings)
+    purged = 0
+    while True:
+        batch = store.purge(older_than=older_than, batch=settings.reap_batch)
+        purged += batch
+        if batch < settings.reap_batch:
+            break
+    noun = "job" if purged == 1 else "jobs"
+    click.echo(f"purged {purged} finished {noun} older than {span(older_than)}")
+
+
+@leases.command()
+@click.option(
+    "--interval",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Seconds between refreshes.",
+)
+@click.option("--once", is_flag=True, help="Print one refresh and exit.")
+@click.option(
+    "--limit",
+    default=100,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="At most N jobs (a terminal shows what fits).",
+)
+@click.pass_context
+def watch(ctx: click.Context, interval: float, once: bool, limit: int) -> None:
+    """Running jobs with progress bars, refreshed until Ctrl-C.
+
+    On a terminal the screen is redrawn; otherwise (ssh pipes, CI logs) a block is printed per
+    refresh.
+    """
+    settings = _settings()
+    store = store_for(settings)
+    facts = Jobs(_app(), settings)
+    out = Output()
+    try:
+        while True:
+            try:
+                lines = watch_frame(out, store, facts, limit=limit, interval=interval)
+            except StoreUnavailable as exc:
+                if once:
+                    raise
+                lines = [f"Error: {exc} (retrying every {span(interval)})"]
+            if out.tty:
+                click.echo("\x1b[H\x1b[2J" + "\n".join(lines), nl=True)
+            else:
+                click.echo("\n".join([*lines, ""]))
+            if once:
+                return
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        ctx.exit(0)
+
+
+def watch_frame(
+    out: Output, store: Store, facts: Jobs, *, limit: int, interval: float
+) -> list[str]:
+    """One refresh of ``watch``: a summary line and the running jobs."""
+    jobs = store.list_jobs(states=[RUNNING], limit=limit)
+    counts = store.count_by_state()
+    stalled = sum(1 for job in jobs if facts.stalled(job))
+    stamp = time.strftime("%H:%M:%S")
+    title = f"celery leases watch: {store.table.name} at {stamp}, every {interval:g}s"
+    lines = [
+        out.style(title, "header") + " (Ctrl-C stops)",
+        ", ".join(counts_text(counts, stalled)) if counts else "no jobs",
+        "",
+    ]
+    hidden = 0
+    if out.tty:
+        room = max(out.height - 6, 1)
+        hidden = max(len(jobs) - room, 0)
+        jobs = jobs[:room]
+    if not jobs:
+        return [*lines, "no running jobs"]
+    columns = [c for c in JOB_COLUMNS if c.header != "TOKEN"]
+    lines += job_table(out, facts, jobs, columns, min_bar=10, max_bar=30)
+    if hidden:
+        lines.append(f"... and {hidden} more running (not shown: the terminal is full)")
+    lines += stall_note(facts, jobs)
+    return lines
+
+
+__all__ = ["leases"]

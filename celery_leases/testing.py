@@ -1,0 +1,136 @@
+"""Test that your own LeasedTask resumes correctly after a crash, without workers or Docker.
+
+:func:`run_with_crashes` runs the task eagerly, in this process, against the app's real
+leases database; the attempt "dies" right after its Nth checkpoint is saved (it raises
+:class:`SimulatedCrash`, a ``BaseException`` that your ``except Exception`` will not catch,
+and keeps its lease like a killed process would). The lease is then expired in the database
+and the task runs again, resuming from the checkpoint, until it finishes.
+
+:func:`assert_resumable` compares a run with crashes against a run without: the same result
+and the same sequence of checkpoints. A task that ignores ``self.lease.checkpoint`` and starts
+over, or skips work, fails it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery.utils import uuid
+
+from .lease import Lease, checkpoint_hook
+from .store import Job
+
+__all__ = ["CrashRun", "SimulatedCrash", "assert_resumable", "run_with_crashes"]
+
+
+class SimulatedCrash(BaseException):
+    """The attempt died here, as if its process was killed right after the checkpoint."""
+
+    simulated_crash = True
+
+
+@dataclass
+class CrashRun:
+    """What happened across the attempts of one job."""
+
+    job_id: str
+    result: Any
+    attempts: int
+    #: Every checkpoint saved, in order, across all attempts.
+    checkpoints: list[Any] = field(default_factory=list)
+    #: For each attempt, the checkpoint it started from (None for a fresh start).
+    resumed_from: list[Any] = field(default_factory=list)
+    job: Job | None = None
+
+
+def run_with_crashes(
+    task: Any,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    crash_after: Iterable[int] = (1,),
+    job_id: str | None = None,
+    max_attempts: int = 100,
+) -> CrashRun:
+    """Run ``task`` to the end, crashing attempt i after its ``crash_after[i]``-th checkpoint.
+
+    ``crash_after=(2, 1)`` kills the first attempt after its 2nd checkpoint and the second
+    attempt after its 1st; later attempts run to the end. The task's exception, if the last
+    attempt raises one, propagates.
+    """
+    job_id = job_id or uuid()
+    plan = list(crash_after)
+    run = CrashRun(job_id=job_id, result=None, attempts=0)
+    saved_in_attempt = 0
+
+    def on_checkpoint(lease: Lease, state: Any) -> None:
+        nonlocal saved_in_attempt
+        run.checkpoints.append(state)
+        saved_in_attempt += 1
+        index = run.attempts - 1
+        if index < len(plan) and saved_in_attempt == plan[index]:
+            raise SimulatedCrash(f"simulated crash after checkpoint {saved_in_attempt}")
+
+    store = task.lease_store
+    reset = checkpoint_hook.set(on_checkpoint)
+    try:
+        while run.attempts < max_attempts:
+            before = store.get(job_id)
+            run.resumed_from.append(before.checkpoint if before is not None else None)
+            run.attempts += 1
+            saved_in_attempt = 0
+            try:
+                outcome = task.apply(args=list(args), kwargs=kwargs or {}, task_id=job_id)
+            except SimulatedCrash:
+                store.expire(job_id)
+                continue
+            run.result = outcome.get(propagate=True, disable_sync_subtasks=False)
+            break
+        else:
+            raise AssertionError(f"job {job_id} did not finish in {max_attempts} attempts")
+    finally:
+        checkpoint_hook.reset(reset)
+    run.job = store.get(job_id)
+    return run
+
+
+def assert_resumable(
+    task: Any,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    crash_after: Iterable[int] = (1,),
+    reset: Callable[[], None] | None = None,
+    compare_result: bool = True,
+) -> CrashRun:
+    """Assert that crashing ``task`` and resuming it has the same outcome as not crashing it.
+
+    Runs the task once without a crash and once with ``crash_after`` crashes (calling
+    ``reset()`` before each run to clear your own side effects), then checks that both runs
+    saved the same sequence of checkpoints and returned the same result.
+    """
+    if reset is not None:
+        reset()
+    reference = run_with_crashes(task, args, kwargs, crash_after=())
+    if reset is not None:
+        reset()
+    crashed = run_with_crashes(task, args, kwargs, crash_after=crash_after)
+    if crashed.checkpoints != reference.checkpoints:
+        raise AssertionError(
+            f"{task.name} does not resume from its checkpoint: without a crash it saved "
+            f"{_short(reference.checkpoints)}, with crashes after checkpoints "
+            f"{list(crash_after)} it saved {_short(crashed.checkpoints)} "
+            f"(attempts started from {_short(crashed.resumed_from)})"
+        )
+    if compare_result and crashed.result != reference.result:
+        raise AssertionError(
+            f"{task.name} returned {crashed.result!r} after crashes, {reference.result!r} without"
+        )
+    return crashed
+
+
+def _short(values: list[Any], limit: int = 12) -> str:
+    text = ", ".join(repr(v) for v in values[:limit])
+    return f"[{text}{', ...' if len(values) > limit else ''}]"

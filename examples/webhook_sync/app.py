@@ -1,0 +1,174 @@
+"""The Celery app of the example: its settings, and the sync task.
+
+Settings come from environment variables, so the demo (and you) can switch them:
+
+- ``WEBHOOK_SYNC_BROKER``: broker URL. Default ``atomicfs://``: files under the data folder, no
+  server (``fs_transport.py``). Also ``redis://...``, ``amqp://...``, ``sqla+sqlite:///...``.
+- ``WEBHOOK_SYNC_DATABASE``: SQLAlchemy URL of the leases table and of ``synced_events``.
+  Default: ``webhook_sync.sqlite3`` in the data folder.
+- ``WEBHOOK_SYNC_DATA``: the data folder. Default ``.demo`` in the working directory.
+- ``WEBHOOK_SYNC_UPSTREAM``: base URL of the events API. Default ``http://127.0.0.1:8765``.
+- ``WEBHOOK_SYNC_PAGE_SIZE``: events per page. Default 100.
+- ``WEBHOOK_SYNC_NAME``: prefix of the tables and name of the queue. Default ``webhook_sync``.
+
+Run a worker: ``celery -A examples.webhook_sync.app worker -l info``, and beat (the reaper):
+``celery -A examples.webhook_sync.app beat -l info``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from celery import Celery
+from celery.signals import beat_init, worker_init
+from celery.utils.log import get_task_logger
+from sqlalchemy.engine import Engine
+
+from celery_leases import LeasedTask, schedule_reaper
+
+from . import fs_transport, sink
+from .client import EventsClient, UpstreamBusy
+
+DATA = Path(os.environ.get("WEBHOOK_SYNC_DATA", ".demo")).resolve()
+BROKER = os.environ.get("WEBHOOK_SYNC_BROKER", "atomicfs://")
+DATABASE = os.environ.get("WEBHOOK_SYNC_DATABASE", f"sqlite:///{DATA / 'webhook_sync.sqlite3'}")
+UPSTREAM = os.environ.get("WEBHOOK_SYNC_UPSTREAM", "http://127.0.0.1:8765")
+PAGE_SIZE = int(os.environ.get("WEBHOOK_SYNC_PAGE_SIZE", "100"))
+NAME = os.environ.get("WEBHOOK_SYNC_NAME", "webhook_sync")
+
+LEASES_TABLE = f"{NAME}_leases"
+EVENTS = sink.events_table(f"{NAME}_synced_events")
+#: Seconds a lease lasts without renewal, and between reaper passes. Short, so the demo resumes
+#: a killed job within seconds; in production keep the defaults (30 s and 10 s).
+LEASE_SECONDS = 2.0
+REAP_EVERY_SECONDS = 1.0
+
+fs_transport.register()
+app = Celery("webhook_sync", broker=BROKER)
+app.conf.update(
+    leases_database_url=DATABASE,
+    leases_table=LEASES_TABLE,
+    leases_duration=LEASE_SECONDS,
+    # A message a killed worker had taken but not started is gone with it on a serverless
+    # broker (and on Redis for an hour): after this many seconds in the queue the reaper
+    # publishes the job again.
+    leases_queued_timeout=10.0,
+    task_default_queue=NAME,
+    control_exchange=f"{NAME}_control",
+    task_ignore_result=True,
+    # A worker busy with a long sync takes no other message that would wait behind it.
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+)
+if BROKER.startswith(("atomicfs:", "filesystem:")):
+    app.conf.broker_transport_options = {
+        **fs_transport.options(DATA / "broker"),
+        "polling_interval": 0.1,
+    }
+schedule_reaper(app, every=REAP_EVERY_SECONDS)
+
+
+@worker_init.connect(weak=False)
+@beat_init.connect(weak=False)
+def make_data_folder(**_: Any) -> None:
+    DATA.mkdir(parents=True, exist_ok=True)
+
+
+logger = get_task_logger(__name__)
+
+
+@app.task(
+    base=LeasedTask,
+    bind=True,
+    name="webhook_sync.sync_account",
+    autoretry_for=(UpstreamBusy,),
+    retry_backoff=True,
+    retry_backoff_max=60,
+    max_retries=None,
+)
+def sync_account(self: LeasedTask, account: str) -> dict[str, Any]:
+    """Copy every upstream event of ``account`` into ``synced_events``, one page at a time.
+
+    Resumes after the last stored page when an earlier attempt was killed; a busy upstream is
+    retried by Celery (backoff up to a minute), which resumes from the checkpoint too.
+    """
+    saved = self.lease.checkpoint or {"cursor": None, "page": 0, "done": 0}
+    cursor, page, done = saved["cursor"], saved["page"], saved["done"]
+    if page:
+        age = self.lease.checkpoint_age
+        logger.info(
+            "sync %s: attempt %d resumes after page %d (cursor %s, %d events stored, "
+            "checkpoint %.1f s old)",
+            account,
+            self.lease.attempt,
+            page,
+            cursor,
+            done,
+            age or 0.0,
+        )
+    else:
+        logger.info("sync %s: attempt %d starts at the first page", account, self.lease.attempt)
+    upstream = EventsClient(UPSTREAM)
+    database = events_database()
+    while True:
+        result = upstream.page(account, after=cursor, limit=PAGE_SIZE)
+        page += 1
+        done += len(result.events)
+        cursor = result.next_cursor or cursor
+        store_page(
+            self,
+            database,
+            EVENTS,
+            account,
+            result.events,
+            {"cursor": cursor, "page": page, "done": done},
+            progress=(done, result.total),
+        )
+        logger.info(
+            "sync %s: page %d stored (%d events, %d/%s), cursor %s",
+            account,
+            page,
+            len(result.events),
+            done,
+            result.total,
+            cursor,
+        )
+        if not result.has_more:
+            return {"account": account, "events": done, "pages": page}
+
+
+def store_page(
+    task: LeasedTask,
+    database: Engine,
+    table: sa.Table,
+    account: str,
+    events: list[dict[str, Any]],
+    checkpoint: dict[str, Any],
+    *,
+    progress: tuple[int, int | None],
+) -> None:
+    """Store a page of events and the checkpoint after it in one transaction.
+
+    Both commit or neither does. An attempt whose lease was taken by a newer claim gets
+    ``LeaseLost`` from the checkpoint, which rolls its page back: a stale attempt can neither
+    store events nor move the cursor. This needs the events in the leases database; with
+    another sink, make the writes idempotent (upsert by event id) and checkpoint after them.
+    """
+    with database.begin() as connection:
+        sink.insert(connection, table, account, events)
+        task.checkpoint(checkpoint, progress=progress, connection=connection)
+
+
+_created: set[tuple[str, int]] = set()
+
+
+def events_database() -> Engine:
+    """The engine of ``synced_events`` (the leases database), the table created once."""
+    engine = sink.engine(DATABASE)
+    if (EVENTS.name, os.getpid()) not in _created:
+        sink.create(engine, EVENTS)
+        _created.add((EVENTS.name, os.getpid()))
+    return engine

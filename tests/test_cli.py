@@ -1,0 +1,497 @@
+"""``celery -A app leases ...`` run as real subprocesses against real databases."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from celery_leases.config import DEFAULTS, validate
+from celery_leases.store import Refused, Store
+from tests.services import celery_env
+from tests.workers import REPO_ROOT, Spawner
+
+APP = "tests.apps.cli_app"
+#: Seconds without a checkpoint after which the test app's running jobs count as stalled.
+STALL_TIMEOUT = 300.0
+
+
+class Cli:
+    """Runs ``python -m celery -A tests.apps.cli_app leases ...`` with the test's settings."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in ("APP", "CELERY_APP", "NO_COLOR")}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        env["COLUMNS"] = "100"
+        env.update(celery_env(settings))
+        self.env = env
+
+    def command(self, args: tuple[str, ...], app: str | None) -> list[str]:
+        return [sys.executable, "-m", "celery", *(["-A", app] if app else []), "leases", *args]
+
+    def __call__(self, *args: str, app: str | None = APP) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.command(args, app),
+            cwd=REPO_ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    def on_a_terminal(self, *args: str) -> str:
+        """What the command writes to stdout when stdout is a terminal (a pseudo-terminal)."""
+        main, child = pty.openpty()
+        try:
+            process = subprocess.Popen(
+                self.command(args, APP), cwd=REPO_ROOT, env=self.env, stdout=child
+            )
+        finally:
+            os.close(child)
+        chunks = []
+        try:
+            while data := os.read(main, 65536):
+                chunks.append(data)
+        except OSError:  # Linux: EIO once the child closed the terminal
+            pass
+        finally:
+            os.close(main)
+        assert process.wait(timeout=60) == 0
+        return b"".join(chunks).decode()
+
+    def ok(self, *args: str) -> str:
+        result = self(*args)
+        assert result.returncode == 0, f"{args} exited {result.returncode}: {result.stderr}"
+        return result.stdout
+
+
+def leases_settings(url: str, table: str, broker: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **broker,
+        "leases_database_url": url,
+        "leases_table": table,
+        "leases_stall_timeout": STALL_TIMEOUT,
+    }
+
+
+def store_of(settings: dict[str, Any]) -> Store:
+    raw = {**DEFAULTS, **{k.removeprefix("leases_"): v for k, v in settings.items()}}
+    return Store(validate({k: raw[k] for k in DEFAULTS}))
+
+
+@pytest.fixture
+def settings(
+    database_url: str, table_name: str, filesystem_broker: dict[str, Any]
+) -> dict[str, Any]:
+    return leases_settings(database_url, table_name, filesystem_broker)
+
+
+@pytest.fixture
+def store(settings: dict[str, Any]) -> Iterator[Store]:
+    store = store_of(settings)
+    store.ensure_schema()
+    yield store
+    store.engine.dispose()
+
+
+@pytest.fixture
+def cli(settings: dict[str, Any]) -> Cli:
+    return Cli(settings)
+
+
+@pytest.fixture
+def sqlite_settings(tmp_path: Path, filesystem_broker: dict[str, Any]) -> dict[str, Any]:
+    return leases_settings(f"sqlite:///{tmp_path}/leases.sqlite3", "leases_cli", filesystem_broker)
+
+
+# -- jobs in every state, made through the store --------------------------------------------------
+
+
+def record(store: Store, *, task: str = "cli.count", n: int = 5) -> str:
+    job_id = str(uuid.uuid4())
+    store.register(
+        job_id, task=task, args=json.dumps([n]), kwargs=json.dumps({"pause": 0.0}), options="{}"
+    )
+    return job_id
+
+
+def claim(store: Store, job_id: str, owner: str = "celery@w1/100") -> int:
+    claimed = store.claim(
+        job_id, owner=owner, duration=300.0, task="cli.count", args="[5]", kwargs="{}"
+    )
+    assert not isinstance(claimed, Refused)
+    return claimed.token
+
+
+def seed(store: Store) -> dict[str, str]:
+    """One job per state (and a stalled one); returns their ids by label."""
+    ids = {"queued": record(store, task="cli.other")}
+
+    ids["running"] = record(store, n=8)
+    token = claim(store, ids["running"])
+    store.checkpoint(ids["running"], token, json.dumps({"i": 2, "sum": 1}), progress=(2, 8))
+
+    ids["stalled"] = record(store)
+    token = claim(store, ids["stalled"], owner="celery@w2/200")
+    store.checkpoint(ids["stalled"], token, json.dumps({"i": 1, "sum": 0}), progress=(1, 5))
+    with store.engine.begin() as connection:
+        connection.execute(
+            sa.update(store.table)
+            .where(store.table.c.id == ids["stalled"])
+            .values(
+                checkpoint_at=store.table.c.checkpoint_at - 2 * STALL_TIMEOUT,
+                claimed_at=store.table.c.claimed_at - 2 * STALL_TIMEOUT,
+            )
+        )
+
+    ids["done"] = record(store)
+    token = claim(store, ids["done"])
+    store.checkpoint(ids["done"], token, json.dumps({"i": 5, "sum": 10}), progress=(5, 5))
+    store.finish(ids["done"], token, result=json.dumps({"started_from": 0, "i": 5, "sum": 10}))
+
+    ids["failed"] = record(store)
+    token = claim(store, ids["failed"])
+    store.checkpoint(ids["failed"], token, json.dumps({"i": 3, "sum": 3}), progress=(3, 5))
+    store.fail(ids["failed"], token, error="RuntimeError: disk full")
+
+    ids["cancelled"] = record(store)
+    store.cancel_queued(ids["cancelled"])
+    return ids
+
+
+def published_ids(broker: dict[str, Any]) -> list[str]:
+    """Task ids of the messages waiting in the filesystem broker's queue folder."""
+    folder = Path(broker["broker_transport_options"]["data_folder_out"])
+    ids = []
+    for path in folder.iterdir():
+        message = json.loads(path.read_text())
+        ids.append(message["headers"]["id"])
+    return ids
+
+
+def line_of(output: str, job_id: str) -> str:
+    lines = [line for line in output.splitlines() if line.startswith(job_id[:8])]
+    assert len(lines) == 1, output
+    return lines[0]
+
+
+# -- list, show, watch ----------------------------------------------------------------------------
+
+
+def test_list_shows_every_state_with_progress_and_marks_a_stalled_job(
+    cli: Cli, store: Store
+) -> None:
+    ids = seed(store)
+
+    output = cli.ok("list")
+
+    assert output.splitlines()[0].split() == [
+        "ID", "STATE", "TASK", "OWNER", "TRY", "TOKEN", "LEASE", "CKPT", "PROGRESS"
+    ]  # fmt: skip
+    for label in ("queued", "running", "done", "failed", "cancelled", "stalled"):
+        assert line_of(output, ids[label]).split()[1] == label
+    running = line_of(output, ids["running"]).split()
+    assert running[3:6] == ["w1/100", "1", "1"]
+    assert running[-1] == "25%"
+    assert line_of(output, ids["failed"]).endswith(" 60%")
+    assert "10m" in line_of(output, ids["stalled"])
+    assert "showing 6 of 6 jobs" in output
+    assert "4 running (1 stalled)" not in output and "2 running (1 stalled)" in output
+    assert "stalled: no checkpoint for over 5m (leases_stall_timeout)" in output
+    assert max(len(line) for line in output.splitlines()) <= 100
+    assert "\x1b[" not in output
+
+
+def test_list_json_parses_and_filters_by_state_task_and_limit(cli: Cli, store: Store) -> None:
+    ids = seed(store)
+
+    every = json.loads(cli.ok("list", "--json"))
+    finished = json.loads(cli.ok("list", "--json", "--state", "failed", "--state", "cancelled"))
+    other = json.loads(cli.ok("list", "--json", "--task", "cli.other"))
+    two = json.loads(cli.ok("list", "--json", "--limit", "2"))
+
+    assert {job["id"] for job in every} == set(ids.values())
+    by_id = {job["id"]: job for job in every}
+    assert by_id[ids["stalled"]]["stalled"] is True
+    assert by_id[ids["running"]]["stalled"] is False
+    assert by_id[ids["running"]]["progress_done"] == 2
+    assert by_id[ids["running"]]["progress_total"] == 8
+    assert 0 < by_id[ids["running"]]["expires_in"] <= 300
+    assert by_id[ids["failed"]]["checkpoint"] == {"i": 3, "sum": 3}
+    assert {job["id"] for job in finished} == {ids["failed"], ids["cancelled"]}
+    assert [job["id"] for job in other] == [ids["queued"]]
+    assert len(two) == 2
+
+
+def test_show_prints_the_job_and_its_checkpoint_as_pretty_json(cli: Cli, store: Store) -> None:
+    ids = seed(store)
+
+    output = cli.ok("show", ids["failed"])
+    by_prefix = cli.ok("show", ids["failed"][:8])
+    as_json = json.loads(cli.ok("show", "--json", ids["stalled"]))
+
+    assert output.splitlines()[0] == f"job {ids['failed']}"
+    assert "  state       failed" in output
+    assert "  error       RuntimeError: disk full" in output
+    assert "  attempts    1 (token 1)" in output
+    assert 'checkpoint:\n  {\n    "i": 3,\n    "sum": 3\n  }' in output
+    assert "60%  (3 / 5)" in output
+    assert by_prefix.splitlines()[0] == f"job {ids['failed']}"
+    assert as_json["id"] == ids["stalled"] and as_json["stalled"] is True
+
+
+def test_watch_once_prints_the_running_jobs_as_a_plain_block(cli: Cli, store: Store) -> None:
+    ids = seed(store)
+
+    output = cli.ok("watch", "--once")
+
+    assert output.startswith("celery leases watch: ")
+    assert {line.split()[0] for line in output.splitlines()[4:6]} == {
+        ids["running"][:8],
+        ids["stalled"][:8],
+    }
+    assert ids["done"][:8] not in output and ids["queued"][:8] not in output
+    assert "\x1b[" not in output
+
+
+def test_colours_and_screen_clearing_only_on_a_terminal(cli: Cli, store: Store) -> None:
+    seed(store)
+
+    listed = cli.on_a_terminal("list")
+    watched = cli.on_a_terminal("watch", "--once")
+
+    assert "\x1b[31m" in listed and "stalled" in listed
+    assert watched.startswith("\x1b[H\x1b[2J")
+    assert "\x1b[" not in cli.ok("list") + cli.ok("watch", "--once")
+
+
+def test_an_id_prefix_must_match_exactly_one_job(cli: Cli, store: Store) -> None:
+    for job_id in ("nightly-report-1", "nightly-report-2"):
+        store.register(job_id, task="cli.count", args="[1]", kwargs="{}", options="{}")
+
+    shown = cli.ok("show", "nightly-report-2")
+    ambiguous = cli("show", "nightly")
+    listed = cli.ok("list")
+
+    assert shown.startswith("job nightly-report-2\n")
+    assert assert_one_error_line(ambiguous, 1) == (
+        "Error: job id prefix 'nightly' is ambiguous (nightly-report-1, nightly-report-2): "
+        "give more of it"
+    )
+    assert {line.split()[0] for line in listed.splitlines()[1:3]} == {
+        "nightly-report-1",
+        "nightly-report-2",
+    }
+
+
+# -- acting on jobs -------------------------------------------------------------------------------
+
+
+def test_retry_requeues_a_failed_job_and_publishes_it_with_its_checkpoint(
+    cli: Cli, store: Store, filesystem_broker: dict[str, Any]
+) -> None:
+    ids = seed(store)
+
+    output = cli.ok("retry", ids["failed"][:8])
+
+    assert f"job {ids['failed']} (cli.count) queued again" in output
+    assert "resumes from its checkpoint" in output
+    job = store.get(ids["failed"])
+    assert job is not None
+    assert (job.state, job.checkpoint, job.error) == ("queued", {"i": 3, "sum": 3}, None)
+    assert published_ids(filesystem_broker) == [ids["failed"]]
+
+
+def test_retry_of_a_done_job_is_refused(cli: Cli, store: Store) -> None:
+    ids = seed(store)
+
+    result = cli("retry", ids["done"])
+
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"Error: job {ids['done']} is done; only failed or cancelled jobs can be retried\n"
+    )
+
+
+def test_cancel_of_a_queued_job_makes_its_message_be_dropped(cli: Cli, store: Store) -> None:
+    ids = seed(store)
+
+    output = cli.ok("cancel", ids["queued"])
+
+    assert "cancelled: its message is dropped when a worker receives it" in output
+    job = store.get(ids["queued"])
+    assert job is not None and job.state == "cancelled"
+    outcome = store.claim(
+        ids["queued"], owner="w/1", duration=30.0, task="cli.other", args="[]", kwargs="{}"
+    )
+    assert outcome == Refused("cancelled", None, None)
+
+
+def test_cancel_of_a_running_job_asks_it_to_stop_at_its_next_checkpoint(
+    cli: Cli, store: Store
+) -> None:
+    ids = seed(store)
+
+    output = cli.ok("cancel", ids["running"])
+
+    assert "running on celery@w1/100: it stops at its next checkpoint and ends cancelled" in output
+    job = store.get(ids["running"])
+    assert job is not None and (job.state, job.stop_requested) == ("running", "cancel")
+    assert store.renew([(job.id, job.token)]).stops == {job.id: "cancel"}
+
+
+def test_release_of_a_running_job_makes_the_next_reap_republish_it(
+    cli: Cli, store: Store, filesystem_broker: dict[str, Any]
+) -> None:
+    ids = seed(store)
+
+    released = cli.ok("release", ids["running"])
+    reaped = cli.ok("reap")
+
+    assert "lease of celery@w1/100 expired; the next reaper pass re-publishes it" in released
+    assert f"re-published 1 job ({ids['running']}) whose lease had expired" in reaped
+    assert "purged 0 finished jobs older than 7d (leases_retention)" in reaped
+    job = store.get(ids["running"])
+    assert job is not None and (job.state, job.owner) == ("queued", None)
+    assert published_ids(filesystem_broker) == [ids["running"]]
+    assert json.loads(cli.ok("reap", "--json"))["republished"] == []
+
+
+def test_purge_deletes_only_jobs_finished_longer_ago_than_older_than(
+    cli: Cli, store: Store
+) -> None:
+    ids = seed(store)
+    with store.engine.begin() as connection:
+        connection.execute(
+            sa.update(store.table)
+            .where(store.table.c.id.in_([ids["done"], ids["failed"]]))
+            .values(finished_at=store.table.c.finished_at - 2 * 86400)
+        )
+
+    output = cli.ok("purge", "--older-than", "1d")
+
+    assert output == "purged 2 finished jobs older than 1d\n"
+    left = {job.id for job in store.list_jobs()}
+    assert left == set(ids.values()) - {ids["done"], ids["failed"]}
+
+
+def test_init_db_creates_the_table_and_says_where(
+    cli: Cli, settings: dict[str, Any], database_url: str
+) -> None:
+    table = settings["leases_table"]
+
+    output = cli.ok("init-db")
+
+    assert output.startswith(f"leases table {table} is ready in ")
+    engine = sa.create_engine(database_url)
+    try:
+        assert table in sa.inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess[str], code: int) -> str:
+    assert result.returncode == code, result
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (("show", "0b7e1a7c-unknown"), 1, "no job '0b7e1a7c-unknown' in table leases_cli of "),
+        (("cancel", "abc"), 1, "no job 'abc' in table leases_cli"),
+        (("purge", "--older-than", "7x"), 2, "'7x' is not a duration (use 30s, 15m, 12h, 7d)"),
+        (("purge", "--older-than", "-1d"), 2, "'-1d' is not a duration"),
+        (("show", "a b"), 2, "'a b' is not a job id"),
+        (("retry", "x\x01y"), 2, "'x\\x01y' is not a job id"),
+        (("release", "x" * 200), 2, "is not a job id (1 to 155 printable characters"),
+        (("watch", "--interval", "0"), 2, "Invalid value for '--interval'"),
+    ],
+)
+def test_bad_input_exits_with_one_line_on_stderr(
+    sqlite_settings: dict[str, Any], args: tuple[str, ...], code: int, message: str
+) -> None:
+    result = Cli(sqlite_settings)(*args)
+
+    assert message in assert_one_error_line(result, code)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://leases:s3cret-pw@127.0.0.1:9/test",
+        "mysql+pymysql://leases:s3cret-pw@127.0.0.1:9/test",
+    ],
+)
+@pytest.mark.parametrize("command", [("list",), ("show", "some-id"), ("init-db",), ("reap",)])
+def test_an_unreachable_database_is_one_line_without_the_password(
+    sqlite_settings: dict[str, Any], url: str, command: tuple[str, ...]
+) -> None:
+    cli = Cli({**sqlite_settings, "leases_database_url": url})
+
+    line = assert_one_error_line(cli(*command), 1)
+
+    assert "is unavailable" in line
+    assert "127.0.0.1" in line and "s3cret-pw" not in line
+
+
+def test_a_bad_setting_is_one_line(sqlite_settings: dict[str, Any]) -> None:
+    cli = Cli({**sqlite_settings, "leases_duration": "soon"})
+
+    line = assert_one_error_line(cli("list"), 1)
+
+    assert line == "Error: leases_duration must be a number of seconds, not 'soon'"
+
+
+def test_without_an_app_the_command_says_one_is_needed(sqlite_settings: dict[str, Any]) -> None:
+    result = Cli(sqlite_settings)("list", app=None)
+
+    line = assert_one_error_line(result, 2)
+    assert "celery leases needs your Celery app: celery -A proj leases list" in line
+
+
+# -- with a real worker ---------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_a_retried_failed_job_resumes_from_its_checkpoint_in_a_worker(
+    spawn: Spawner, sqlite_settings: dict[str, Any]
+) -> None:
+    # Given a job that failed after saving the checkpoint of step 3 of 5
+    store = store_of(sqlite_settings)
+    try:
+        job_id = record(store)
+        token = claim(store, job_id)
+        store.checkpoint(job_id, token, json.dumps({"i": 3, "sum": 3}), progress=(3, 5))
+        store.fail(job_id, token, error="RuntimeError: disk full")
+        spawn.worker(APP, env=celery_env(sqlite_settings), pool="solo")
+
+        # When an operator retries it
+        Cli(sqlite_settings).ok("retry", job_id)
+
+        # Then a worker runs it again from step 3
+        deadline = time.monotonic() + 30
+        while (job := store.get(job_id)) is not None and job.state != "done":
+            assert time.monotonic() < deadline, job
+            time.sleep(0.1)
+        assert job is not None
+        assert job.result == {"started_from": 3, "i": 5, "sum": 10}
+        assert (job.attempts, job.progress_done, job.progress_total) == (2, 5, 5)
+    finally:
+        store.engine.dispose()

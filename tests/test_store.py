@@ -1,0 +1,687 @@
+"""The lease store against real databases: claims, fencing, the database clock, the reaper."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from celery_leases.config import DEFAULTS, validate
+from celery_leases.errors import InvalidJobState, JobNotFound
+from celery_leases.store import (
+    GAVE_UP_MAX_ATTEMPTS,
+    GAVE_UP_NO_PROGRESS,
+    Claimed,
+    Reaped,
+    Refused,
+    Store,
+)
+
+OWNER = "worker-a/1"
+
+
+@pytest.fixture
+def store(database_url: str, table_name: str) -> Iterator[Store]:
+    store = Store(validate(DEFAULTS | {"database_url": database_url, "table": table_name}))
+    store.ensure_schema()
+    yield store
+    store.engine.dispose()
+
+
+def register(store: Store, job_id: str, *, task: str = "tests.job", args: str = "[1]") -> bool:
+    return store.register(job_id, task=task, args=args, kwargs="{}", options="{}")
+
+
+def claim(store: Store, job_id: str, *, owner: str = OWNER, duration: float = 30.0) -> Any:
+    return store.claim(
+        job_id, owner=owner, duration=duration, task="tests.job", args="[1]", kwargs="{}"
+    )
+
+
+def claimed(store: Store, job_id: str, **options: Any) -> Claimed:
+    outcome = claim(store, job_id, **options)
+    assert isinstance(outcome, Claimed), outcome
+    return outcome
+
+
+def move_back(store: Store, job_id: str, column: str = "expires_at", seconds: float = 100) -> None:
+    """Move one of the job's times ``seconds`` into the past (expires a lease, ages a job)."""
+    t = store.table
+    with store.engine.begin() as connection:
+        connection.execute(
+            sa.update(t).where(t.c.id == job_id).values({column: t.c[column] - seconds})
+        )
+
+
+def reap(store: Store, **options: Any) -> Reaped:
+    settings = {"batch": 100, "grace": 30.0, "max_stalled": None, "max_attempts": None}
+    return store.reap(**(settings | options))
+
+
+def ids(jobs: list[Any]) -> list[str]:
+    return [job.id for job in jobs]
+
+
+# -- claims and fencing -------------------------------------------------------------------------
+
+
+def test_registering_a_job_twice_keeps_the_first_record(store: Store) -> None:
+    assert register(store, "j1", args="[1]") is True
+    assert register(store, "j1", args="[2]") is False
+
+    job = store.get("j1")
+    assert job is not None
+    assert (job.state, job.args, job.token, job.attempts) == ("queued", [1], 0, 0)
+
+
+def test_a_claim_on_a_queued_job_wins_and_bumps_token_and_attempts(store: Store) -> None:
+    register(store, "j1")
+
+    outcome = claimed(store, "j1")
+
+    assert (outcome.token, outcome.attempt, outcome.checkpoint, outcome.created) == (
+        1,
+        1,
+        None,
+        False,
+    )
+    assert outcome.checkpoint_age is None
+    job = store.get("j1")
+    assert job is not None
+    assert (job.state, job.owner, job.token, job.attempts) == ("running", OWNER, 1, 1)
+    assert job.expires_in is not None and 29 < job.expires_in <= 30
+
+
+def test_a_second_claim_while_the_lease_is_live_is_refused_as_held(store: Store) -> None:
+    register(store, "j1")
+    claimed(store, "j1")
+
+    outcome = claim(store, "j1", owner="worker-b/2")
+
+    assert isinstance(outcome, Refused)
+    assert (outcome.reason, outcome.owner) == ("held", OWNER)
+    assert outcome.expires_in is not None and 29 < outcome.expires_in <= 30
+    job = store.get("j1")
+    assert job is not None and (job.token, job.attempts, job.owner) == (1, 1, OWNER)
+
+
+def test_a_claim_after_the_lease_expired_wins_with_the_next_token_and_sees_the_checkpoint(
+    store: Store,
+) -> None:
+    register(store, "j1")
+    first = claimed(store, "j1")
+    assert store.checkpoint("j1", first.token, '{"step":7}') == (True, None)
+    move_back(store, "j1")
+
+    second = claimed(store, "j1", owner="worker-b/2")
+
+    assert (second.token, second.attempt, second.checkpoint) == (2, 2, {"step": 7})
+    assert second.checkpoint_age is not None and 0 <= second.checkpoint_age < 5
+    job = store.get("j1")
+    assert job is not None and (job.owner, job.token) == ("worker-b/2", 2)
+
+
+def test_a_stale_token_can_neither_renew_nor_checkpoint_nor_end_the_job(store: Store) -> None:
+    # Given attempt 1 lost its lease and attempt 2 holds the job with a checkpoint
+    register(store, "j1")
+    stale = claimed(store, "j1")
+    move_back(store, "j1")
+    fresh = claimed(store, "j1", owner="worker-b/2")
+    store.checkpoint("j1", fresh.token, '"fresh"')
+
+    # Then every write of attempt 1 is refused
+    assert store.renew([("j1", stale.token)]).held == frozenset()
+    assert store.checkpoint("j1", stale.token, '"stale"') == (False, None)
+    assert store.finish("j1", stale.token, result='"stale"') is False
+    assert store.fail("j1", stale.token, error="stale") is False
+    assert store.release("j1", stale.token, reap_in=0.0) is False
+
+    # And the job is still attempt 2's
+    job = store.get("j1")
+    assert job is not None
+    assert (job.state, job.token, job.owner, job.checkpoint) == (
+        "running",
+        fresh.token,
+        "worker-b/2",
+        "fresh",
+    )
+    assert job.result is None and job.error is None
+
+
+def test_a_finished_job_is_done_and_a_later_claim_is_refused_as_done(store: Store) -> None:
+    register(store, "j1")
+    lease = claimed(store, "j1")
+
+    assert store.finish("j1", lease.token, result='{"total":42}') is True
+
+    job = store.get("j1")
+    assert job is not None
+    assert (job.state, job.owner, job.expires_in, job.result) == ("done", None, None, {"total": 42})
+    assert job.finished_at is not None
+    outcome = claim(store, "j1", owner="worker-b/2")
+    assert isinstance(outcome, Refused) and outcome.reason == "done"
+    move_back(store, "j1", "finished_at")
+    assert isinstance(claim(store, "j1"), Refused)
+
+
+def test_a_claim_of_an_unknown_id_creates_the_job_already_claimed(store: Store) -> None:
+    outcome = claimed(store, "sent-by-name")
+
+    assert (outcome.token, outcome.attempt, outcome.checkpoint, outcome.created) == (
+        1,
+        1,
+        None,
+        True,
+    )
+    job = store.get("sent-by-name")
+    assert job is not None
+    assert (job.state, job.owner, job.token, job.attempts, job.task, job.args) == (
+        "running",
+        OWNER,
+        1,
+        1,
+        "tests.job",
+        [1],
+    )
+    assert isinstance(claim(store, "sent-by-name", owner="worker-b/2"), Refused)
+
+
+def test_a_released_job_is_queued_again_and_claimable_with_its_checkpoint(store: Store) -> None:
+    register(store, "j1")
+    lease = claimed(store, "j1")
+    store.checkpoint("j1", lease.token, "[3]")
+
+    assert store.release("j1", lease.token, reap_in=None) is True
+
+    job = store.get("j1")
+    assert job is not None
+    assert (job.state, job.owner, job.expires_in, job.checkpoint) == ("queued", None, None, [3])
+    again = claimed(store, "j1")
+    assert (again.token, again.checkpoint) == (2, [3])
+
+
+def test_a_release_with_a_reap_delay_sets_when_the_reaper_takes_the_job(store: Store) -> None:
+    register(store, "j1")
+    lease = claimed(store, "j1")
+
+    store.release("j1", lease.token, reap_in=60.0)
+
+    job = store.get("j1")
+    assert job is not None and job.expires_in is not None and 59 < job.expires_in <= 60
+
+
+def test_a_failed_job_keeps_its_checkpoint_and_error(store: Store) -> None:
+    register(store, "j1")
+    lease = claimed(store, "j1")
+    store.checkpoint("j1", lease.token, '{"page":4}', progress=(4, 10))
+
+    assert store.fail("j1", lease.token, error="ValueError: boom") is True
+
+    job = store.get("j1")
+    assert job is not None
+    assert (job.state, job.error, job.checkpoint, job.owner) == (
+        "failed",
+        "ValueError: boom",
+        {"page": 4},
+        None,
+    )
+    assert (job.progress_done, job.progress_total) == (4, 10)
+    assert isinstance(claim(store, "j1"), Refused)
+
+
+# -- the database clock -------------------------------------------------------------------------
+
+
+def test_the_database_clock_is_epoch_seconds_close_to_this_machines_clock(store: Store) -> None:
+    before = time.time()
+    now = store.now()
+    after = time.time()
+
+    assert before - 1 < now < after + 1
+
+
+def test_the_database_clock_has_sub_second_resolution(store: Store) -> None:
+    reads = []
+    for _ in range(5):
+        reads.append(store.now())
+        time.sleep(0.013)
+
+    assert reads == sorted(reads)
+    assert reads[-1] - reads[0] < 1
+    # Whole-second clocks (SQLite's CURRENT_TIMESTAMP) would give integers, mostly equal.
+    assert any(read % 1 != 0 for read in reads)
+    assert len(set(reads)) > 1
+
+
+def test_lease_expiry_is_computed_by_the_database_clock(store: Store) -> None:
+    register(store, "j1")
+    claimed(store, "j1", duration=0.3)
+    assert isinstance(claim(store, "j1", owner="worker-b/2"), Refused)
+
+    time.sleep(0.5)
+
+    assert claimed(store, "j1", owner="worker-b/2").token == 2
+
+
+# -- renewals and stop requests -----------------------------------------------------------------
+
+
+def test_a_renewal_extends_the_lease_by_its_duration(store: Store) -> None:
+    register(store, "j1")
+    lease = claimed(store, "j1", duration=20.0)
+    move_back(store, "j1", seconds=15)
+
+    renewal = store.renew([("j1", lease.token)])
+
+    assert renewal.held == frozenset({"j1"}) and renewal.stops == {}
+    job = store.get("j1")
+    assert job is not None and job.expires_in is not None and 19 < job.expires_in <= 20
+
+
+def test_one_renewal_of_many_leases_returns_exactly_the_ones_still_held(store: Store) -> None:
+    # Given 5 held jobs, one taken over by another attempt, one finished, one never recorded
+    tokens = {}
+    for n in range(7):
+        register(store, f"j{n}")
+        tokens[f"j{n}"] = claimed(store, f"j{n}").token
+    move_back(store, "j5")
+    claimed(store, "j5", owner="worker-b/2")
+    store.finish("j6", tokens["j6"], result=None)
+
+    renewal = store.renew([*tokens.items(), ("never-recorded", 1)])
+
+    assert renewal.held == frozenset(f"j{n}" for n in range(5))
+
+
+def test_renewing_no_leases_is_a_no_op(store: Store) -> None:
+    renewal = store.renew([])
+
+    assert (renewal.held, renewal.stops) == (frozenset(), {})
+
+
+def test_a_stop_request_reaches_the_attempt_through_renew_and_checkpoint(store: Store) -> None:
+    register(store, "j1")
+    register(store, "j2")
+    lease = claimed(store, "j1")
+    other = claimed(store, "j2")
+
+    assert store.request_stop(["j1"], "cancel") == 1
+
+    renewal = store.renew([("j1", lease.token), ("j2", other.token)])
+    assert renewal.held == frozenset({"j1", "j2"})
+    assert renewal.stops == {"j1": "cancel"}
+    saved, stop = store.checkpoint("j1", lease.token, "1")
+    assert saved is True
+    if store.dialect in ("mysql", "mariadb"):
+        # No UPDATE ... RETURNING there: checkpoint() stays one statement and cannot see the
+        # request; the keeper's next renew tick does (see the store's module docstring).
+        assert stop is None
+    else:
+        assert stop == "cancel"
+    assert store.checkpoint("j2", other.token, "1") == (True, None)
+
+
+def test_a_stop_request_only_reaches_running_jobs_and_ends_with_them(store: Store) -> None:
+    register(store, "queued")
+    register(store, "running")
+    lease = claimed(store, "running")
+
+    assert store.request_stop(["queued", "running", "never-recorded"], "preempt") == 1
+    queued = store.get("queued")
+    assert queued is not None and queued.stop_requested is None
+
+    store.finish("running", lease.token, result=None)
+    job = store.get("running")
+    assert job is not None and job.stop_requested is None
+
+
+def test_a_stop_request_by_owner_prefix_reaches_only_that_workers_jobs(store: Store) -> None:
+    for job_id, owner in (("a", "node_1/10"), ("b", "node_1/11"), ("c", "nodex1/12")):
+        register(store, job_id)
+        claimed(store, job_id, owner=owner)
+
+    # "_" must not act as a LIKE wildcard: "nodex1" is another worker.
+    assert store.request_stop_owned_by("node_1/", "preempt") == 2
+
+    stops = {job.id: job.stop_requested for job in store.list_jobs()}
+    assert stops == {"a": "preempt", "b": "preempt", "c": None}
+
+
+# -- the reaper ---------------------------------------------------------------------------------
+
+
+def test_the_reaper_leaves_live_leases_and_queued_jobs_alone(store: Store) -> None:
+    register(store, "queued")
+    register(store, "running")
+    claimed(store, "running")
+
+    assert reap(store) == Reaped([], [])
+
+
+def test_an_expired_job_is_requeued_and_returned_once_by_sequential_reapers(store: Store) -> None:
+    register(store, "j1")
+    lease = claimed(store, "j1")
+    store.checkpoint("j1", lease.token, '"cp"')
+    move_back(store, "j1")
+
+    first = reap(store, grace=30.0)
+    second = reap(store, grace=30.0)
+
+    assert ids(first.republish) == ["j1"] and first.gave_up == []
+    assert first.previous_owners == {"j1": OWNER}
+    assert second == Reaped([], [])
+    job = store.get("j1")
+    assert job is not None
+    assert (job.state, job.owner, job.checkpoint, job.stalled_attempts) == (
+        "queued",
+        None,
+        "cp",
+        0,
+    )
+    assert job.expires_in is not None and 29 < job.expires_in <= 30
+    assert first.republish[0].checkpoint == "cp"
+
+
+def reap_in_two_threads_at_once(store: Store) -> list[Reaped]:
+    barrier = threading.Barrier(2)
+    results: list[Reaped] = []
+    errors: list[BaseException] = []
+
+    def reaper() -> None:
+        try:
+            barrier.wait(timeout=10)
+            results.append(reap(store))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reaper) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == []
+    assert len(results) == 2
+    return results
+
+
+def test_an_expired_job_is_returned_once_when_two_reapers_run_at_the_same_time(
+    store: Store,
+) -> None:
+    for round_ in range(5):
+        # Given an expired attempt that saved no checkpoint
+        job_id = f"j{round_}"
+        register(store, job_id)
+        claimed(store, job_id)
+        move_back(store, job_id)
+
+        # When two threads reap at once
+        first, second = reap_in_two_threads_at_once(store)
+
+        # Then exactly one of them returns the job, and it was marked once
+        assert sorted(ids(first.republish) + ids(second.republish)) == [job_id]
+        job = store.get(job_id)
+        assert job is not None and (job.state, job.stalled_attempts) == ("queued", 1)
+
+
+def test_a_requeued_job_whose_message_was_lost_is_reaped_again_after_the_grace(
+    store: Store,
+) -> None:
+    register(store, "j1")
+    claimed(store, "j1")
+    move_back(store, "j1")
+    assert ids(reap(store, grace=30.0).republish) == ["j1"]
+    assert reap(store).republish == []
+
+    move_back(store, "j1")
+
+    again = reap(store, grace=30.0, max_stalled=2)
+    assert ids(again.republish) == ["j1"] and again.gave_up == []
+    job = store.get("j1")
+    assert job is not None and (job.state, job.stalled_attempts) == ("queued", 1)
+
+
+def test_a_queued_job_with_no_expiry_is_never_reaped(store: Store) -> None:
+    register(store, "j1")
+    lease = claimed(store, "j1")
+    store.release("j1", lease.token, reap_in=None)
+
+    assert reap(store) == Reaped([], [])
+
+
+def crash_without_checkpoint(store: Store, job_id: str) -> None:
+    claimed(store, job_id)
+    move_back(store, job_id)
+
+
+def test_a_job_whose_attempts_all_ended_without_a_checkpoint_is_given_up(store: Store) -> None:
+    register(store, "poison")
+
+    crash_without_checkpoint(store, "poison")
+    assert ids(reap(store, max_stalled=3).republish) == ["poison"]
+    crash_without_checkpoint(store, "poison")
+    assert ids(reap(store, max_stalled=3).republish) == ["poison"]
+    crash_without_checkpoint(store, "poison")
+    third = reap(store, max_stalled=3)
+
+    assert third.republish == [] and ids(third.gave_up) == ["poison"]
+    job = store.get("poison")
+    assert job is not None
+    assert (job.state, job.owner, job.attempts, job.stalled_attempts) == ("failed", None, 3, 3)
+    assert job.error == GAVE_UP_NO_PROGRESS and "checkpoint" in job.error
+    assert job.finished_at is not None
+    assert isinstance(claim(store, "poison"), Refused)
+
+
+def test_an_attempt_that_saved_a_checkpoint_resets_the_count_of_stalled_attempts(
+    store: Store,
+) -> None:
+    register(store, "j1")
+    crash_without_checkpoint(store, "j1")
+    reap(store, max_stalled=2)
+
+    lease = claimed(store, "j1")
+    store.checkpoint("j1", lease.token, "1")
+    move_back(store, "j1")
+    assert ids(reap(store, max_stalled=2).republish) == ["j1"]
+    job = store.get("j1")
+    assert job is not None and job.stalled_attempts == 0
+
+    crash_without_checkpoint(store, "j1")
+    assert ids(reap(store, max_stalled=2).republish) == ["j1"]
+
+
+def test_a_job_that_reached_max_attempts_is_given_up_with_that_reason(store: Store) -> None:
+    register(store, "j1")
+    for attempt in (1, 2):
+        lease = claimed(store, "j1")
+        store.checkpoint("j1", lease.token, str(attempt))
+        move_back(store, "j1")
+        outcome = reap(store, max_stalled=3, max_attempts=2)
+        assert ids(outcome.gave_up if attempt == 2 else outcome.republish) == ["j1"]
+
+    job = store.get("j1")
+    assert job is not None
+    assert (job.state, job.attempts, job.checkpoint) == ("failed", 2, 2)
+    assert job.error == GAVE_UP_MAX_ATTEMPTS
+
+
+def test_max_attempts_without_a_stall_limit_gives_the_max_attempts_reason(store: Store) -> None:
+    register(store, "j1")
+    crash_without_checkpoint(store, "j1")
+
+    outcome = reap(store, max_stalled=None, max_attempts=1)
+
+    assert ids(outcome.gave_up) == ["j1"]
+    job = store.get("j1")
+    assert job is not None and job.error == GAVE_UP_MAX_ATTEMPTS
+
+
+def test_the_reaper_handles_expired_jobs_in_batches_oldest_first(store: Store) -> None:
+    for n in range(5):
+        register(store, f"j{n}")
+        claimed(store, f"j{n}")
+        move_back(store, f"j{n}", seconds=100 + 10 * n)
+
+    first = reap(store, batch=2)
+    rest = reap(store, batch=10)
+
+    assert sorted(ids(first.republish)) == ["j3", "j4"]
+    assert sorted(ids(rest.republish)) == ["j0", "j1", "j2"]
+
+
+def test_purge_deletes_only_finished_jobs_older_than_the_retention(store: Store) -> None:
+    # Given old and recent jobs in every state
+    for job_id in ("old-done", "old-failed", "new-done", "old-running", "old-queued"):
+        register(store, job_id)
+    for job_id in ("old-done", "new-done", "old-running"):
+        claimed(store, job_id)
+    store.finish("old-done", 1, result=None)
+    store.finish("new-done", 1, result=None)
+    lease = claimed(store, "old-failed")
+    store.fail("old-failed", lease.token, error="boom")
+    for job_id in ("old-done", "old-failed"):
+        move_back(store, job_id, "finished_at", seconds=3600)
+    for job_id in ("old-running", "old-queued"):
+        move_back(store, job_id, "created_at", seconds=3600)
+
+    # When purging what finished over 10 minutes ago
+    purged = store.purge(older_than=600, batch=100)
+
+    # Then only the old finished jobs are gone
+    assert purged == 2
+    left = {job.id for job in store.list_jobs(limit=100)}
+    assert left == {"new-done", "old-running", "old-queued"}
+    assert store.purge(older_than=600, batch=100) == 0
+
+
+# -- one statement per worker operation ---------------------------------------------------------
+
+
+class StatementCounter:
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self.statements: list[str] = []
+
+    def __enter__(self) -> StatementCounter:
+        sa.event.listen(self.engine, "before_cursor_execute", self._seen)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sa.event.remove(self.engine, "before_cursor_execute", self._seen)
+
+    def _seen(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        self.statements.append(statement)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite", "postgres"], indirect=True)
+def test_claim_checkpoint_finish_and_a_renewal_of_fifty_leases_are_one_statement_each(
+    store: Store,
+) -> None:
+    for n in range(50):
+        register(store, f"j{n}")
+    leases = [(f"j{n}", claimed(store, f"j{n}").token) for n in range(1, 50)]
+    register(store, "j0")
+
+    with StatementCounter(store.engine) as claim_sql:
+        token = claimed(store, "j0").token
+    with StatementCounter(store.engine) as renew_sql:
+        renewal = store.renew([("j0", token), *leases])
+    with StatementCounter(store.engine) as checkpoint_sql:
+        assert store.checkpoint("j0", token, "1", progress=(1, 2)) == (True, None)
+    with StatementCounter(store.engine) as finish_sql:
+        assert store.finish("j0", token, result="2") is True
+
+    assert len(renewal.held) == 50
+    assert len(claim_sql.statements) == 1, claim_sql.statements
+    assert len(renew_sql.statements) == 1, renew_sql.statements
+    assert len(checkpoint_sql.statements) == 1, checkpoint_sql.statements
+    assert len(finish_sql.statements) == 1, finish_sql.statements
+
+
+@pytest.mark.parametrize("database_url", ["mariadb"], indirect=True)
+def test_on_mariadb_a_renewal_of_fifty_leases_is_two_statements_not_fifty(store: Store) -> None:
+    leases = []
+    for n in range(50):
+        register(store, f"j{n}")
+        leases.append((f"j{n}", claimed(store, f"j{n}").token))
+
+    with StatementCounter(store.engine) as renew_sql:
+        renewal = store.renew(leases)
+    with StatementCounter(store.engine) as checkpoint_sql:
+        store.checkpoint("j0", leases[0][1], "1")
+
+    assert len(renewal.held) == 50
+    assert len(renew_sql.statements) == 2, renew_sql.statements
+    assert len(checkpoint_sql.statements) == 1, checkpoint_sql.statements
+
+
+# -- hostile and odd values ---------------------------------------------------------------------
+
+
+def test_ids_and_task_names_containing_sql_are_stored_and_read_back_as_plain_text(
+    store: Store,
+) -> None:
+    hostile = f"x'); DROP TABLE {store.table.name}; --"
+    register(store, hostile, task=hostile)
+    lease = claimed(store, hostile)
+    store.checkpoint(hostile, lease.token, '"ok"')
+    claimed(store, 'y"; DELETE FROM ' + store.table.name + "; --")
+
+    job = store.get(hostile)
+    assert job is not None and (job.id, job.task, job.checkpoint) == (hostile, hostile, "ok")
+    assert {job.id for job in store.list_jobs(task=hostile)} == {hostile}
+    assert len(store.list_jobs(limit=10)) == 2
+
+
+# -- operator actions ---------------------------------------------------------------------------
+
+
+def test_a_queued_job_can_be_cancelled_and_its_message_is_then_refused(store: Store) -> None:
+    register(store, "j1")
+
+    assert store.cancel_queued("j1") is True
+
+    job = store.get("j1")
+    assert job is not None and (job.state, job.error) == ("cancelled", "cancelled by an operator")
+    outcome = claim(store, "j1")
+    assert isinstance(outcome, Refused) and outcome.reason == "cancelled"
+    assert store.cancel_queued("j1") is False
+
+
+def test_a_failed_job_requeued_by_an_operator_resumes_from_its_checkpoint(store: Store) -> None:
+    register(store, "j1")
+    crash_without_checkpoint(store, "j1")
+    reap(store)
+    lease = claimed(store, "j1")
+    store.checkpoint("j1", lease.token, '"half"')
+    store.fail("j1", lease.token, error="boom")
+
+    job = store.requeue("j1")
+
+    assert (job.state, job.error, job.finished_at, job.checkpoint) == ("queued", None, None, "half")
+    assert job.stalled_attempts == 0
+    assert claimed(store, "j1").checkpoint == "half"
+
+
+def test_a_running_job_cannot_be_requeued_and_an_unknown_one_is_not_found(store: Store) -> None:
+    register(store, "j1")
+    claimed(store, "j1")
+
+    with pytest.raises(InvalidJobState, match="job j1 is running"):
+        store.requeue("j1")
+    with pytest.raises(JobNotFound):
+        store.requeue("never-recorded")
+
+
+def test_expiring_a_running_job_lets_the_next_reaper_pass_take_it(store: Store) -> None:
+    register(store, "j1")
+    claimed(store, "j1")
+
+    assert store.expire("j1") is True
+
+    assert ids(reap(store).republish) == ["j1"]
+    assert store.expire("j1") is False

@@ -1,0 +1,437 @@
+"""LeasedTask run in this process (``task.apply()``, eager mode) against a real database."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+from celery.signals import before_task_publish
+
+import celery_leases
+from celery_leases import (
+    ArgumentsError,
+    CheckpointError,
+    ConfigurationError,
+    CorruptJob,
+    LeasedTask,
+    StoreUnavailable,
+    get_job,
+)
+from celery_leases.config import settings_for
+from celery_leases.keeper import all_keepers
+from celery_leases.store import Store, store_for
+
+SQL = "x'); DROP TABLE {table}; --"
+
+NOT_JSON = {
+    "an object": lambda: object(),
+    "a set": lambda: {1, 2},
+    "NaN": lambda: float("nan"),
+    "infinity": lambda: {"rate": float("inf")},
+    "bytes": lambda: b"\x00\x01",
+}
+
+
+@pytest.fixture
+def app(database_url: str, table_name: str) -> Iterator[Celery]:
+    app = Celery("eager_tests", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        result_backend="cache+memory://",
+        leases_database_url=database_url,
+        leases_table=table_name,
+        leases_max_checkpoint_bytes=200,
+    )
+    define_tasks(app)
+    yield app
+    store = store_for(settings_for(app))
+    for keeper in all_keepers():
+        if keeper.store is store:
+            keeper.stop()
+            keeper.join(timeout=5)
+    store.engine.dispose()
+    app.close()
+
+
+@pytest.fixture
+def store(app: Celery) -> Store:
+    return store_for(settings_for(app))
+
+
+def define_tasks(app: Celery) -> None:
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.count_to")
+    def count_to(self: LeasedTask, n: int) -> int:
+        for i in range(self.lease.checkpoint or 0, n):
+            self.checkpoint(i + 1, progress=(i + 1, n))
+        return n
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.bad_checkpoint")
+    def bad_checkpoint(self: LeasedTask, kind: str) -> str:
+        self.checkpoint({"good": 1})
+        bad = "x" * 500 if kind == "too big" else NOT_JSON[kind]()
+        try:
+            self.checkpoint(bad)
+        except CheckpointError as exc:
+            return str(exc)
+        return "no error"
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.lease_fields")
+    def lease_fields(self: LeasedTask) -> dict[str, Any]:
+        lease = self.lease
+        fields = {
+            "job_id": lease.job_id,
+            "token": lease.token,
+            "attempt": lease.attempt,
+            "checkpoint": lease.checkpoint,
+            "owner": lease.owner,
+        }
+        self.checkpoint({"seen": lease.attempt})
+        return fields
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.fails")
+    def fails(self: LeasedTask) -> None:
+        self.checkpoint({"page": 2})
+        raise ValueError("boom on page 2")
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.in_memory")
+    def in_memory(self: LeasedTask) -> Any:
+        self.checkpoint({"step": 1})
+        self.checkpoint({"step": 2})
+        return {"lease": self.lease.job_id, "checkpoint": self.lease.checkpoint}
+
+    @app.task(
+        base=LeasedTask, bind=True, shared=False, name=SQL.format(table=app.conf.leases_table)
+    )
+    def hostile_name(self: LeasedTask) -> str:
+        self.checkpoint(SQL)
+        return "ok"
+
+
+def task(app: Celery, name: str) -> Any:
+    return app.tasks[name]
+
+
+def expire(store: Store, job_id: str) -> None:
+    t = store.table
+    with store.engine.begin() as connection:
+        connection.execute(
+            sa.update(t).where(t.c.id == job_id).values(expires_at=t.c.expires_at - 100)
+        )
+
+
+def write_raw(store: Store, job_id: str, **columns: Any) -> None:
+    t = store.table
+    with store.engine.begin() as connection:
+        connection.execute(sa.update(t).where(t.c.id == job_id).values(columns))
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def test_a_task_run_in_process_holds_a_lease_checkpoints_and_ends_done(app: Celery) -> None:
+    result = task(app, "tests.count_to").apply(args=(3,), task_id="job-1")
+
+    assert result.get() == 3
+    job = get_job(app, "job-1")
+    assert job is not None
+    assert (job.state, job.checkpoint, job.attempts, job.token, job.result) == ("done", 3, 1, 1, 3)
+    assert (job.progress_done, job.progress_total) == (3, 3)
+    assert (job.task, job.args, job.owner, job.expires_in) == ("tests.count_to", [3], None, None)
+
+
+@pytest.mark.parametrize("kind", [*NOT_JSON, "too big"])
+def test_a_checkpoint_that_cannot_be_stored_raises_and_keeps_the_previous_one(
+    app: Celery, kind: str
+) -> None:
+    result = task(app, "tests.bad_checkpoint").apply(args=(kind,), task_id="job-1")
+
+    message = result.get()
+    assert message.startswith("checkpoint of job job-1 ")
+    assert message.endswith("the previous checkpoint is kept")
+    if kind == "too big":
+        assert "over leases_max_checkpoint_bytes (200)" in message
+    else:
+        assert "is not JSON-serializable" in message
+    job = get_job(app, "job-1")
+    assert job is not None and (job.state, job.checkpoint) == ("done", {"good": 1})
+
+
+def test_a_tasks_own_max_checkpoint_bytes_overrides_the_apps(app: Celery) -> None:
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name="tests.roomy",
+        lease_max_checkpoint_bytes=1000,
+    )
+    def roomy(self: LeasedTask) -> None:
+        self.checkpoint("x" * 500)
+
+    task(app, "tests.roomy").apply(task_id="job-1").get()
+
+    job = get_job(app, "job-1")
+    assert job is not None and job.checkpoint == "x" * 500
+
+
+def test_the_lease_tells_the_attempt_its_job_token_attempt_checkpoint_and_owner(
+    app: Celery, store: Store
+) -> None:
+    # Given a first attempt that ran, then was put back as if its lease had expired
+    first = task(app, "tests.lease_fields").apply(task_id="job-1").get()
+    write_raw(store, "job-1", state="running", expires_at=store.now())
+    expire(store, "job-1")
+
+    # When the job runs again
+    second = task(app, "tests.lease_fields").apply(task_id="job-1").get()
+
+    # Then the second attempt has the next token and the first attempt's checkpoint
+    owner = f"{socket.gethostname()}/{os.getpid()}"
+    assert first == {
+        "job_id": "job-1",
+        "token": 1,
+        "attempt": 1,
+        "checkpoint": None,
+        "owner": owner,
+    }
+    assert second == {
+        "job_id": "job-1",
+        "token": 2,
+        "attempt": 2,
+        "checkpoint": {"seen": 1},
+        "owner": owner,
+    }
+
+
+def test_a_failing_task_ends_failed_with_its_error_and_keeps_its_checkpoint(app: Celery) -> None:
+    result = task(app, "tests.fails").apply(task_id="job-1")
+
+    assert result.failed()
+    job = get_job(app, "job-1")
+    assert job is not None
+    assert (job.state, job.error, job.checkpoint) == (
+        "failed",
+        "ValueError: boom on page 2",
+        {"page": 2},
+    )
+    assert (job.owner, job.expires_in) == (None, None)
+
+
+def test_a_direct_call_runs_without_a_lease_and_keeps_checkpoints_in_memory(
+    app: Celery, store: Store
+) -> None:
+    outcome = task(app, "tests.in_memory")()
+
+    assert outcome == {"lease": "(direct call)", "checkpoint": {"step": 2}}
+    assert store.list_jobs() == []
+
+
+def test_a_direct_call_still_refuses_a_checkpoint_that_is_not_json(app: Celery) -> None:
+    message = task(app, "tests.bad_checkpoint")("NaN")
+
+    assert message.startswith("checkpoint of job (direct call) is not JSON-serializable")
+
+
+# -- publishing ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def published() -> Iterator[list[str]]:
+    """Ids of the task messages published while the test runs."""
+    ids: list[str] = []
+
+    def seen(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        ids.append((headers or {}).get("id", "?"))
+
+    before_task_publish.connect(seen, weak=False)
+    yield ids
+    before_task_publish.disconnect(seen)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [((object(),), {}), ((), {"when": {1, 2}}), ((float("nan"),), {}), ((b"raw",), {})],
+)
+def test_arguments_that_are_not_json_are_refused_before_anything_is_published_or_recorded(
+    app: Celery, store: Store, published: list[str], args: Any, kwargs: Any
+) -> None:
+    with pytest.raises(ArgumentsError, match=r"tests\.count_to must be JSON-serializable.*"):
+        task(app, "tests.count_to").apply_async(args, kwargs, task_id="job-1")
+
+    assert published == []
+    assert store.list_jobs() == []
+
+
+def test_a_published_job_is_recorded_as_queued_with_its_arguments(
+    app: Celery, store: Store, published: list[str]
+) -> None:
+    task(app, "tests.count_to").apply_async((5,), task_id="job-1", queue="slow")
+
+    assert published == ["job-1"]
+    job = get_job(app, "job-1")
+    assert job is not None
+    assert (job.state, job.args, job.kwargs, job.options, job.attempts) == (
+        "queued",
+        [5],
+        {},
+        {"queue": "slow"},
+        0,
+    )
+
+
+def test_under_task_always_eager_a_published_job_is_recorded_and_run_under_its_lease(
+    app: Celery,
+) -> None:
+    app.conf.task_always_eager = True
+
+    result = task(app, "tests.count_to").delay(2)
+
+    assert result.get() == 2
+    job = get_job(app, result.id)
+    assert job is not None and (job.state, job.checkpoint, job.attempts) == ("done", 2, 1)
+
+
+# -- schema -------------------------------------------------------------------------------------
+
+
+def test_a_table_from_an_older_schema_is_refused_naming_its_missing_columns(
+    app: Celery, table_name: str
+) -> None:
+    engine = sa.create_engine(app.conf.leases_database_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(
+                sa.text(
+                    f"CREATE TABLE {table_name} "
+                    "(id VARCHAR(155) PRIMARY KEY, task VARCHAR(255), state VARCHAR(16))"
+                )
+            )
+    finally:
+        engine.dispose()
+
+    with pytest.raises(ConfigurationError) as raised:
+        get_job(app, "job-1")
+
+    message = str(raised.value)
+    assert f"table {table_name!r}" in message
+    assert "missing columns: args, kwargs, options, owner, token" in message
+    assert "checkpoint" in message and "schema_version" in message
+    assert ", id," not in message and ", state," not in message
+
+
+# -- security -----------------------------------------------------------------------------------
+
+
+class FileCreator:
+    """Unpickling this creates ``path``: a canary for anything that unpickles."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.path), "w"))
+
+
+def pickle_text(path: Path) -> str:
+    return pickle.dumps(FileCreator(path), protocol=0).decode("ascii")
+
+
+def test_the_pickle_canary_works(tmp_path: Path) -> None:
+    canary = tmp_path / "canary"
+
+    pickle.loads(pickle_text(canary).encode()).close()
+
+    assert canary.exists()
+
+
+def test_a_pickle_written_into_the_table_is_never_unpickled(
+    app: Celery, store: Store, tmp_path: Path
+) -> None:
+    # Given a job whose JSON columns someone overwrote with a pickle
+    marker = tmp_path / "unpickled"
+    payload = pickle_text(marker)
+    task(app, "tests.count_to").apply_async((1,), task_id="job-1")
+    write_raw(store, "job-1", checkpoint=payload, args=payload, result=payload)
+
+    # When it is read and claimed, it is refused as not JSON
+    with pytest.raises(CorruptJob, match="not JSON"):
+        get_job(app, "job-1")
+    result = task(app, "tests.count_to").apply(args=(1,), task_id="job-1")
+    assert isinstance(result.result, CorruptJob)
+    with store.engine.connect() as connection:
+        state = connection.execute(
+            sa.select(store.table.c.state).where(store.table.c.id == "job-1")
+        ).scalar_one()
+    assert state == "failed"  # given up for good, not redelivered forever
+
+    # Then nothing unpickled it, and no module of the library can
+    assert not marker.exists()
+    package = Path(celery_leases.__file__).parent
+    assert [p.name for p in package.glob("*.py") if "pickle" in p.read_text()] == []
+
+
+def test_ids_and_task_names_containing_sql_are_stored_and_read_back_harmlessly(
+    app: Celery, store: Store, table_name: str
+) -> None:
+    hostile = SQL.format(table=table_name)
+
+    result = task(app, hostile).apply(task_id=hostile)
+
+    assert result.get() == "ok"
+    job = get_job(app, hostile)
+    assert job is not None
+    assert (job.id, job.task, job.state, job.checkpoint) == (hostile, hostile, "done", SQL)
+    assert [job.id for job in store.list_jobs(task=hostile)] == [hostile]
+
+
+@pytest.fixture
+def unreachable_app() -> Iterator[Celery]:
+    app = Celery("unreachable", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        leases_database_url="postgresql+psycopg://postgres:secret-pw@127.0.0.1:1/test",
+        leases_table="leases_unreachable",
+        leases_engine_options={"connect_args": {"connect_timeout": 3}},
+    )
+    define_tasks(app)
+    yield app
+    store_for(settings_for(app)).engine.dispose()
+    app.close()
+
+
+def assert_hides_the_password(error: BaseException) -> None:
+    assert "postgresql+psycopg://postgres:***@127.0.0.1:1/test" in str(error)
+    assert "secret-pw" not in "".join(traceback.format_exception(error))
+
+
+def test_an_unreachable_database_raises_store_unavailable_without_revealing_the_password(
+    unreachable_app: Celery,
+) -> None:
+    with pytest.raises(StoreUnavailable) as raised:
+        get_job(unreachable_app, "job-1")
+    assert_hides_the_password(raised.value)
+
+    with pytest.raises(StoreUnavailable) as raised:
+        task(unreachable_app, "tests.count_to").delay(1)
+    assert_hides_the_password(raised.value)
+
+
+@pytest.mark.parametrize("always_eager", [False, True])
+def test_an_in_process_run_with_the_database_down_fails_instead_of_being_delivered_again(
+    unreachable_app: Celery, published: list[str], always_eager: bool
+) -> None:
+    unreachable_app.conf.task_always_eager = always_eager
+
+    result = task(unreachable_app, "tests.count_to").apply(args=(1,), task_id="job-1")
+
+    assert result.state == "FAILURE"
+    assert isinstance(result.result, StoreUnavailable)
+    assert_hides_the_password(result.result)
+    assert published == []
