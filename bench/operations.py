@@ -441,12 +441,14 @@ def report(data: dict[str, Any]) -> None:
             rows.append([
                 name, op, lib, t["no pre-ping"]["median_ms"], t["same SQL"]["median_ms"], raw,
                 lib / raw, t["same SQL"]["median_ms"] / raw,
-                t["library"]["p99_ms"],
+                t["library"]["p99_ms"], t["library CPU"]["mean_ms"],
+                t["raw UPDATE CPU"]["mean_ms"],
             ])
     print_table(
         "Per-operation median latency (ms) vs a raw single-row UPDATE + COMMIT, same connection",
         ["database", "operation", "library", "no pre-ping", "same SQL raw", "raw UPDATE",
-         "library / raw", "same SQL / raw", "library p99"],
+         "library / raw", "same SQL / raw", "library p99", "library CPU (mean)",
+         "raw UPDATE CPU (mean)"],
         rows,
     )
     rows = []

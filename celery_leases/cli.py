@@ -563,7 +563,9 @@ def _compact(value: Any) -> str:
 def retry(job_id: str) -> None:
     """Re-publish a failed or cancelled job from its checkpoint."""
     store = _store()
-    job = store.requeue(find_job(store, job_id).id)
+    job = store.requeue(
+        find_job(store, job_id).id, queued_timeout=settings_for(_app()).queued_timeout
+    )
     try:
         republish(_app(), job)
     except Exception as exc:

@@ -577,8 +577,17 @@ class Store:
         )
         return self._run(lambda c: c.execute(stmt).rowcount == 1)
 
-    def requeue(self, job_id: str, *, from_states: Sequence[str] = (FAILED, CANCELLED)) -> Job:
-        """Put a finished job back to ``queued`` (its checkpoint kept) and return it."""
+    def requeue(
+        self,
+        job_id: str,
+        *,
+        from_states: Sequence[str] = (FAILED, CANCELLED),
+        queued_timeout: float | None = None,
+    ) -> Job:
+        """Put a finished job back to ``queued`` (its checkpoint kept) and return it.
+
+        With ``queued_timeout``, the reaper re-publishes it if no worker claims it in time.
+        """
         t = self.table
         stmt = (
             sa.update(t)
@@ -586,7 +595,7 @@ class Store:
             .values(
                 state=QUEUED,
                 owner=None,
-                expires_at=None,
+                expires_at=None if queued_timeout is None else db_now() + queued_timeout,
                 error=None,
                 finished_at=None,
                 stalled_attempts=0,

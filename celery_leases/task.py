@@ -127,6 +127,7 @@ class LeasedTask(Task):  # type: ignore[misc]
                 f"the previous checkpoint is kept"
             )
         done_total = _progress(progress)
+        self.stop_point()  # asked to stop since the last checkpoint: write nothing more
         if lease.lost:
             raise LeaseLost(f"job {lease.job_id}: this attempt lost its lease; stop")
         if lease.detached:
@@ -155,10 +156,22 @@ class LeasedTask(Task):  # type: ignore[misc]
         hook = checkpoint_hook.get()
         if hook is not None:
             hook(lease, lease.checkpoint)
-        stop = stop or lease.stop_requested
-        if stop == "cancel":
+        lease.stop_requested = stop or lease.stop_requested
+        if connection is None:
+            self.stop_point()
+        # Inside the caller's transaction a raise would roll the checkpoint back: the stop is
+        # raised by stop_point() after the commit, or before the next checkpoint writes.
+
+    def stop_point(self) -> None:
+        """Raise :class:`Cancelled` or :class:`Preempted` if the job was asked to stop.
+
+        ``checkpoint()`` calls it after saving; with ``checkpoint(..., connection=conn)`` call it
+        yourself once your transaction has committed, so the job stops right there.
+        """
+        lease = self.lease
+        if lease.stop_requested == "cancel":
             raise Cancelled(f"job {lease.job_id} was cancelled; stopped at its checkpoint")
-        if stop == "preempt":
+        if lease.stop_requested == "preempt":
             raise Preempted(f"job {lease.job_id} handed back at its checkpoint (shutdown)")
 
     def _write_checkpoint(

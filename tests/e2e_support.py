@@ -116,7 +116,7 @@ class Scenario:
     def start_beat(self) -> Beat:
         """A real ``celery beat`` sending ``celery_leases.reap`` (needs ``reaper_every``)."""
         assert "E2E_REAPER_EVERY" in self.env, "set reaper_every to schedule the reaper"
-        return self.spawn.beat(LEASED_APP, env=self.env, max_interval=0.5)
+        return self.spawn.beat(LEASED_APP, env=self.env, max_interval=1)
 
     def send(self, task: str, *args: Any, **options: Any) -> str:
         """Publish ``task`` through its LeasedTask (so the job is recorded); return the id."""

@@ -71,8 +71,8 @@ if BROKER.startswith(("atomicfs:", "filesystem:")):
 schedule_reaper(app, every=REAP_EVERY_SECONDS)
 
 
-@worker_init.connect(weak=False)
-@beat_init.connect(weak=False)
+@worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
+@beat_init.connect(weak=False)  # type: ignore[untyped-decorator]
 def make_data_folder(**_: Any) -> None:
     DATA.mkdir(parents=True, exist_ok=True)
 
@@ -80,7 +80,7 @@ def make_data_folder(**_: Any) -> None:
 logger = get_task_logger(__name__)
 
 
-@app.task(
+@app.task(  # type: ignore[untyped-decorator]
     base=LeasedTask,
     bind=True,
     name="webhook_sync.sync_account",

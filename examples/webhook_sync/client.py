@@ -67,5 +67,7 @@ class EventsClient:
             except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
                 problem = f"no answer ({exc})"
                 continue
-            return Page(body["data"], body["has_more"], body["next_cursor"], body.get("total_count"))
+            return Page(
+                body["data"], body["has_more"], body["next_cursor"], body.get("total_count")
+            )
         raise UpstreamBusy(f"{url}: {problem} after {self.tries} tries")

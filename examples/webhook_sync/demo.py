@@ -233,7 +233,7 @@ class Demo:
     # -- set-up ----------------------------------------------------------------------------
 
     def run(self) -> int:
-        console, example = self.console, self.example
+        console = self.console
         console.say("webhook-sync demo: kill -9 the worker holding a sync's lease")
         console.detail(self.describe_broker(), "broker    ")
         console.detail(self.describe_database(), "database  ")
@@ -287,9 +287,11 @@ class Demo:
         python = sys.executable
         upstream = children.start(
             "upstream",
-            [python, "-m", "examples.webhook_sync.upstream", "--events", str(args.events)]
-            + ["--latency", str(args.page_latency), "--error-rate", str(args.error_rate)]
-            + ["--seed", args.seed],
+            [
+                *(python, "-m", "examples.webhook_sync.upstream", "--seed", args.seed),
+                *("--events", str(args.events), "--latency", str(args.page_latency)),
+                *("--error-rate", str(args.error_rate)),
+            ],
         )
         upstream_url = upstream.wait_for(r"listening on (http://\S+)", timeout=30)[1]
         children.env["WEBHOOK_SYNC_UPSTREAM"] = upstream_url
@@ -298,8 +300,10 @@ class Demo:
         for name in ("w1", "w2"):
             self.workers[name] = children.start(
                 name,
-                [*celery, "worker", "-n", f"{name}@%h", "-P", "prefork", "-c", "1", "-l", "info"]
-                + ["--without-mingle", "--without-gossip", "--without-heartbeat"],
+                [
+                    *(*celery, "worker", "-n", f"{name}@%h", "-P", "prefork", "-c", "1"),
+                    *("-l", "info", "--without-mingle", "--without-gossip", "--without-heartbeat"),
+                ],
             )
         beat = children.start(
             "beat", [*celery, "beat", "-l", "info", "-s", str(self.data / "beat-schedule")]
@@ -311,7 +315,7 @@ class Demo:
             f"{args.page_latency:g} s a page, {args.error_rate:.0%} answered 429 or 500"
         )
         console.say(f"webhook   {receiver_url}/webhooks/<account> (pid {receiver.pid})")
-        for name, worker in self.workers.items():
+        for worker in self.workers.values():
             worker.wait_for(r"\S+@\S+ ready\.", timeout=60)
         beat.wait_for(r"beat: Starting\.\.\.", timeout=60)
         pids = ", ".join(f"{name} (pid {w.pid})" for name, w in self.workers.items())
@@ -511,14 +515,18 @@ class Demo:
         console.always("Verdict")
         for ok, text in checks:
             lead = "  ok    " if ok else "  FAIL  "
-            console.always(textwrap.fill(text, WIDTH - 1, initial_indent=lead, subsequent_indent=" " * 8))
+            console.always(
+                textwrap.fill(text, WIDTH - 1, initial_indent=lead, subsequent_indent=" " * 8)
+            )
+        total = console.elapsed()
         console.always(
-            f"  info  total {console.elapsed():.1f} s (sync {console.elapsed() - state.started_sync:.1f} s); "
+            f"  info  total {total:.1f} s (sync {total - state.started_sync:.1f} s); "
             f"upstream errors retried: {error_text}"
         )
         failed = sum(1 for ok, _ in checks if not ok)
         if failed:
-            console.always(f"FAIL: {failed} of {len(checks)} checks failed; logs in {self.data / 'logs'}")
+            logs = shown_path(self.data / "logs")
+            console.always(f"FAIL: {failed} of {len(checks)} checks failed; logs in {logs}")
             return 1
         console.always("PASS: the sync survived kill -9 of the worker holding its lease")
         return 0

@@ -95,9 +95,7 @@ class Channel(filesystem.Channel):  # type: ignore[misc]
     def _write_table(self, exchange: str, table: list[Any]) -> None:
         _write_atomically(self._exchange_file(exchange), str_to_bytes(dumps(table)))
 
-    def _queue_bind(
-        self, exchange: str, routing_key: str, pattern: str, queue: str
-    ) -> None:
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
         entry = filesystem.exchange_queue_t(routing_key or "", pattern or "", queue or "")
         with self._tables_locked():
             table = self.get_table(exchange)

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     DATA.mkdir(parents=True, exist_ok=True)
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True
-    host, port = server.server_address[:2]
+    host, port = server.socket.getsockname()[:2]
     serve(server, f"webhook receiver listening on http://{host}:{port}")
 
 

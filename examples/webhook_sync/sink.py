@@ -58,7 +58,9 @@ def reset(engine: Engine, *tables: sa.Table | str) -> None:
             table.drop(connection, checkfirst=True)
 
 
-def insert(connection: Connection, table: sa.Table, account: str, events: list[dict[str, Any]]) -> None:
+def insert(
+    connection: Connection, table: sa.Table, account: str, events: list[dict[str, Any]]
+) -> None:
     """Insert one page of events in the caller's transaction."""
     if events:
         connection.execute(

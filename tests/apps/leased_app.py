@@ -163,6 +163,7 @@ def make_app(
             with log.engine.begin() as connection:
                 log.end(connection, row)
                 self.checkpoint({"next": unit + 1}, connection=connection)
+            self.stop_point()  # committed: stop here if asked to (cancel, shutdown)
         return count
 
     @app.task(base=LeasedTask, bind=True, shared=False, name="e2e.poison")
@@ -188,7 +189,11 @@ def make_app(
         run = uuid.uuid4().hex
         for unit in range(count):
             row = log.start(
-                self.request.id, unit, run=run, token=None, attempt=None,
+                self.request.id,
+                unit,
+                run=run,
+                token=None,
+                attempt=None,
                 host=self.request.hostname or "",
             )
             time.sleep(unit_seconds)

@@ -73,7 +73,9 @@ class UnitLog:
                 if self._engine is None or self._pid != os.getpid():
                     if self._engine is not None:
                         self._engine.dispose(close=False)
-                    options = {"connect_args": {"timeout": 30}} if self.url.startswith("sqlite") else {}
+                    options = (
+                        {"connect_args": {"timeout": 30}} if self.url.startswith("sqlite") else {}
+                    )
                     self._engine = sa.create_engine(self.url, **options)
                     if self.url.startswith("sqlite"):
                         sa.event.listen(self._engine, "connect", _sqlite_on_connect)
@@ -122,6 +124,11 @@ class UnitLog:
         """Mark the unit ended, in the caller's transaction (the one saving the checkpoint)."""
         t = self.table
         connection.execute(sa.update(t).where(t.c.id == row_id).values(ended_at=db_now()))
+
+    def now(self) -> float:
+        """The database clock (epoch seconds), the clock of ``started_at`` and ``ended_at``."""
+        with self.engine.connect() as connection:
+            return float(connection.execute(sa.select(db_now())).scalar_one())
 
     def rows(self, job_id: str | None = None) -> list[Unit]:
         """Every started unit (of ``job_id``, or of every job), in start order."""

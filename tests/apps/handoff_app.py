@@ -1,0 +1,61 @@
+"""``tests.apps.leased_app`` plus the tasks of the hand-off tests (issue 6), configured from env.
+
+- ``e2e.stuck(count, unit_seconds, stuck_after)``: like ``e2e.units``, but its first attempt
+  hangs in ``time.sleep(3600)`` after committing unit ``stuck_after`` (a deadlock, a socket
+  without timeout); later attempts run to the end.
+- ``e2e.hold(seconds)``: holds its lease ``seconds`` without a checkpoint (the keeper alone keeps
+  it alive), then returns its token.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Mapping
+
+from celery import Celery, Task
+
+from celery_leases import LeasedTask
+from tests.apps.leased_app import make_app as make_leased_app
+from tests.apps.leased_app import unit_log_for
+
+
+def add_handoff_tasks(app: Celery) -> Celery:
+    log = unit_log_for(app)
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="e2e.stuck")
+    def stuck(self: Task, count: int, unit_seconds: float, stuck_after: int) -> int:
+        lease = self.lease
+        run = uuid.uuid4().hex
+        for unit in range((lease.checkpoint or {}).get("next", 0), count):
+            row = log.start(
+                lease.job_id,
+                unit,
+                run=run,
+                token=lease.token,
+                attempt=lease.attempt,
+                host=self.request.hostname or "",
+            )
+            time.sleep(unit_seconds)
+            with log.engine.begin() as connection:
+                log.end(connection, row)
+                self.checkpoint({"next": unit + 1}, connection=connection)
+            self.stop_point()
+            if lease.attempt == 1 and unit == stuck_after:
+                time.sleep(3600)
+        return count
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="e2e.hold")
+    def hold(self: Task, seconds: float) -> int:
+        time.sleep(seconds)
+        return int(self.lease.token)
+
+    return app
+
+
+def make_app(environ: Mapping[str, str] | None = None, *, name: str = "handoff_app") -> Celery:
+    return add_handoff_tasks(make_leased_app(environ, name=name, current=True))
+
+
+app = make_app(os.environ)

@@ -1,0 +1,249 @@
+"""Issue 3 end to end: crashed, frozen and lost jobs come back through the reaper.
+
+Real prefork workers (two, ``-c 1`` each) and a real ``celery beat`` sending
+``celery_leases.reap`` every second; default (early) acks unless a test says otherwise; a 2 s
+lease. Redis and RabbitMQ with a PostgreSQL store, and the embedded ``filesystem://`` broker
+with an SQLite store.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import celery_leases
+from celery_leases.store import GAVE_UP_NO_PROGRESS
+from tests.e2e_support import Scenario, check_unit_log, freeze, thaw
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+MakeScenario = Callable[..., Scenario]
+
+postgres = pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+
+UNITS = 16
+UNIT_SECONDS = 0.25
+CRASH_AT_UNIT = 5
+
+
+def with_reaper(scenario: MakeScenario, broker: dict[str, Any], **options: Any) -> Scenario:
+    """Two workers and a beat reaping every second; a 2 s lease unless ``options`` say."""
+    settings: dict[str, Any] = {"lease_seconds": 2.0, "renew_seconds": 0.5, "reaper_every": 1.0}
+    s = scenario(broker, **(settings | options))
+    s.start_workers(2)
+    s.start_beat()
+    return s
+
+
+def resumed_elsewhere(s: Scenario, job_id: str, *, crash: Callable[[Any], None]) -> Any:
+    """Run a 16-unit job, ``crash(row)`` during unit 5, then wait for the job to end.
+
+    Returns (job, runs, the row in progress at the crash)."""
+    job_id = s.send("e2e.units", UNITS, UNIT_SECONDS, task_id=job_id)
+    row = s.wait_unit(job_id, unit=CRASH_AT_UNIT, timeout=30)
+    crash(row)
+    job = s.wait_finished(job_id, timeout=40)
+    assert (job.state, job.result, job.attempts) == ("done", UNITS, 2), job
+    runs = check_unit_log(s.log.rows(job_id), UNITS, crashes=1)
+    assert len(runs) == 2
+    assert runs[1].first.unit == row.unit  # resumed at the unit in progress, none before
+    return job, runs, row
+
+
+@postgres
+def test_a_job_whose_pool_process_was_killed_resumes_from_its_last_checkpoint(
+    scenario: MakeScenario, celery_settings: dict[str, Any]
+) -> None:
+    # Given two workers, early ack, a beat reaping every second
+    s = with_reaper(scenario, celery_settings)
+
+    # When the pool process running the job is SIGKILLed during unit 5
+    def kill_pool_process(row: Any) -> None:
+        os.kill(row.pid, signal.SIGKILL)
+
+    # Then a worker resumes it from its last checkpoint, via the reaper
+    job_id = f"pool-{os.urandom(4).hex()}"
+    resumed_elsewhere(s, job_id, crash=kill_pool_process)
+    assert f"job {job_id} (e2e.units): lease expired" in s.logs()
+
+
+@postgres
+def test_a_job_whose_whole_worker_was_killed_resumes_on_the_other_worker(
+    scenario: MakeScenario, celery_settings: dict[str, Any]
+) -> None:
+    # Given two workers, early ack, a beat reaping every second
+    s = with_reaper(scenario, celery_settings)
+
+    # When the whole worker running the job (main process and pool) is SIGKILLed during unit 5
+    def kill_worker(row: Any) -> None:
+        s.worker_of(row).kill()
+
+    # Then the other worker resumes it from its last checkpoint
+    _, runs, row = resumed_elsewhere(s, f"whole-{os.urandom(4).hex()}", crash=kill_worker)
+    assert s.worker_of(runs[1].first) is not s.worker_of(row)
+
+
+@postgres
+def test_a_frozen_worker_job_moves_and_the_woken_attempt_writes_nothing(
+    scenario: MakeScenario, celery_settings: dict[str, Any]
+) -> None:
+    # Given two workers, early ack, a beat reaping every second, and a running job
+    s = with_reaper(scenario, celery_settings)
+    job_id = s.send("e2e.units", UNITS, UNIT_SECONDS)
+    row = s.wait_unit(job_id, unit=CRASH_AT_UNIT, timeout=30)
+    frozen = s.worker_of(row)
+
+    # When its whole worker is frozen (SIGSTOP, TCP left open) until the job resumed elsewhere,
+    # then woken (SIGCONT)
+    freeze(frozen)
+    try:
+        moved = s.wait_unit(job_id, unit=0, run_other_than=row.run, timeout=30)
+    finally:
+        thaw(frozen)
+    frozen.wait_for_log(rf"job {job_id}: attempt with token 1 stopped, lease lost", timeout=10)
+
+    # Then the job resumed on the other worker, and the woken attempt wrote nothing: its unit
+    # in progress stays uncommitted, and it started no other
+    job = s.wait_finished(job_id, timeout=40)
+    assert (job.state, job.result, job.attempts) == ("done", UNITS, 2), job
+    rows = s.log.rows(job_id)
+    runs = check_unit_log(rows, UNITS, crashes=1)
+    assert len(runs) == 2
+    stale, resumed = runs
+    assert s.worker_of(resumed.first) is not frozen and s.worker_of(moved) is not frozen
+    assert stale.units[-1] == row and not row.committed
+    assert resumed.first.unit == row.unit
+    assert "lease lost on job" in frozen.log_text()
+
+
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+@postgres
+def test_acks_late_on_redis_with_a_short_visibility_timeout_never_runs_a_job_twice_at_once(
+    scenario: MakeScenario, celery_settings: dict[str, Any]
+) -> None:
+    # Given acks_late on Redis with a 3 s visibility timeout (unacked messages restored every
+    # second), two workers and the reaper
+    s = with_reaper(
+        scenario, celery_settings, acks_late=True, visibility_timeout=3, restore_interval=1
+    )
+
+    # When a 10 s job runs
+    job_id = s.send("e2e.units", 40, UNIT_SECONDS)
+    job = s.wait_finished(job_id, timeout=40)
+
+    # Then Redis delivered it again while it ran, the claim dropped the copies, and the body
+    # ran once
+    assert (job.state, job.result, job.attempts) == ("done", 40, 1), job
+    logs = s.logs()
+    assert f"job {job_id}: redelivered while a lease still holds it" in logs
+    assert f"job {job_id}: message dropped, a live lease holds it" in logs
+    runs = check_unit_log(s.log.rows(job_id), 40, crashes=0)
+    assert len(runs) == 1
+
+
+@pytest.mark.parametrize("database_url", ["postgres", "sqlite"], indirect=True)
+def test_two_reapers_at_once_republish_an_expired_job_once(
+    scenario: MakeScenario, celery_settings: dict[str, Any]
+) -> None:
+    # Given five jobs whose worker died holding their lease (claimed, then expired), and their
+    # original messages still queued
+    s = scenario(celery_settings, lease_seconds=2.0)
+    jobs = [s.send("e2e.units", 2, 0.05) for _ in range(5)]
+    for job_id in jobs:
+        claimed = s.store.claim(
+            job_id, owner="dead@host/1", duration=2.0, task="e2e.units", args="[]", kwargs="{}"
+        )
+        assert getattr(claimed, "token", None) == 1, claimed
+        assert s.store.expire(job_id)
+    queued_before = queue_length(s)
+
+    # When two reapers run a pass at the same moment
+    barrier = threading.Barrier(2)
+    reports: list[celery_leases.ReapReport] = []
+
+    def reaper() -> None:
+        barrier.wait()
+        reports.append(celery_leases.reap(s.app))
+
+    threads = [threading.Thread(target=reaper) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+
+    # Then each job was re-published once, by one of them
+    republished = sorted(job_id for report in reports for job_id in report.republished)
+    assert republished == sorted(jobs), reports
+    assert queue_length(s) == queued_before + len(jobs)
+
+    # And a worker runs each job once, dropping the extra message
+    s.start_workers(1)
+    for job_id in jobs:
+        job = s.wait_finished(job_id, timeout=30)
+        assert (job.state, job.attempts) == ("done", 2), job
+        assert len(check_unit_log(s.log.rows(job_id), 2, crashes=0)) == 1
+
+
+@postgres
+def test_a_job_that_kills_its_worker_on_every_attempt_ends_failed_and_says_why(
+    scenario: MakeScenario, celery_settings: dict[str, Any]
+) -> None:
+    # Given a task that SIGKILLs its own pool process before any checkpoint, a 1 s lease, and
+    # leases_max_attempts_without_progress = 3
+    s = with_reaper(scenario, celery_settings, lease_seconds=1.0, renew_seconds=0.3)
+    assert celery_leases.DEFAULTS["max_attempts_without_progress"] == 3
+
+    # When it runs
+    job_id = s.send("e2e.poison")
+    job = s.wait_finished(job_id, timeout=60)
+
+    # Then after three attempts without progress the reaper marks it failed, saying why
+    assert job.state == "failed", job
+    assert job.error == GAVE_UP_NO_PROGRESS
+    assert "without saving a checkpoint" in job.error
+    assert job.attempts == 3
+    assert [(r.unit, r.attempt) for r in s.log.rows(job_id)] == [(0, 1), (0, 2), (0, 3)]
+    assert f"job {job_id} (e2e.poison): gave up" in s.logs()
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_with_the_embedded_broker_a_killed_workers_lost_message_is_recovered_by_the_reaper(
+    scenario: MakeScenario, filesystem_broker: dict[str, Any], queue_name: str
+) -> None:
+    # Given the filesystem:// broker, an SQLite store, two workers and the reaper
+    broker = {
+        **filesystem_broker,
+        "broker_transport_options": {
+            **filesystem_broker["broker_transport_options"],
+            "polling_interval": 0.1,
+        },
+        "task_default_queue": queue_name,
+    }
+    s = with_reaper(scenario, broker)
+    assert s.app.conf.leases_database_url.startswith("sqlite:")
+
+    # When the worker running a job is SIGKILLed (its in-flight message dies with it: the
+    # transport has no redelivery)
+    def kill_worker(row: Any) -> None:
+        s.worker_of(row).kill()
+
+    # Then the reaper re-publishes the job and the other worker resumes it
+    job_id = f"embedded-{os.urandom(4).hex()}"
+    _, runs, row = resumed_elsewhere(s, job_id, crash=kill_worker)
+    assert s.worker_of(runs[1].first) is not s.worker_of(row)
+    assert f"job {job_id} (e2e.units): lease expired" in s.logs()
+
+
+def queue_length(s: Scenario) -> int:
+    """Messages waiting in the scenario's queue (Redis list or RabbitMQ queue)."""
+    queue = s.app.conf.task_default_queue
+    with s.app.connection_for_write() as connection:
+        channel = connection.default_channel
+        if connection.transport.driver_type == "redis":
+            return int(channel.client.llen(queue))
+        return int(channel.queue_declare(queue, passive=True).message_count)

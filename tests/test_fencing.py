@@ -1,0 +1,105 @@
+"""Fence your own writes with ``self.lease.token``: a stale attempt's write is refused.
+
+The pattern the README documents for storage the leases database does not cover: keep the
+highest token that wrote a record, and write only ``WHERE last_token <= :token``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from celery_leases import LeasedTask, LeaseLost
+from celery_leases.config import settings_for
+from celery_leases.lease import Lease, current
+from celery_leases.store import Claimed, Store, store_for
+
+accounts = sa.Table(
+    "fencing_accounts",
+    sa.MetaData(),
+    sa.Column("id", sa.String(50), primary_key=True),
+    sa.Column("balance", sa.Integer, nullable=False),
+    sa.Column("last_token", sa.BigInteger, nullable=False),
+)
+
+
+def fenced_write(connection: sa.Connection, account: str, balance: int, token: int) -> bool:
+    """The documented pattern: True when written, False when a newer attempt already wrote."""
+    result = connection.execute(
+        sa.update(accounts)
+        .where(accounts.c.id == account, accounts.c.last_token <= token)
+        .values(balance=balance, last_token=token)
+    )
+    return result.rowcount == 1
+
+
+@pytest.fixture
+def app(database_url: str, table_name: str) -> Iterator[Celery]:
+    app = Celery("fencing", broker="memory://", set_as_current=False)
+    app.conf.leases_database_url = database_url
+    app.conf.leases_table = table_name
+    yield app
+    engine = store_for(settings_for(app)).engine
+    accounts.drop(engine, checkfirst=True)
+    engine.dispose()
+
+
+def two_attempts(store: Store) -> tuple[Claimed, Claimed]:
+    """Attempt 1 claims, pauses past its lease; attempt 2 claims the expired job."""
+    store.register("job", task="t", args="[]", kwargs="{}", options="{}")
+    first = store.claim("job", owner="a/1", duration=30, task="t", args="[]", kwargs="{}")
+    assert isinstance(first, Claimed)
+    store.expire("job")
+    second = store.claim("job", owner="b/2", duration=30, task="t", args="[]", kwargs="{}")
+    assert isinstance(second, Claimed)
+    return first, second
+
+
+def test_a_stale_attempts_fenced_write_is_refused_and_the_newer_value_stays(app: Celery) -> None:
+    store = store_for(settings_for(app))
+    store.ensure_schema()
+    accounts.create(store.engine, checkfirst=True)
+    with store.engine.begin() as connection:
+        connection.execute(sa.insert(accounts).values(id="acct", balance=0, last_token=0))
+    first, second = two_attempts(store)
+    assert second.token > first.token
+
+    # When the newer attempt writes, then the stale one wakes up and writes
+    with store.engine.begin() as connection:
+        assert fenced_write(connection, "acct", 200, second.token)
+    with store.engine.begin() as connection:
+        stale_written = fenced_write(connection, "acct", 100, first.token)
+
+    # Then the stale write is refused and the newer value stays
+    assert not stale_written
+    with store.engine.connect() as connection:
+        row = connection.execute(sa.select(accounts.c.balance, accounts.c.last_token)).one()
+    assert tuple(row) == (200, second.token)
+
+
+def test_a_stale_attempts_transactional_checkpoint_rolls_back_its_own_writes(app: Celery) -> None:
+    @app.task(base=LeasedTask, bind=True, shared=False)
+    def step(self: LeasedTask) -> None:
+        pass
+
+    store = store_for(settings_for(app))
+    store.ensure_schema()
+    accounts.create(store.engine, checkfirst=True)
+    first, _ = two_attempts(store)
+    stale = Lease("job", first.token, 1, None, "a/1", 30.0, 10.0)
+    current.stack.append(stale)
+    try:
+        # When the stale attempt writes and checkpoints in one transaction
+        with pytest.raises(LeaseLost), store.engine.begin() as connection:
+            connection.execute(sa.insert(accounts).values(id="stale", balance=1, last_token=1))
+            step.checkpoint({"page": 9}, connection=connection)
+    finally:
+        current.stack.remove(stale)
+
+    # Then its write rolled back with the refused checkpoint
+    with store.engine.connect() as connection:
+        assert connection.execute(sa.select(sa.func.count()).select_from(accounts)).scalar() == 0
+    assert store.get("job").checkpoint is None
