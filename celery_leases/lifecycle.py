@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from celery import current_app
-from celery.signals import worker_process_shutdown, worker_shutting_down
+from celery.signals import task_unknown, worker_process_shutdown, worker_shutting_down
 
 from .config import settings_for
 from .errors import LeaseError
@@ -35,11 +35,9 @@ def release_on_process_shutdown(**_: Any) -> None:
 @worker_shutting_down.connect(weak=False)  # type: ignore[untyped-decorator]
 def preempt_on_shutdown(sender: Any = None, **_: Any) -> None:
     """Warm shutdown: ask this worker's running attempts to stop at their next checkpoint."""
-    from .task import LeasedTask
-
     app = current_app
     # Every `celery` command imports this package (its CLI plugin): act only for leased apps.
-    if not any(isinstance(task, LeasedTask) for task in app.tasks.values()):
+    if not _uses_leases(app):
         return
     try:
         settings = settings_for(app)
@@ -53,3 +51,29 @@ def preempt_on_shutdown(sender: Any = None, **_: Any) -> None:
         logger.warning(
             "celery-leases: %d running job(s) will hand back at their next checkpoint", count
         )
+
+
+@task_unknown.connect(weak=False)  # type: ignore[untyped-decorator]
+def fail_unknown_task(sender: Any = None, name: str = "", id: str = "", **_: Any) -> None:
+    """A message for a task this worker does not know: Celery discards it, so fail the job
+    with the reason instead of leaving the reaper to re-publish it forever."""
+    app = getattr(sender, "app", None) or current_app
+    if not _uses_leases(app) or not id:
+        return
+    hostname = getattr(sender, "hostname", None) or "this worker"
+    try:
+        store = store_for(settings_for(app))
+        failed = store.give_up(
+            id, error=f"{hostname} does not know task {name!r} (not registered); message discarded"
+        )
+    except LeaseError as exc:
+        logger.warning("celery-leases: could not fail job %s of unknown task %r: %s", id, name, exc)
+        return
+    if failed:
+        logger.error("celery-leases: job %s failed: task %r is not registered here", id, name)
+
+
+def _uses_leases(app: Any) -> bool:
+    from .task import LeasedTask
+
+    return any(isinstance(task, LeasedTask) for task in app.tasks.values())

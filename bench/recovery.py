@@ -1,0 +1,265 @@
+"""Crash to resume: how long a job waits after its worker dies, celery-leases vs plain Celery.
+
+``python -m bench.recovery [--quick] [--runs N] [--plain-timeout S] [--no-plain]``
+
+For each crash kind (the pool process SIGKILLed, the whole worker SIGKILLed, the whole worker
+frozen with SIGSTOP), a 16-unit job (0.25 s a unit) is crashed during unit 5 with a second
+worker idle, and we time from the crash (database clock) to the first unit of the attempt that
+runs next (the unit log of ``tests/apps/leased_app.py``, same clock):
+
+- celery-leases: early ack, lease 2 s, ``celery_leases.reap`` every 1 s from a real beat,
+  Redis broker, PostgreSQL store;
+- plain Celery (``e2e.plain_units``, no lease): ``task_acks_late`` on Redis with
+  ``visibility_timeout`` 10 s and kombu's default restore sweep.
+
+A frozen worker is woken (SIGCONT) once the job runs elsewhere; we record whether its stale
+attempt then wrote anything. Prints a table and writes ``bench/results/recovery.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from bench.common import POSTGRES_URL, drop_tables, print_table, private_redis, write_result
+from tests.apps.leased_app import app_env
+from tests.apps.unit_log import Unit
+from tests.e2e_support import Scenario, close_app, freeze, kill_all, runs_of, thaw
+from tests.workers import Spawner
+
+UNITS = 16
+UNIT_SECONDS = 0.25
+CRASH_AT_UNIT = 5
+LEASE_SECONDS = 2.0
+REAPER_EVERY = 1.0
+VISIBILITY_TIMEOUT = 10
+KINDS = ("pool process SIGKILL", "whole worker SIGKILL", "whole worker SIGSTOP")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 runs, no plain Celery")
+    parser.add_argument("--runs", type=int, default=None, help="runs per crash kind (5)")
+    parser.add_argument(
+        "--plain-timeout", type=float, default=150.0, help="seconds to wait for plain Celery"
+    )
+    parser.add_argument("--no-plain", action="store_true", help="skip plain Celery")
+    args = parser.parse_args(argv)
+    runs = args.runs or (2 if args.quick else 5)
+    plain = not (args.no_plain or args.quick)
+
+    measured: dict[str, dict[str, list[dict[str, Any]]]] = {"leased": {}, "plain": {}}
+    for mode in ("leased", "plain") if plain else ("leased",):
+        for kind in KINDS:
+            results = measured[mode].setdefault(kind, [])
+            for number in range(1, runs + 1):
+                result = measure(mode, kind, plain_timeout=args.plain_timeout)
+                results.append(result)
+                print(f"{mode:6} {kind:22} run {number}: {describe(result)}", flush=True)
+
+    rows = []
+    summary: dict[str, Any] = {}
+    for kind in KINDS:
+        leased = figures(measured["leased"][kind])
+        row: list[Any] = [kind, leased["median_s"], leased["worst_s"], leased["redone"]]
+        summary[kind] = {"leased": leased}
+        if plain:
+            baseline = figures(measured["plain"][kind])
+            summary[kind]["plain"] = baseline
+            row += [baseline["median_s"], baseline["worst_s"], baseline["outcome"]]
+        rows.append(row)
+    headers = ["crash", "leases median s", "leases worst s", "leases units redone"]
+    if plain:
+        headers += ["plain median s", "plain worst s", "plain Celery outcome"]
+    print_table(
+        f"crash -> first unit of the next attempt ({runs} runs; leases: lease {LEASE_SECONDS:g} s, "
+        f"reaper every {REAPER_EVERY:g} s; plain: acks_late, Redis visibility_timeout "
+        f"{VISIBILITY_TIMEOUT} s)",
+        headers,
+        rows,
+    )
+    write_result(
+        "recovery",
+        {
+            "settings": {
+                "units": UNITS,
+                "unit_seconds": UNIT_SECONDS,
+                "crash_at_unit": CRASH_AT_UNIT,
+                "lease_seconds": LEASE_SECONDS,
+                "reaper_every_seconds": REAPER_EVERY,
+                "plain_visibility_timeout_seconds": VISIBILITY_TIMEOUT,
+                "plain_timeout_seconds": args.plain_timeout if plain else None,
+                "runs": runs,
+                "broker": "redis",
+                "store": "postgresql",
+            },
+            "summary": summary,
+            "runs": measured,
+        },
+        quick=args.quick,
+    )
+    return 0
+
+
+def measure(mode: str, kind: str, *, plain_timeout: float) -> dict[str, Any]:
+    """One crash of one job; what happened after it."""
+    leased = mode == "leased"
+    table = f"bench_recovery_{uuid.uuid4().hex[:6]}"
+    queue = f"bench_recovery_q_{uuid.uuid4().hex[:6]}"
+    with private_redis() as broker, tempfile.TemporaryDirectory(prefix="bench-recovery-") as logs:
+        options: dict[str, Any] = (
+            {"lease_seconds": LEASE_SECONDS, "reaper_every": REAPER_EVERY}
+            if leased
+            else {"acks_late": True, "visibility_timeout": VISIBILITY_TIMEOUT}
+        )
+        env = app_env(
+            broker_url=broker, database_url=POSTGRES_URL, table=table, queue=queue, **options
+        )
+        spawner = Spawner(log_dir=logs)
+        s = Scenario(spawner, env)
+        try:
+            s.start_workers(2)
+            if leased:
+                s.start_beat()
+            job_id = s.send("e2e.units" if leased else "e2e.plain_units", UNITS, UNIT_SECONDS)
+            row = s.wait_unit(job_id, unit=CRASH_AT_UNIT, timeout=30)
+            victim = s.worker_of(row)
+            crashed_at = s.log.now()
+            if kind == KINDS[0]:
+                os.kill(row.pid, signal.SIGKILL)
+            elif kind == KINDS[1]:
+                victim.kill()
+            else:
+                freeze(victim)
+            timeout = 30.0 if leased else plain_timeout
+            lost = None if leased else message_gone(s, broker, queue, job_id)
+            resumed = wait_next_run(s, job_id, crashed_at, timeout=timeout, lost=lost)
+            result: dict[str, Any] = {"crashed_unit": row.unit}
+            if resumed is None:
+                result["seconds"] = None
+                result["outcome"] = (
+                    "never: the message was acked as failed"
+                    if lost is not None and lost()
+                    else f"not re-run within {timeout:.0f} s"
+                )
+                return result
+            result["seconds"] = resumed.started_at - crashed_at
+            result["resumed_at_unit"] = resumed.unit
+            result["redone_units"] = row.unit - resumed.unit + 1
+            result["other_worker"] = s.worker_of(resumed) is not victim
+            if kind == KINDS[2]:
+                thaw(victim)
+                time.sleep(3.0 if not leased else 0.0)
+            if leased:
+                job = s.wait_finished(job_id, timeout=30)
+                result["final_state"] = job.state
+            else:
+                time.sleep(UNITS * UNIT_SECONDS)
+            rows = s.log.rows(job_id)
+            stale_writes = [
+                r for r in rows if r.run == row.run and r.committed and r.unit >= row.unit
+            ]
+            result["stale_attempt_committed_units"] = len(stale_writes)
+            result["concurrent_runs"] = concurrent(rows)
+            result["outcome"] = "resumed" if leased else "re-run from unit 0"
+            return result
+        finally:
+            s.thaw_all()
+            kill_all(spawner)
+            close_app(s.app)
+            s.log.dispose()
+            with contextlib.suppress(Exception):
+                s.store.engine.dispose()
+            drop_tables(POSTGRES_URL, table)
+
+
+def wait_next_run(
+    s: Scenario,
+    job_id: str,
+    crashed_at: float,
+    *,
+    timeout: float,
+    lost: Callable[[], bool] | None,
+) -> Unit | None:
+    """The first unit of the first run that started after the crash, or None by ``timeout``."""
+    deadline = time.monotonic() + timeout
+    checked_lost = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        later = [run for run in runs_of(s.log.rows(job_id)) if run.first.started_at > crashed_at]
+        if later:
+            return later[0].first
+        if lost is not None and time.monotonic() > checked_lost:
+            if lost():
+                return None
+            checked_lost = time.monotonic() + 2.0
+        time.sleep(0.05)
+    return None
+
+
+def message_gone(s: Scenario, broker: str, queue: str, job_id: str) -> Callable[[], bool]:
+    """For plain Celery on Redis: True once no copy of the job's message is left anywhere
+    (not queued, not unacked), so it can never run again."""
+    import redis
+
+    def gone() -> bool:
+        client = redis.Redis.from_url(broker)
+        try:
+            queued = any(job_id.encode() in m for m in client.lrange(queue, 0, -1))
+            unacked = any(job_id.encode() in m for m in client.hvals("unacked"))
+            return not (queued or unacked)
+        finally:
+            client.close()
+
+    return gone
+
+
+def concurrent(rows: list[Unit]) -> bool:
+    """True if two runs had units in progress at the same moment (uncommitted ones count until
+    the next unit of their run started, or forever if none did)."""
+    spans = []
+    for run in runs_of(rows):
+        for unit, following in zip(run.units, [*run.units[1:], None], strict=True):
+            end = unit.ended_at or (following.started_at if following else float("inf"))
+            spans.append((unit.started_at, end, run.id))
+    spans.sort()
+    return any(
+        b[0] < a[1] and a[2] != b[2] for i, a in enumerate(spans) for b in spans[i + 1 :]
+    )
+
+
+def figures(results: list[dict[str, Any]]) -> dict[str, Any]:
+    seconds = [r["seconds"] for r in results if r["seconds"] is not None]
+    outcomes = sorted({r["outcome"] for r in results})
+    redone = sorted({r.get("redone_units") for r in results if r.get("redone_units") is not None})
+    return {
+        "median_s": statistics.median(seconds) if seconds else float("nan"),
+        "worst_s": max(seconds) if len(seconds) == len(results) else float("inf"),
+        "resumed": f"{len(seconds)}/{len(results)}",
+        "redone": "/".join(str(r) for r in redone) or "-",
+        "outcome": "; ".join(outcomes),
+        "stale_attempt_committed_units": sorted(
+            {r.get("stale_attempt_committed_units") for r in results} - {None}
+        ),
+        "concurrent_runs": any(r.get("concurrent_runs") for r in results),
+    }
+
+
+def describe(result: dict[str, Any]) -> str:
+    if result["seconds"] is None:
+        return result["outcome"]
+    extra = {k: v for k, v in result.items() if k not in ("seconds", "outcome")}
+    return f"{result['seconds']:.2f} s, {result['outcome']} {json.dumps(extra)}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
