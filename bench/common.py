@@ -69,8 +69,9 @@ def write_result(name: str, data: Mapping[str, Any], *, quick: bool) -> Path:
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """Print a Markdown table (so it pastes into docs/benchmarks.md as is)."""
     cells = [[_cell(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
-              for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)
+    ]
     print(f"\n### {title}\n")
     print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -227,7 +228,7 @@ class StatementCounter:
         self.rollbacks = 0
         self.cache_misses = 0
         self.last: list[tuple[str, Any]] = []
-        self._listeners = [
+        self._listeners: list[tuple[Any, str, Callable[..., Any]]] = [
             (engine, "before_cursor_execute", self._on_execute),
             (engine, "commit", self._on_commit),
             (engine, "rollback", self._on_rollback),
@@ -236,8 +237,9 @@ class StatementCounter:
         for target, name, fn in self._listeners:
             sa.event.listen(target, name, fn)
 
-    def _on_execute(self, conn: Any, cursor: Any, statement: str, params: Any, context: Any,
-                    executemany: bool) -> None:
+    def _on_execute(
+        self, conn: Any, cursor: Any, statement: str, params: Any, context: Any, executemany: bool
+    ) -> None:
         self.statements += 1
         self.last.append((statement, params))
         if getattr(context, "cache_hit", None) is CacheStats.CACHE_MISS:
@@ -295,7 +297,7 @@ def delete_rabbitmq(queue: str) -> None:
     )
 
 
-# -- the machine ------------------------------------------------------------------------------------
+# -- the machine ----------------------------------------------------------------------------------
 
 _machine: dict[str, Any] | None = None
 
@@ -424,8 +426,9 @@ def bench_worker(
         while not client.exists(f"{run}:ready"):
             if not worker.is_alive() or time.monotonic() > deadline:
                 worker.stop(timeout=5)
-                raise RuntimeError(f"worker did not start; log {worker.log_path}:\n"
-                                   f"{worker.log_tail()}")
+                raise RuntimeError(
+                    f"worker did not start; log {worker.log_path}:\n{worker.log_tail()}"
+                )
             time.sleep(0.05)
     finally:
         client.close()
@@ -447,10 +450,13 @@ def wait_done(
                 raise RuntimeError(f"worker died; log {worker.log_path}:\n{worker.log_tail()}")
             if time.monotonic() > deadline:
                 done = int(client.get(f"{run}:done") or 0)
-                raise RuntimeError(f"only {done}/{total} tasks done after {timeout:.0f} s; "
-                                   f"log {worker.log_path}:\n{worker.log_tail()}")
+                raise RuntimeError(
+                    f"only {done}/{total} tasks done after {timeout:.0f} s; "
+                    f"log {worker.log_path}:\n{worker.log_tail()}"
+                )
             time.sleep(0.02)
-        sql = {k.decode(): int(v) for k, v in client.hgetall(f"{run}:sql").items()}
+        counted: dict[bytes, bytes] = client.hgetall(f"{run}:sql")  # type: ignore[assignment]
+        sql = {k.decode(): int(v) for k, v in counted.items()}
         return {
             "done": int(client.get(f"{run}:done") or 0),
             "first": float(client.get(f"{run}:first") or 0),

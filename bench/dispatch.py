@@ -38,12 +38,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     queue = f"bench_q_{uuid.uuid4().hex[:8]}"
     data: dict[str, Any] = {"calls": calls, "block": block}
     with private_redis() as redis_url:
-        app = make_app({
-            "broker_url": redis_url,
-            "task_default_queue": queue,
-            "leases_database_url": POSTGRES_URL,
-            "leases_table": table,
-        }, name="bench-dispatch")
+        app = make_app(
+            {
+                "broker_url": redis_url,
+                "task_default_queue": queue,
+                "leases_database_url": POSTGRES_URL,
+                "leases_table": table,
+            },
+            name="bench-dispatch",
+        )
         leased, plain = app.tasks["bench.leased_noop"], app.tasks["bench.plain_noop"]
         try:
             # Warm up both paths: broker connection, engine, schema check, compiled statements.
@@ -75,10 +78,22 @@ def report(data: dict[str, Any]) -> None:
     p, q = data["plain"], data["leased"]
     rows = [
         ["plain", p["median_ms"], p["p90_ms"], p["p99_ms"], p["mean_ms"], 1.0],
-        ["leased", q["median_ms"], q["p90_ms"], q["p99_ms"], q["mean_ms"],
-         q["median_ms"] / p["median_ms"]],
-        ["difference", q["median_ms"] - p["median_ms"], q["p90_ms"] - p["p90_ms"],
-         q["p99_ms"] - p["p99_ms"], q["mean_ms"] - p["mean_ms"], float("nan")],
+        [
+            "leased",
+            q["median_ms"],
+            q["p90_ms"],
+            q["p99_ms"],
+            q["mean_ms"],
+            q["median_ms"] / p["median_ms"],
+        ],
+        [
+            "difference",
+            q["median_ms"] - p["median_ms"],
+            q["p90_ms"] - p["p90_ms"],
+            q["p99_ms"] - p["p99_ms"],
+            q["mean_ms"] - p["mean_ms"],
+            float("nan"),
+        ],
     ]
     print_table(
         f"apply_async latency, Redis broker, PostgreSQL store ({data['calls']} calls each, ms)",
@@ -86,8 +101,10 @@ def report(data: dict[str, Any]) -> None:
         rows,
     )
     c = data["statements_per_dispatch"]
-    print(f"\nper leased dispatch: {c['statements']} statement(s), {c['checkouts']} checkout "
-          f"(pre-ping), {c['commits']} commit")
+    print(
+        f"\nper leased dispatch: {c['statements']} statement(s), {c['checkouts']} checkout "
+        f"(pre-ping), {c['commits']} commit"
+    )
 
 
 if __name__ == "__main__":

@@ -60,11 +60,16 @@ def sample(worker: Any, done: int) -> dict[str, Any]:
     }
 
 
-def run_variant(app: Any, config: dict[str, Any], counter_url: str, task_name: str,
-                marks: list[int], log_dir: str) -> list[dict[str, Any]]:
+def run_variant(
+    app: Any,
+    config: dict[str, Any],
+    counter_url: str,
+    task_name: str,
+    marks: list[int],
+    log_dir: str,
+) -> list[dict[str, Any]]:
     run = f"bench:{uuid.uuid4().hex[:8]}"
-    worker = bench_worker(config, counter_url=counter_url, run=run, concurrency=1,
-                          log_dir=log_dir)
+    worker = bench_worker(config, counter_url=counter_url, run=run, concurrency=1, log_dir=log_dir)
     samples = []
     try:
         samples.append(sample(worker, 0))
@@ -74,8 +79,11 @@ def run_variant(app: Any, config: dict[str, Any], counter_url: str, task_name: s
             sent = mark
             wait_done(counter_url, run, mark, worker=worker, timeout=60 + mark / 20)
             samples.append(sample(worker, mark))
-            print(f"  {task_name}: {mark:6d} tasks, child RSS "
-                  f"{samples[-1]['child']['rss'] / 1024:.1f} MiB", flush=True)
+            print(
+                f"  {task_name}: {mark:6d} tasks, child RSS "
+                f"{samples[-1]['child']['rss'] / 1024:.1f} MiB",
+                flush=True,
+            )
     finally:
         worker.stop(timeout=15)
     return samples
@@ -99,10 +107,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             }
             app = make_app(config, name="bench-memory")
             try:
-                for variant, task_name in (("plain", "bench.plain_noop"),
-                                           ("leased", "bench.leased_noop")):
-                    data["variants"][variant] = run_variant(app, config, redis_url, task_name,
-                                                            marks, log_dir)
+                for variant, task_name in (
+                    ("plain", "bench.plain_noop"),
+                    ("leased", "bench.leased_noop"),
+                ):
+                    data["variants"][variant] = run_variant(
+                        app, config, redis_url, task_name, marks, log_dir
+                    )
             finally:
                 app.pool.force_close_all()
                 app.close()
@@ -117,24 +128,38 @@ def report(data: dict[str, Any]) -> None:
     for variant, samples in data["variants"].items():
         for s in samples:
             child = s["child"] or {"rss": 0, "pss": 0, "private": 0}
-            rows.append([variant, s["tasks"], s["parent"]["rss"] / 1024, child["rss"] / 1024,
-                         child["pss"] / 1024, child["private"] / 1024])
-    print_table("Worker memory after N no-op tasks (MiB; prefork, 1 pool process)",
-                ["task", "tasks run", "parent RSS", "child RSS", "child PSS", "child private"],
-                rows)
+            rows.append(
+                [
+                    variant,
+                    s["tasks"],
+                    s["parent"]["rss"] / 1024,
+                    child["rss"] / 1024,
+                    child["pss"] / 1024,
+                    child["private"] / 1024,
+                ]
+            )
+    print_table(
+        "Worker memory after N no-op tasks (MiB; prefork, 1 pool process)",
+        ["task", "tasks run", "parent RSS", "child RSS", "child PSS", "child private"],
+        rows,
+    )
     rows = []
     for variant, samples in data["variants"].items():
         first, last = samples[1], samples[-1]
-        rows.append([
-            variant,
-            (last["child"]["rss"] - first["child"]["rss"]) / 1024,
-            (last["parent"]["rss"] - first["parent"]["rss"]) / 1024,
-            (last["child"]["private"] - first["child"]["private"]) / 1024,
-        ])
+        rows.append(
+            [
+                variant,
+                (last["child"]["rss"] - first["child"]["rss"]) / 1024,
+                (last["parent"]["rss"] - first["parent"]["rss"]) / 1024,
+                (last["child"]["private"] - first["child"]["private"]) / 1024,
+            ]
+        )
     plain, leased = data["variants"].get("plain"), data["variants"].get("leased")
     if plain and leased:
-        print(f"\nleased - plain, child RSS after {leased[-1]['tasks']} tasks: "
-              f"{(leased[-1]['child']['rss'] - plain[-1]['child']['rss']) / 1024:+.1f} MiB")
+        print(
+            f"\nleased - plain, child RSS after {leased[-1]['tasks']} tasks: "
+            f"{(leased[-1]['child']['rss'] - plain[-1]['child']['rss']) / 1024:+.1f} MiB"
+        )
     print_table(
         f"Growth from {data['marks'][0]:,} to {data['marks'][-1]:,} tasks (MiB)",
         ["task", "child RSS", "parent RSS", "child private"],

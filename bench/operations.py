@@ -22,9 +22,7 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import io
-import json
 import pstats
-import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -37,7 +35,6 @@ from bench.common import (
     StatementCounter,
     arguments,
     drop_tables,
-    interleaved,
     print_table,
     reachable,
     scratch_name,
@@ -76,11 +73,19 @@ class Backend:
         self.nopreping._schema_ready = True
         self.t = self.store.table
         self.tokens: dict[str, int] = {}
+        self._restore: Callable[[], None] | None = None
         self._insert_queued(["raw-row", *self._ids("lib"), *self._ids("raw"), *self._ids("npp")])
         self._insert_queued([f"hold-{kind}" for kind in ("lib", "raw", "npp")])
+        analyze(self)
         for kind in ("lib", "raw", "npp"):
-            claimed = self.store.claim(f"hold-{kind}", owner=OWNER, duration=DURATION,
-                                       task="bench.noop", args="[]", kwargs="{}")
+            claimed = self.store.claim(
+                f"hold-{kind}",
+                owner=OWNER,
+                duration=DURATION,
+                task="bench.noop",
+                args="[]",
+                kwargs="{}",
+            )
             assert isinstance(claimed, Claimed)
             self.tokens[f"hold-{kind}"] = claimed.token
 
@@ -89,9 +94,19 @@ class Backend:
 
     def _insert_queued(self, ids: Sequence[str]) -> None:
         rows = [
-            {"id": i, "task": "bench.noop", "args": "[]", "kwargs": "{}", "options": "{}",
-             "state": QUEUED, "token": 0, "attempts": 0, "stalled_attempts": 0,
-             "created_at": time.time(), "schema_version": SCHEMA_VERSION}
+            {
+                "id": i,
+                "task": "bench.noop",
+                "args": "[]",
+                "kwargs": "{}",
+                "options": "{}",
+                "state": QUEUED,
+                "token": 0,
+                "attempts": 0,
+                "stalled_attempts": 0,
+                "created_at": time.time(),
+                "schema_version": SCHEMA_VERSION,
+            }
             for i in ids
         ]
         with self.store.engine.begin() as connection:
@@ -110,7 +125,24 @@ class Backend:
         try:
             yield fairy
         finally:
+            if self._restore is not None:
+                self._restore()
+                self._restore = None
             fairy.close()
+
+    def autocommit(self, fairy: Any) -> None:
+        """Put the raw connection in autocommit mode until the end of the block."""
+        conn = fairy.driver_connection
+        if self.name == "postgresql":
+            conn.autocommit = True
+            self._restore = lambda: setattr(conn, "autocommit", False)
+        elif self.name == "mariadb":
+            conn.autocommit(True)
+            self._restore = lambda: conn.autocommit(False)
+        else:
+            before = conn.isolation_level
+            conn.isolation_level = None
+            self._restore = lambda: setattr(conn, "isolation_level", before)
 
     def placeholder(self) -> str:
         return "?" if self.name == "sqlite" else "%s"
@@ -169,9 +201,21 @@ def measure_operations(b: Backend, *, block: int) -> dict[str, Any]:
 
         return call
 
+    def raw_autocommit(fairy: Any) -> Callable[[int], None]:
+        # The same UPDATE in one round trip: no BEGIN, the server commits it (durably).
+        b.autocommit(fairy)
+
+        def call(i: int) -> None:
+            cursor = fairy.cursor()
+            cursor.execute(raw_sql, (float(i), "raw-row"))
+            cursor.close()
+
+        return call
+
     def claim_call(s: Store, kind: str) -> Callable[[int], Any]:
-        return lambda i: s.claim(f"{kind}-{i}", owner=OWNER, duration=DURATION,
-                                 task="bench.noop", args="[]", kwargs="{}")
+        return lambda i: s.claim(
+            f"{kind}-{i}", owner=OWNER, duration=DURATION, task="bench.noop", args="[]", kwargs="{}"
+        )
 
     # What each operation sends, captured on spare jobs (also the statements per operation).
     spare = b.calls + 10
@@ -201,8 +245,14 @@ def measure_operations(b: Backend, *, block: int) -> dict[str, Any]:
                 elif op in ("renew", "checkpoint"):
                     # The same lease as the library's, under another job: the raw row held.
                     todo = [
-                        (sql, replace_value(replace_value(p, "hold-lib", "hold-raw"),
-                                            b.tokens["hold-lib"], b.tokens["hold-raw"]))
+                        (
+                            sql,
+                            replace_value(
+                                replace_value(p, "hold-lib", "hold-raw"),
+                                b.tokens["hold-lib"],
+                                b.tokens["hold-raw"],
+                            ),
+                        )
                         for sql, p in statements
                     ]
                 replay(fairy, todo)
@@ -215,13 +265,18 @@ def measure_operations(b: Backend, *, block: int) -> dict[str, Any]:
         times = interleaved_with_raw(
             b,
             {"library": library, "no pre-ping": nopre},
-            {"raw UPDATE": raw_update, "same SQL": same_sql(op)},
+            {"raw UPDATE": raw_update, "same SQL": same_sql(op), "raw autocommit": raw_autocommit},
             calls=calls,
             block=block,
         )
         results[op] = {name: summary(values) for name, values in times.items()}
 
     measure("claim", claim_call(store, "lib"), claim_call(npp, "npp"))
+    # The statistics are from before the claims (all jobs queued): the plans a burst of work
+    # after a quiet spell gets. Then fresh statistics, as autovacuum would take, for the rest.
+    held["plans_stale_statistics"] = plans(b, {op: sent[op] for op in OPERATIONS})
+    analyze(b)
+    held["plans"] = plans(b, {op: sent[op] for op in OPERATIONS})
     hold_npp = ("hold-npp", b.tokens["hold-npp"])
     measure("renew", lambda i: store.renew([hold]), lambda i: npp.renew([hold_npp]))
     measure(
@@ -237,6 +292,59 @@ def measure_operations(b: Backend, *, block: int) -> dict[str, Any]:
     held["statements"] = counts
     held["sql"] = {op: [sql for sql, _ in statements] for op, statements in sent.items()}
     return {"timings": results, **held}
+
+
+def analyze(b: Backend) -> None:
+    """Refresh the planner's statistics of the table (not on SQLite, which has none by
+    default and where few applications run ANALYZE)."""
+    if b.name == "sqlite":
+        return
+    with b.store.engine.begin() as connection:
+        word = "ANALYZE" if b.name == "postgresql" else "ANALYZE TABLE"
+        connection.execute(sa.text(f"{word} {b.table}"))
+
+
+def plans(b: Backend, sent: dict[str, list[tuple[str, Any]]]) -> dict[str, Any]:
+    """The plan of each operation's statements, and the indexes they use.
+
+    PostgreSQL: ``EXPLAIN (ANALYZE, BUFFERS)`` in a transaction rolled back; MariaDB:
+    ``EXPLAIN``; SQLite: ``EXPLAIN QUERY PLAN``.
+    """
+    prefix = {
+        "postgresql": "EXPLAIN (ANALYZE, BUFFERS) ",
+        "mariadb": "EXPLAIN ",
+        "sqlite": "EXPLAIN QUERY PLAN ",
+    }[b.name]
+    out: dict[str, Any] = {}
+    with b.raw() as fairy:
+        for op, statements in sent.items():
+            lines: list[str] = []
+            for sql, params in statements:
+                cursor = fairy.cursor()
+                cursor.execute(prefix + sql, params)
+                lines += [" ".join(str(v) for v in row) for row in cursor.fetchall()]
+                cursor.close()
+                fairy.rollback()
+            text = "\n".join(lines)
+            out[op] = {
+                "plan": lines,
+                "uses_expiry_index": f"ix_{b.table}_expiry" in text,
+                "buffers": _buffers(lines),
+            }
+    return out
+
+
+def _buffers(lines: list[str]) -> int | None:
+    """Shared buffers the top node of a PostgreSQL plan touched (None elsewhere)."""
+    for line in lines:
+        if "Buffers: shared" in line:
+            total = 0
+            for part in line.split("Buffers: shared", 1)[1].split():
+                name, _, number = part.partition("=")
+                if number.isdigit() and name in ("hit", "read", "dirtied", "written"):
+                    total += int(number) if name in ("hit", "read") else 0
+            return total
+    return None
 
 
 def interleaved_with_raw(
@@ -288,7 +396,11 @@ def measure_sizes(b: Backend, *, calls_by_size: dict[str, int], block: int) -> d
     out: dict[str, Any] = {}
     for label, size in SIZES.items():
         text = state_text(size)
-        statements, _ = capture(store, lambda t=text: store.checkpoint(hold[0], hold[1], t))
+
+        def library(i: int, t: str = text) -> Any:
+            return store.checkpoint(hold[0], hold[1], t)
+
+        statements, _ = capture(store, lambda: library(0))
         todo = [
             (sql, replace_value(replace_value(p, hold[0], raw_hold[0]), hold[1], raw_hold[1]))
             for sql, p in statements
@@ -303,10 +415,13 @@ def measure_sizes(b: Backend, *, calls_by_size: dict[str, int], block: int) -> d
 
             return call
 
+        def same_sql(fairy: Any, s: list[tuple[str, Any]] = todo) -> Callable[[int], None]:
+            return lambda i: replay(fairy, s)
+
         times = interleaved_with_raw(
             b,
-            {"library": lambda i, t=text: store.checkpoint(hold[0], hold[1], t)},
-            {"raw UPDATE": raw_update, "same SQL": lambda fairy, s=todo: lambda i: replay(fairy, s)},
+            {"library": library},
+            {"raw UPDATE": raw_update, "same SQL": same_sql},
             calls=calls_by_size[label],
             block=block,
         )
@@ -350,8 +465,9 @@ def breakdown(b: Backend, *, calls: int) -> dict[str, Any]:
     queued = [f"bd-{i}" for i in range(calls)]
     b._insert_queued(queued)
     operations: dict[str, Callable[[int], Any]] = {
-        "claim": lambda i: b.store.claim(queued[i], owner=OWNER, duration=DURATION,
-                                         task="bench.noop", args="[]", kwargs="{}"),
+        "claim": lambda i: b.store.claim(
+            queued[i], owner=OWNER, duration=DURATION, task="bench.noop", args="[]", kwargs="{}"
+        ),
         "renew": lambda i: b.store.renew([hold]),
         "checkpoint": lambda i: b.store.checkpoint(hold[0], hold[1], small),
         "finish": lambda i: b.store.finish(queued[i], 1, result="null"),
@@ -387,8 +503,9 @@ def profile_claim(b: Backend, *, calls: int) -> str:
     profiler = cProfile.Profile()
     profiler.enable()
     for job_id in queued:
-        b.store.claim(job_id, owner=OWNER, duration=DURATION, task="bench.noop",
-                      args="[]", kwargs="{}")
+        b.store.claim(
+            job_id, owner=OWNER, duration=DURATION, task="bench.noop", args="[]", kwargs="{}"
+        )
     profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
@@ -405,8 +522,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         else {"100 B": 1000, "10 KB": 1000, "1 MB": 200}
     )
     backends = {"postgresql": POSTGRES_URL, "mariadb": MARIADB_URL, "sqlite": sqlite_url("ops")}
-    data: dict[str, Any] = {"calls": calls, "block": block, "sizes_calls": calls_by_size,
-                            "backends": {}}
+    data: dict[str, Any] = {
+        "calls": calls,
+        "block": block,
+        "sizes_calls": calls_by_size,
+        "backends": {},
+    }
     for name, url in backends.items():
         problem = reachable(url)
         if problem:
@@ -417,8 +538,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         b = Backend(name, url, calls)
         try:
             result = measure_operations(b, block=block)
-            result["checkpoint_sizes"] = measure_sizes(b, calls_by_size=calls_by_size,
-                                                       block=block)
+            result["checkpoint_sizes"] = measure_sizes(b, calls_by_size=calls_by_size, block=block)
             result["breakdown_ms"] = breakdown(b, calls=min(calls, 300))
             if name == "postgresql":
                 result["claim_profile"] = profile_claim(b, calls=min(calls, 300))
@@ -438,17 +558,38 @@ def report(data: dict[str, Any]) -> None:
             t = result["timings"][op]
             raw = t["raw UPDATE"]["median_ms"]
             lib = t["library"]["median_ms"]
-            rows.append([
-                name, op, lib, t["no pre-ping"]["median_ms"], t["same SQL"]["median_ms"], raw,
-                lib / raw, t["same SQL"]["median_ms"] / raw,
-                t["library"]["p99_ms"], t["library CPU"]["mean_ms"],
-                t["raw UPDATE CPU"]["mean_ms"],
-            ])
+            rows.append(
+                [
+                    name,
+                    op,
+                    lib,
+                    t["no pre-ping"]["median_ms"],
+                    t["same SQL"]["median_ms"],
+                    raw,
+                    t["raw autocommit"]["median_ms"],
+                    lib / raw,
+                    t["same SQL"]["median_ms"] / raw,
+                    t["library"]["p99_ms"],
+                    t["library CPU"]["mean_ms"],
+                    t["raw UPDATE CPU"]["mean_ms"],
+                ]
+            )
     print_table(
         "Per-operation median latency (ms) vs a raw single-row UPDATE + COMMIT, same connection",
-        ["database", "operation", "library", "no pre-ping", "same SQL raw", "raw UPDATE",
-         "library / raw", "same SQL / raw", "library p99", "library CPU (mean)",
-         "raw UPDATE CPU (mean)"],
+        [
+            "database",
+            "operation",
+            "library",
+            "no pre-ping",
+            "same SQL raw",
+            "raw UPDATE",
+            "raw autocommit UPDATE",
+            "library / raw",
+            "same SQL / raw",
+            "library p99",
+            "library CPU (mean)",
+            "raw UPDATE CPU (mean)",
+        ],
         rows,
     )
     rows = []
@@ -457,13 +598,19 @@ def report(data: dict[str, Any]) -> None:
             continue
         for op in OPERATIONS:
             c = result["statements"][op]
-            rows.append([name, op, c["statements"], c["checkouts"], c["commits"],
-                         c["cache_misses"]])
+            rows.append(
+                [name, op, c["statements"], c["checkouts"], c["commits"], c["cache_misses"]]
+            )
     print_table(
-        "Statements per operation (SQLAlchemy before_cursor_execute; one checkout = one "
-        "pre-ping)",
-        ["database", "operation", "statements", "checkouts (pings)", "commits",
-         "compile-cache misses (1st call)"],
+        "Statements per operation (SQLAlchemy before_cursor_execute; one checkout = one pre-ping)",
+        [
+            "database",
+            "operation",
+            "statements",
+            "checkouts (pings)",
+            "commits",
+            "compile-cache misses (1st call)",
+        ],
         rows,
     )
     rows = []
@@ -472,13 +619,28 @@ def report(data: dict[str, Any]) -> None:
             continue
         for label, s in result["checkpoint_sizes"].items():
             raw = s["raw UPDATE"]["median_ms"]
-            rows.append([name, label, s["library"]["median_ms"], s["same SQL"]["median_ms"],
-                         raw, s["library"]["median_ms"] / raw,
-                         s["library"]["median_ms"] / s["same SQL"]["median_ms"]])
+            rows.append(
+                [
+                    name,
+                    label,
+                    s["library"]["median_ms"],
+                    s["same SQL"]["median_ms"],
+                    raw,
+                    s["library"]["median_ms"] / raw,
+                    s["library"]["median_ms"] / s["same SQL"]["median_ms"],
+                ]
+            )
     print_table(
         "Checkpoint by state size: median ms",
-        ["database", "state", "library", "same SQL raw", "raw UPDATE (tiny)", "library / raw",
-         "library / same SQL"],
+        [
+            "database",
+            "state",
+            "library",
+            "same SQL raw",
+            "raw UPDATE (tiny)",
+            "library / raw",
+            "library / same SQL",
+        ],
         rows,
     )
     rows = []
@@ -486,12 +648,57 @@ def report(data: dict[str, Any]) -> None:
         if "skipped" in result:
             continue
         for op, parts in result["breakdown_ms"].items():
-            rows.append([name, op, parts["ping"], parts["execute"], parts["commit"],
-                         parts["python"], parts["total"]])
+            rows.append(
+                [
+                    name,
+                    op,
+                    parts["ping"],
+                    parts["execute"],
+                    parts["commit"],
+                    parts["python"],
+                    parts["total"],
+                ]
+            )
     print_table(
         "Where the library's time goes, ms per call (sequential run, events attached)",
-        ["database", "operation", "pre-ping", "execute (incl. BEGIN)", "commit",
-         "Python (SQLAlchemy, store)", "total"],
+        [
+            "database",
+            "operation",
+            "pre-ping",
+            "execute (incl. BEGIN)",
+            "commit",
+            "Python (SQLAlchemy, store)",
+            "total",
+        ],
+        rows,
+    )
+    rows = []
+    for name, result in data["backends"].items():
+        if "skipped" in result:
+            continue
+        for op in ("claim", "renew", "checkpoint", "finish"):
+            stale, fresh = result["plans_stale_statistics"][op], result["plans"][op]
+            rows.append(
+                [
+                    name,
+                    op,
+                    stale["uses_expiry_index"],
+                    stale["buffers"] or "-",
+                    fresh["uses_expiry_index"],
+                    fresh["buffers"] or "-",
+                ]
+            )
+    print_table(
+        "Plans: does a write by primary key walk the (state, expires_at) index instead? "
+        "(statistics from before the claims / fresh)",
+        [
+            "database",
+            "operation",
+            "expiry index, stale statistics",
+            "buffers",
+            "expiry index, fresh statistics",
+            "buffers",
+        ],
         rows,
     )
     pg = data["backends"].get("postgresql", {})

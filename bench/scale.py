@@ -86,11 +86,13 @@ def reset_expired(store: Store, expired: int) -> None:
     """Put rows 1..expired back to running with an expired lease (after a pass reaped them)."""
     t = store.table.name
     with store.engine.begin() as connection:
-        connection.execute(sa.text(f"""
+        connection.execute(
+            sa.text(f"""
             UPDATE {t} SET state = 'running', owner = 'host/1', stalled_attempts = 0,
                 expires_at = EXTRACT(EPOCH FROM clock_timestamp())::float8 - 5
             WHERE id <= 'job-' || lpad('{expired}', 8, '0')
-        """))
+        """)
+        )
 
 
 def reaper_pass(store: Store, *, batch: int, purge: bool = True) -> dict[str, Any]:
@@ -99,9 +101,12 @@ def reaper_pass(store: Store, *, batch: int, purge: bool = True) -> dict[str, An
     started = time.perf_counter()
     reaped = batches = 0
     for _ in range(MAX_BATCHES):
-        outcome = store.reap(batch=batch, grace=s.reap_grace,
-                             max_stalled=s.max_attempts_without_progress,
-                             max_attempts=s.max_attempts)
+        outcome = store.reap(
+            batch=batch,
+            grace=s.reap_grace,
+            max_stalled=s.max_attempts_without_progress,
+            max_attempts=s.max_attempts,
+        )
         batches += 1
         reaped += len(outcome.republish) + len(outcome.gave_up)
         if len(outcome.republish) + len(outcome.gave_up) < batch:
@@ -116,12 +121,20 @@ def reaper_pass(store: Store, *, batch: int, purge: bool = True) -> dict[str, An
             if count < batch:
                 break
     purge_seconds = time.perf_counter() - started
-    return {"batch": batch, "reaped": reaped, "batches": batches, "reap_seconds": reap_seconds,
-            "purged": purged, "purge_seconds": purge_seconds,
-            "total_seconds": reap_seconds + purge_seconds}
+    return {
+        "batch": batch,
+        "reaped": reaped,
+        "batches": batches,
+        "reap_seconds": reap_seconds,
+        "purged": purged,
+        "purge_seconds": purge_seconds,
+        "total_seconds": reap_seconds + purge_seconds,
+    }
 
 
-def explain(store: Store, call: Callable[[], Any], *, only: int | None = None) -> list[dict[str, Any]]:
+def explain(
+    store: Store, call: Callable[[], Any], *, only: int | None = None
+) -> list[dict[str, Any]]:
     """``EXPLAIN (ANALYZE, BUFFERS)`` of each statement ``call`` sends, run again with the same
     parameters inside a transaction that is rolled back (``call``'s own effects stay)."""
     counter = StatementCounter(store.engine)
@@ -138,13 +151,25 @@ def explain(store: Store, call: Callable[[], Any], *, only: int | None = None) -
         for sql, params in statements:
             cursor = fairy.cursor()
             cursor.execute("EXPLAIN (ANALYZE, BUFFERS) " + sql, params)
-            plan = [row[0] for row in cursor.fetchall()]
+            plan = [_clip(row[0], 300) for row in cursor.fetchall()]
             cursor.close()
             fairy.rollback()
             plans.append({"sql": sql.split("\n")[0][:160], "plan": plan})
     finally:
         fairy.close()
     return plans
+
+
+def _clip(line: str, width: int) -> str:
+    return line if len(line) <= width else line[: width - 5] + " ..."
+
+
+def _print_plan(lines: list[str], limit: int = 24) -> None:
+    shown = [line for line in lines if "Index Cond: ((id)::text =" not in line]
+    for line in shown[:limit]:
+        print("    " + _clip(line, 150))
+    if len(shown) > limit:
+        print(f"    ... ({len(shown) - limit} more lines)")
 
 
 # -- concurrent claimers --------------------------------------------------------------------------
@@ -168,31 +193,42 @@ def _claimer(url: str, table: str, ids: list[str], raw: bool, barrier: Any, out:
             cursor.close()
             fairy.commit()
         else:
-            store.claim(job_id, owner="bench/1", duration=30.0, task="bench.noop",
-                        args="[]", kwargs="{}")
+            store.claim(
+                job_id, owner="bench/1", duration=30.0, task="bench.noop", args="[]", kwargs="{}"
+            )
     out.put((started, time.time(), len(ids), time.process_time() - cpu_started))
     store.engine.dispose()
 
 
-def claimers(store: Store, *, processes: int, per_process: int, raw: bool, tag: str) -> dict[str, Any]:
+def claimers(
+    store: Store, *, processes: int, per_process: int, raw: bool, tag: str
+) -> dict[str, Any]:
     """``processes`` claimers, each over ``per_process`` queued jobs of its own; claims/s."""
     t = store.table.name
     with store.engine.begin() as connection:
-        connection.execute(sa.text(f"""
+        connection.execute(
+            sa.text(f"""
             INSERT INTO {t} (id, task, args, kwargs, options, state, token, attempts,
                 stalled_attempts, created_at, schema_version)
             SELECT '{tag}-' || p || '-' || i, 'bench.noop', '[]', '{{}}', '{{}}', 'queued', 0, 0,
                 0, EXTRACT(EPOCH FROM clock_timestamp())::float8, 1
             FROM generate_series(1, {processes}) AS p, generate_series(1, {per_process}) AS i
-        """))
+        """)
+        )
     context = multiprocessing.get_context("fork")
     barrier = context.Barrier(processes)
     out = context.Queue()
     workers = [
         context.Process(
             target=_claimer,
-            args=(store.settings.database_url, t,
-                  [f"{tag}-{p}-{i}" for i in range(1, per_process + 1)], raw, barrier, out),
+            args=(
+                store.settings.database_url,
+                t,
+                [f"{tag}-{p}-{i}" for i in range(1, per_process + 1)],
+                raw,
+                barrier,
+                out,
+            ),
         )
         for p in range(1, processes + 1)
     ]
@@ -205,8 +241,14 @@ def claimers(store: Store, *, processes: int, per_process: int, raw: bool, tag: 
     end = max(r[1] for r in results)
     total = sum(r[2] for r in results)
     cpu = sum(r[3] for r in results)
-    return {"processes": processes, "operations": total, "seconds": end - start,
-            "per_s": total / (end - start), "raw": raw, "client_cpu_ms_per_op": cpu / total * 1000}
+    return {
+        "processes": processes,
+        "operations": total,
+        "seconds": end - start,
+        "per_s": total / (end - start),
+        "raw": raw,
+        "client_cpu_ms_per_op": cpu / total * 1000,
+    }
 
 
 # -- renew ticks ----------------------------------------------------------------------------------
@@ -246,8 +288,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     quick = args.quick
     total = 200_000 if quick else 1_000_000
     expired = 2_000 if quick else 10_000
-    counts = {"total": total, "expired": expired, "live": expired, "queued": expired,
-              "old": expired}
+    counts = {
+        "total": total,
+        "expired": expired,
+        "live": expired,
+        "queued": expired,
+        "old": expired,
+    }
     per_claimer = 40 if quick else 200
     problem = reachable(POSTGRES_URL)
     if problem:
@@ -267,14 +314,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         s = store.settings
         data["explain_reap"] = explain(
             store,
-            lambda: store.reap(batch=batch, grace=s.reap_grace,
-                               max_stalled=s.max_attempts_without_progress,
-                               max_attempts=s.max_attempts),
+            lambda: store.reap(
+                batch=batch,
+                grace=s.reap_grace,
+                max_stalled=s.max_attempts_without_progress,
+                max_attempts=s.max_attempts,
+            ),
             only=3,
         )
         reset_expired(store, expired)
-        data["explain_purge"] = explain(store, lambda: store.purge(older_than=s.retention,
-                                                                   batch=batch), only=1)
+        data["explain_purge"] = explain(
+            store, lambda: store.purge(older_than=s.retention, batch=batch), only=1
+        )
         print("reaper passes...", flush=True)
         reset_expired(store, expired)
         data["pass"] = reaper_pass(store, batch=batch)
@@ -307,13 +358,22 @@ def report(data: dict[str, Any]) -> None:
     p, one = data["pass"], data["one_batch"]
     idle = statistics.median(x["total_seconds"] for x in data["idle_pass"])
     rows = [
-        [f"reap {p['reaped']:,} expired, batches of {p['batch']} ({p['batches']} batches)",
-         p["reap_seconds"], p["reaped"] / p["reap_seconds"]],
-        [f"purge {p['purged']:,} old jobs, batches of {p['batch']}", p["purge_seconds"],
-         p["purged"] / p["purge_seconds"] if p["purge_seconds"] else float("nan")],
+        [
+            f"reap {p['reaped']:,} expired, batches of {p['batch']} ({p['batches']} batches)",
+            p["reap_seconds"],
+            p["reaped"] / p["reap_seconds"],
+        ],
+        [
+            f"purge {p['purged']:,} old jobs, batches of {p['batch']}",
+            p["purge_seconds"],
+            p["purged"] / p["purge_seconds"] if p["purge_seconds"] else float("nan"),
+        ],
         ["whole pass (reap + purge)", p["total_seconds"], float("nan")],
-        [f"reap {one['reaped']:,} expired in one batch", one["reap_seconds"],
-         one["reaped"] / one["reap_seconds"]],
+        [
+            f"reap {one['reaped']:,} expired in one batch",
+            one["reap_seconds"],
+            one["reaped"] / one["reap_seconds"],
+        ],
         ["idle pass (nothing expired or old), median of 5", idle, float("nan")],
     ]
     print_table(
@@ -325,32 +385,53 @@ def report(data: dict[str, Any]) -> None:
     print(f"\nreap SELECT uses the (state, expires_at) index: {data['reap_uses_expiry_index']}")
     for name in ("explain_reap", "explain_purge"):
         for item in data[name]:
-            print(f"\nEXPLAIN (ANALYZE, BUFFERS) {item['sql']} ...")
-            print("\n".join("    " + line for line in item["plan"]))
+            print(f"\nEXPLAIN (ANALYZE, BUFFERS) {_clip(item['sql'], 100)}")
+            _print_plan(item["plan"])
     rows = [
-        [("raw UPDATE + COMMIT" if c["raw"] else "claim"), c["processes"], c["operations"],
-         c["seconds"], c["per_s"]]
+        [
+            ("raw UPDATE + COMMIT" if c["raw"] else "claim"),
+            c["processes"],
+            c["operations"],
+            c["seconds"],
+            c["per_s"],
+        ]
         for c in data["claimers"]
     ]
-    print_table("Concurrent claimers over distinct queued jobs (one connection each)",
-                ["operation", "processes", "operations", "seconds", "per second"], rows)
+    print_table(
+        "Concurrent claimers over distinct queued jobs (one connection each)",
+        ["operation", "processes", "operations", "seconds", "per second"],
+        rows,
+    )
     rows = [
-        [r["leases"], r["statements_per_tick"], r["tick"]["median_ms"], r["tick"]["p99_ms"],
-         r["ticks_per_s"], r["leases_renewed_per_s"],
-         r["statements_per_s_at_default_interval"],
-         100 * r["connection_busy_at_default_interval"]]
+        [
+            r["leases"],
+            r["statements_per_tick"],
+            r["tick"]["median_ms"],
+            r["tick"]["p99_ms"],
+            r["ticks_per_s"],
+            r["leases_renewed_per_s"],
+            r["statements_per_s_at_default_interval"],
+            100 * r["connection_busy_at_default_interval"],
+        ]
         for r in data["renew"]
     ]
     print_table(
         "Renew ticks of one process (one statement renews every lease it holds)",
-        ["leases held", "statements / tick", "ms / tick (median)", "p99 ms", "ticks/s max",
-         "leases renewed/s max", "statements/s at default interval (10 s)",
-         "% of one connection at default interval"],
+        [
+            "leases held",
+            "statements / tick",
+            "ms / tick (median)",
+            "p99 ms",
+            "ticks/s max",
+            "leases renewed/s max",
+            "statements/s at default interval (10 s)",
+            "% of one connection at default interval",
+        ],
         rows,
     )
     for r in data["renew"]:
         print(f"\nrenew of {r['leases']} leases, plan:")
-        print("\n".join("    " + line for line in r["plan"][:8]))
+        _print_plan(r["plan"], limit=12)
 
 
 if __name__ == "__main__":

@@ -64,14 +64,20 @@ def publish(app: Any, task_name: str, count: int, args: tuple[Any, ...]) -> floa
 
 
 def one_run(
-    app: Any, config: dict[str, Any], counter_url: str, task_name: str, count: int,
-    args: tuple[Any, ...], log_dir: str,
+    app: Any,
+    config: dict[str, Any],
+    counter_url: str,
+    task_name: str,
+    count: int,
+    args: tuple[Any, ...],
+    log_dir: str,
 ) -> dict[str, Any]:
     """Publish ``count`` tasks with ``app``, then let a fresh worker run them all."""
     run = f"bench:{uuid.uuid4().hex[:8]}"
     publish_seconds = publish(app, task_name, count, args)
-    worker = bench_worker(config, counter_url=counter_url, run=run, concurrency=CONCURRENCY,
-                          log_dir=log_dir)
+    worker = bench_worker(
+        config, counter_url=counter_url, run=run, concurrency=CONCURRENCY, log_dir=log_dir
+    )
     try:
         done = wait_done(counter_url, run, count, worker=worker, timeout=60 + count / 20)
     finally:
@@ -89,7 +95,7 @@ def one_run(
 def main(argv: Sequence[str] | None = None) -> None:
     args = arguments(__doc__.splitlines()[0], argv)
     repeats = 1 if args.quick else 3
-    kinds = {
+    kinds: dict[str, dict[str, Any]] = {
         "no-op": {"count": 500 if args.quick else 2000, "args": ()},
         "10 ms": {"count": 200 if args.quick else 500, "args": (SLEEP_SECONDS,)},
     }
@@ -123,14 +129,24 @@ def main(argv: Sequence[str] | None = None) -> None:
                             if repeat % 2:
                                 variants.reverse()
                             for variant in variants:
-                                result = one_run(app, config, counter_url,
-                                                 task_names[kind, variant], spec["count"],
-                                                 spec["args"], log_dir)
-                                result.update(broker=broker_name, kind=kind, variant=variant,
-                                              repeat=repeat)
+                                result = one_run(
+                                    app,
+                                    config,
+                                    counter_url,
+                                    task_names[kind, variant],
+                                    spec["count"],
+                                    spec["args"],
+                                    log_dir,
+                                )
+                                result.update(
+                                    broker=broker_name, kind=kind, variant=variant, repeat=repeat
+                                )
                                 runs.append(result)
-                                print(f"{broker_name:8s} {kind:6s} {variant:6s} repeat {repeat}:"
-                                      f" {result['tasks_per_s']:7.1f} tasks/s", flush=True)
+                                print(
+                                    f"{broker_name:8s} {kind:6s} {variant:6s} repeat {repeat}:"
+                                    f" {result['tasks_per_s']:7.1f} tasks/s",
+                                    flush=True,
+                                )
                 finally:
                     app.pool.force_close_all()
                     app.close()
@@ -138,8 +154,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         drop_tables(POSTGRES_URL, table)
     summary = summarize(runs)
     report(summary)
-    write_result("throughput", {"repeats": repeats, "concurrency": CONCURRENCY,
-                                "summary": summary, "runs": runs}, quick=args.quick)
+    write_result(
+        "throughput",
+        {"repeats": repeats, "concurrency": CONCURRENCY, "summary": summary, "runs": runs},
+        quick=args.quick,
+    )
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -148,8 +167,11 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for kind in ("no-op", "10 ms"):
             row: dict[str, Any] = {"broker": broker_name, "kind": kind}
             for variant in ("plain", "leased"):
-                chosen = [r for r in runs if (r["broker"], r["kind"], r["variant"])
-                          == (broker_name, kind, variant)]
+                chosen = [
+                    r
+                    for r in runs
+                    if (r["broker"], r["kind"], r["variant"]) == (broker_name, kind, variant)
+                ]
                 if not chosen:
                     continue
                 rates = [r["tasks_per_s"] for r in chosen]
@@ -176,15 +198,30 @@ def report(summary: list[dict[str, Any]]) -> None:
             continue
         sql = r.get("sql_per_task", {})
         statements = sum(v for k, v in sql.items() if k != "checkout")
-        rows.append([
-            r["broker"], r["kind"], r["plain"], r["leased"], r["ratio"],
-            r["ms_per_task_added"] * 2,  # 2 pool processes: per-process cost of one task
-            statements, ", ".join(f"{k} {v:.2f}" for k, v in sql.items()),
-        ])
+        rows.append(
+            [
+                r["broker"],
+                r["kind"],
+                r["plain"],
+                r["leased"],
+                r["ratio"],
+                r["ms_per_task_added"] * 2,  # 2 pool processes: per-process cost of one task
+                statements,
+                ", ".join(f"{k} {v:.2f}" for k, v in sql.items()),
+            ]
+        )
     print_table(
         f"Throughput, one prefork worker with {CONCURRENCY} pool processes (median tasks/s)",
-        ["broker", "task", "plain", "leased", "leased / plain",
-         "added ms per task per process", "SQL statements / task", "by kind (per task)"],
+        [
+            "broker",
+            "task",
+            "plain",
+            "leased",
+            "leased / plain",
+            "added ms per task per process",
+            "SQL statements / task",
+            "by kind (per task)",
+        ],
         rows,
     )
 

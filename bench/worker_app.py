@@ -38,26 +38,23 @@ def make_app(config: dict[str, Any], name: str = "bench") -> Celery:
     app = Celery(name, set_as_current=False)
     app.conf.update({"broker_connection_retry_on_startup": True, **config})
 
-    @app.task(base=LeasedTask, bind=True, shared=False, name="bench.leased_noop")
-    def leased_noop(self: Task) -> None:
+    def noop(self: Task) -> None:
         return None
 
-    @app.task(bind=True, shared=False, name="bench.plain_noop")
-    def plain_noop(self: Task) -> None:
-        return None
-
-    @app.task(base=LeasedTask, bind=True, shared=False, name="bench.leased_sleep")
-    def leased_sleep(self: Task, seconds: float) -> None:
+    def sleep(self: Task, seconds: float) -> None:
         time.sleep(seconds)
 
-    @app.task(bind=True, shared=False, name="bench.plain_sleep")
-    def plain_sleep(self: Task, seconds: float) -> None:
-        time.sleep(seconds)
-
+    for name, run, base in (
+        ("bench.leased_noop", noop, LeasedTask),
+        ("bench.plain_noop", noop, Task),
+        ("bench.leased_sleep", sleep, LeasedTask),
+        ("bench.plain_sleep", sleep, Task),
+    ):
+        app.task(run, base=base, bind=True, shared=False, name=name)
     return app
 
 
-# -- counting, in the worker's processes ------------------------------------------------------------
+# -- counting, in the worker's processes -------------------------------------------------------
 
 _redis: dict[int, Any] = {}
 _statements: Counter[str] = Counter()

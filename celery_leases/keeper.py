@@ -109,14 +109,24 @@ class Keeper(threading.Thread):
         os.kill(os.getpid(), signal.SIGKILL)
 
     def run(self) -> None:
+        due: float | None = None  # monotonic time of the next tick
         while not self._stopped.is_set():
             interval = self.interval()
-            self._wake.wait(interval)
+            now = time.monotonic()
+            if interval is None:
+                due = None
+            elif due is None or due > now + interval:
+                due = now + interval
+            self._wake.wait(None if due is None else due - now)
             self._wake.clear()
             if self._stopped.is_set():
                 return
-            if interval is None:
+            if due is None or time.monotonic() < due:
+                # Woken by add(): a claim has just renewed that lease, so only the next tick
+                # moves (earlier, for a shorter interval); renewing now would cost one more
+                # committed write per task.
                 continue
+            due = None
             try:
                 self.tick()
             except Exception:

@@ -136,6 +136,7 @@ class Store:
         self._lock = threading.Lock()
         self._schema_ready = False
         self._url = sa.engine.make_url(settings.database_url)
+        self._statements: dict[str, Any] = {}
 
     @property
     def safe_url(self) -> str:
@@ -176,6 +177,18 @@ class Store:
         elif self.dialect in ("mysql", "mariadb"):
             sa.event.listen(engine, "connect", _mysql_on_connect)
         return engine
+
+    def _statement(self, key: str, build: Callable[[], Any]) -> Any:
+        """The statement ``key`` of the hot path, built once with bind parameters.
+
+        Building an UPDATE and its SQLAlchemy cache key on every call cost more CPU than the
+        database spends on it (see docs/benchmarks.md); a statement object built once keeps
+        its cache key, and each call only binds values.
+        """
+        stmt = self._statements.get(key)
+        if stmt is None:
+            stmt = self._statements[key] = build()
+        return stmt
 
     def _run(self, operation: Callable[[Connection], T], *, ensure: bool = True) -> T:
         """Run ``operation`` in one transaction, wrapping driver errors once."""
@@ -301,34 +314,44 @@ class Store:
         """Take the lease if the job is queued or its lease expired; bump the token."""
         t = self.table
         now = db_now()
-        claimable = sa.and_(
-            t.c.id == job_id,
-            sa.or_(t.c.state == QUEUED, sa.and_(t.c.state == RUNNING, t.c.expires_at <= now)),
-        )
-        stmt = (
-            sa.update(t)
-            .where(claimable)
-            .values(
-                token=t.c.token + 1,
-                attempts=t.c.attempts + 1,
-                state=RUNNING,
-                owner=owner,
-                duration=duration,
-                expires_at=now + duration,
-                claimed_at=now,
-                renewed_at=now,
-                # A preemption was for the attempt that saw it; a cancel stands.
-                stop_requested=sa.case((t.c.stop_requested == "cancel", "cancel"), else_=sa.null()),
-            )
-        )
         read = [t.c.token, t.c.attempts, t.c.checkpoint, (now - t.c.checkpoint_at)]
+
+        def build() -> Any:
+            seconds: Any = sa.bindparam("b_duration", type_=sa.Double())
+            state = _unindexed(t.c.state)
+            claimable = sa.and_(
+                t.c.id == sa.bindparam("b_id"),
+                sa.or_(state == QUEUED, sa.and_(state == RUNNING, t.c.expires_at <= now)),
+            )
+            stmt = (
+                sa.update(t)
+                .where(claimable)
+                .values(
+                    token=t.c.token + 1,
+                    attempts=t.c.attempts + 1,
+                    state=RUNNING,
+                    owner=sa.bindparam("b_owner", type_=t.c.owner.type),
+                    duration=seconds,
+                    expires_at=now + seconds,
+                    claimed_at=now,
+                    renewed_at=now,
+                    # A preemption was for the attempt that saw it; a cancel stands.
+                    stop_requested=sa.case(
+                        (t.c.stop_requested == "cancel", "cancel"), else_=sa.null()
+                    ),
+                )
+            )
+            return stmt.returning(*read) if self._returning else stmt
+
+        stmt = self._statement("claim", build)
+        params = {"b_id": job_id, "b_owner": owner, "b_duration": duration}
 
         def run(c: Connection) -> Claimed | Refused | None:
             if self._returning:
-                row = c.execute(stmt.returning(*read)).first()
+                row = c.execute(stmt, params).first()
             else:
                 row = None
-                if c.execute(stmt).rowcount == 1:
+                if c.execute(stmt, params).rowcount == 1:
                     row = c.execute(sa.select(*read).where(t.c.id == job_id)).first()
             if row is not None:
                 return Claimed(
@@ -381,21 +404,33 @@ class Store:
         if not leases:
             return Renewal(frozenset(), {})
         t = self.table
-        now = db_now()
-        held_by_token = sa.and_(
-            sa.tuple_(t.c.id, t.c.token).in_([sa.tuple_(i, k) for i, k in leases]),
-            t.c.state == RUNNING,
-        )
-        stmt = (
-            sa.update(t).where(held_by_token).values(expires_at=now + t.c.duration, renewed_at=now)
-        )
+
+        def build() -> tuple[Any, Any]:
+            now = db_now()
+            held_by_token = sa.and_(
+                # The plain id list lets every database find the rows by primary key.
+                t.c.id.in_(sa.bindparam("b_ids", expanding=True)),
+                sa.tuple_(t.c.id, t.c.token).in_(sa.bindparam("b_leases", expanding=True)),
+                _unindexed(t.c.state) == RUNNING,
+            )
+            stmt = (
+                sa.update(t)
+                .where(held_by_token)
+                .values(expires_at=now + t.c.duration, renewed_at=now)
+            )
+            if self._returning:
+                return stmt.returning(t.c.id, t.c.stop_requested), None
+            return stmt, sa.select(t.c.id, t.c.stop_requested).where(held_by_token)
+
+        stmt, select = self._statement("renew", build)
+        params = {"b_ids": [i for i, _ in leases], "b_leases": [(i, k) for i, k in leases]}
 
         def run(c: Connection) -> Renewal:
-            if self._returning:
-                rows = c.execute(stmt.returning(t.c.id, t.c.stop_requested)).all()
+            if select is None:
+                rows = c.execute(stmt, params).all()
             else:
-                c.execute(stmt)
-                rows = c.execute(sa.select(t.c.id, t.c.stop_requested).where(held_by_token)).all()
+                c.execute(stmt, params)
+                rows = c.execute(select, params).all()
             return Renewal(
                 frozenset(r[0] for r in rows), {r[0]: r[1] for r in rows if r[1] is not None}
             )
@@ -417,73 +452,114 @@ class Store:
         transaction, so the caller's own writes and the checkpoint commit or roll back together.
         """
         t = self.table
-        now = db_now()
-        values: dict[str, Any] = {
-            "checkpoint": state,
-            "checkpoint_at": now,
-            "renewed_at": now,
-            "expires_at": now + t.c.duration,
-        }
+
+        def build() -> Any:
+            now = db_now()
+            values: dict[str, Any] = {
+                "checkpoint": sa.bindparam("b_checkpoint", type_=t.c.checkpoint.type),
+                "checkpoint_at": now,
+                "renewed_at": now,
+                "expires_at": now + t.c.duration,
+            }
+            if progress is not None:
+                values["progress_done"] = sa.bindparam("b_done", type_=sa.BigInteger())
+                values["progress_total"] = sa.bindparam("b_total", type_=sa.BigInteger())
+            stmt = (
+                sa.update(t)
+                .where(
+                    t.c.id == sa.bindparam("b_id"),
+                    t.c.token == sa.bindparam("b_token"),
+                    _unindexed(t.c.state) == RUNNING,
+                )
+                .values(values)
+            )
+            return stmt.returning(t.c.stop_requested) if self._returning else stmt
+
+        stmt = self._statement("checkpoint" if progress is None else "checkpoint+progress", build)
+        params: dict[str, Any] = {"b_id": job_id, "b_token": token, "b_checkpoint": state}
         if progress is not None:
-            values["progress_done"], values["progress_total"] = progress
-        stmt = (
-            sa.update(t)
-            .where(t.c.id == job_id, t.c.token == token, t.c.state == RUNNING)
-            .values(values)
-        )
+            params["b_done"], params["b_total"] = progress
 
         def run(c: Connection) -> tuple[bool, str | None]:
             if self._returning:
-                row = c.execute(stmt.returning(t.c.stop_requested)).first()
+                row = c.execute(stmt, params).first()
                 return (row is not None, row[0] if row is not None else None)
             # No RETURNING on MariaDB: the stop request reaches the attempt at the keeper's
             # next renew tick instead, to keep the checkpoint one statement.
-            return (c.execute(stmt).rowcount == 1, None)
+            return (c.execute(stmt, params).rowcount == 1, None)
 
         if connection is not None:
             try:
                 return run(connection)
+            except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
+                # As in _run: a dropped connection is StoreUnavailable, so a task can retry.
+                raise StoreUnavailable(
+                    f"checkpoint failed, leases database {self.safe_url} is unavailable: "
+                    f"{_first_line(exc)}"
+                ) from exc
             except sa.exc.SQLAlchemyError as exc:
                 raise LeaseError(f"checkpoint failed: {_first_line(exc)}") from exc
         return self._run(run)
 
-    def _end(self, job_id: str, token: int, values: dict[str, Any]) -> bool:
+    def _end(
+        self,
+        key: str,
+        job_id: str,
+        token: int,
+        values: Callable[[], dict[str, Any]],
+        **params: Any,
+    ) -> bool:
+        """End the attempt with ``values`` (built once per ``key``), fenced by ``token``."""
         t = self.table
-        stmt = (
-            sa.update(t)
-            .where(t.c.id == job_id, t.c.token == token, t.c.state == RUNNING)
-            .values(values)
-        )
-        return self._run(lambda c: c.execute(stmt).rowcount == 1)
+
+        def build() -> Any:
+            return (
+                sa.update(t)
+                .where(
+                    t.c.id == sa.bindparam("b_id"),
+                    t.c.token == sa.bindparam("b_token"),
+                    _unindexed(t.c.state) == RUNNING,
+                )
+                .values(values())
+            )
+
+        stmt = self._statement(key, build)
+        params.update(b_id=job_id, b_token=token)
+        return self._run(lambda c: c.execute(stmt, params).rowcount == 1)
 
     def finish(self, job_id: str, token: int, *, result: str | None) -> bool:
         """Mark the job done, fenced by ``token``. False if this attempt lost the lease."""
         return self._end(
+            "finish",
             job_id,
             token,
-            {
+            lambda: {
                 "state": DONE,
                 "owner": None,
                 "expires_at": None,
-                "result": result,
+                "result": sa.bindparam("b_result", type_=self.table.c.result.type),
                 "stop_requested": None,
                 "finished_at": db_now(),
             },
+            b_result=result,
         )
 
     def fail(self, job_id: str, token: int, *, error: str, state: str = FAILED) -> bool:
         """Mark the job failed (or cancelled), keeping its checkpoint; fenced by ``token``."""
         return self._end(
+            "fail",
             job_id,
             token,
-            {
-                "state": state,
+            lambda: {
+                "state": sa.bindparam("b_state", type_=self.table.c.state.type),
                 "owner": None,
                 "expires_at": None,
-                "error": error,
+                "error": sa.bindparam("b_error", type_=self.table.c.error.type),
                 "stop_requested": None,
                 "finished_at": db_now(),
             },
+            b_state=state,
+            b_error=error,
         )
 
     def release(self, job_id: str, token: int, *, reap_in: float | None) -> bool:
@@ -492,16 +568,29 @@ class Store:
         ``reap_in`` seconds from now the reaper re-publishes the job; None when a message for
         it is already on its way (a Celery retry).
         """
-        now = db_now()
+        if reap_in is None:
+            return self._end(
+                "release",
+                job_id,
+                token,
+                lambda: {
+                    "state": QUEUED,
+                    "owner": None,
+                    "stop_requested": None,
+                    "expires_at": None,
+                },
+            )
         return self._end(
+            "release+reap_in",
             job_id,
             token,
-            {
+            lambda: {
                 "state": QUEUED,
                 "owner": None,
                 "stop_requested": None,
-                "expires_at": None if reap_in is None else now + reap_in,
+                "expires_at": db_now() + sa.bindparam("b_reap_in", type_=sa.Double()),
             },
+            b_reap_in=reap_in,
         )
 
     # -- operators and the reaper ----------------------------------------------------------
@@ -776,7 +865,10 @@ class Store:
         old = sa.and_(t.c.state.in_(FINISHED_STATES), t.c.finished_at <= cutoff)
 
         def run(c: Connection) -> int:
-            ids = [r[0] for r in c.execute(sa.select(t.c.id).where(old).limit(batch)).all()]
+            # Oldest first: the order makes the planner walk the finished_at index, where a bare
+            # LIMIT seq-scans the whole table when nothing is old enough (every idle pass).
+            oldest = sa.select(t.c.id).where(old).order_by(t.c.finished_at).limit(batch)
+            ids = [r[0] for r in c.execute(oldest).all()]
             if not ids:
                 return 0
             return c.execute(sa.delete(t).where(t.c.id.in_(ids), old)).rowcount
@@ -805,6 +897,16 @@ class Store:
         t = self.table
         stmt = sa.select(t.c.state, sa.func.count()).group_by(t.c.state)
         return {state: count for state, count in self._run(lambda c: c.execute(stmt).all())}
+
+
+def _unindexed(column: Any) -> Any:
+    """``column`` in a form no index serves, for a row found by primary key.
+
+    Statistics taken while few jobs ran (a burst after a quiet spell) make PostgreSQL prefer
+    the (state, expires_at) index for ``state = 'running'`` and walk every running job on
+    each write; SQLite does so without statistics. See docs/benchmarks.md.
+    """
+    return sa.func.coalesce(column, "")
 
 
 def _job(m: Any) -> Job:

@@ -234,9 +234,10 @@ class LeasedTask(Task):  # type: ignore[misc]
         if held is not None and not held.detached:
             # A retry of the running attempt: hand the lease back before the new message can
             # reach another worker, or its claim would find the lease still held.
-            reap_in = None
-            if settings.queued_timeout is not None:
-                reap_in = float(options.get("countdown") or 0) + settings.queued_timeout
+            # If the retry message is lost (its worker dies holding it until its ETA), the
+            # reaper publishes the job again once it is overdue; a duplicate is dropped.
+            wait = settings.queued_timeout or settings.reap_grace
+            reap_in = (_countdown(options) or 0.0) + wait
             store.release(held.job_id, held.token, reap_in=reap_in)
             held.released = True
         else:

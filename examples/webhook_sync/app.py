@@ -71,10 +71,15 @@ if BROKER.startswith(("atomicfs:", "filesystem:")):
 schedule_reaper(app, every=REAP_EVERY_SECONDS)
 
 
+#: Marks the data folder as this example's, so the demo may wipe it.
+DATA_MARKER = ".webhook-sync-data"
+
+
 @worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
 @beat_init.connect(weak=False)  # type: ignore[untyped-decorator]
 def make_data_folder(**_: Any) -> None:
     DATA.mkdir(parents=True, exist_ok=True)
+    (DATA / DATA_MARKER).touch()
 
 
 logger = get_task_logger(__name__)
@@ -90,12 +95,19 @@ logger = get_task_logger(__name__)
     max_retries=None,
 )
 def sync_account(self: LeasedTask, account: str) -> dict[str, Any]:
-    """Copy every upstream event of ``account`` into ``synced_events``, one page at a time.
+    """Copy the upstream events of ``account`` not stored yet into ``synced_events``, a page
+    at a time.
 
     Resumes after the last stored page when an earlier attempt was killed; a busy upstream is
     retried by Celery (backoff up to a minute), which resumes from the checkpoint too.
     """
-    saved = self.lease.checkpoint or {"cursor": None, "page": 0, "done": 0}
+    database = events_database()
+    saved = self.lease.checkpoint
+    if saved is None:
+        # A new sync starts after the newest event already stored (none: the first page).
+        with database.connect() as connection:
+            cursor, stored = sink.newest(connection, EVENTS, account)
+        saved = {"cursor": cursor, "page": 0, "done": stored}
     cursor, page, done = saved["cursor"], saved["page"], saved["done"]
     if page:
         age = self.lease.checkpoint_age
@@ -110,9 +122,14 @@ def sync_account(self: LeasedTask, account: str) -> dict[str, Any]:
             age or 0.0,
         )
     else:
-        logger.info("sync %s: attempt %d starts at the first page", account, self.lease.attempt)
+        logger.info(
+            "sync %s: attempt %d starts after cursor %s (%d events stored before)",
+            account,
+            self.lease.attempt,
+            cursor,
+            done,
+        )
     upstream = EventsClient(UPSTREAM)
-    database = events_database()
     while True:
         result = upstream.page(account, after=cursor, limit=PAGE_SIZE)
         page += 1

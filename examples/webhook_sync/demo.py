@@ -30,7 +30,6 @@ from .processes import Child, ChildFailed, Children
 ACCOUNT = "acct_demo"
 #: Share of the events stored when the worker holding the lease is killed.
 KILL_AT = 0.4
-MARKER = ".webhook-sync-demo"
 WIDTH = 100
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -136,15 +135,15 @@ class Run:
     final: Any = None
 
 
-def prepare_data_folder(path: Path) -> Path:
-    path = path.resolve()
+def prepare_data_folder(path: Path) -> None:
+    """Wipe the data folder and make it again; refuse a folder that is not the example's."""
+    from .app import DATA_MARKER, make_data_folder
+
     if path.exists():
-        if any(path.iterdir()) and not (path / MARKER).exists():
-            raise DemoError(f"{path} is not empty and was not made by this demo: pass --data")
+        if any(path.iterdir()) and not (path / DATA_MARKER).exists():
+            raise DemoError(f"{path} is not empty and is not this example's: pass --data")
         shutil.rmtree(path)
-    path.mkdir(parents=True)
-    (path / MARKER).write_text("made by python -m examples.webhook_sync.demo; wiped each run\n")
-    return path
+    make_data_folder()
 
 
 def child_environment(args: argparse.Namespace, data: Path) -> dict[str, str]:
@@ -187,12 +186,14 @@ def http(method: str, url: str) -> tuple[int, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(quiet=args.quiet)
+    data = Path(args.data).resolve()
+    environment = child_environment(args, data)
     try:
-        data = prepare_data_folder(Path(args.data))
+        prepare_data_folder(data)
     except DemoError as exc:
         console.always(f"error: {exc}")
         return 2
-    children = Children(data / "logs", child_environment(args, data))
+    children = Children(data / "logs", environment)
 
     def stop(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
@@ -225,7 +226,7 @@ class Demo:
         self.workers: dict[str, Child] = {}
         self.run_state = Run()
 
-        # Imported now: the app reads the WEBHOOK_SYNC_* variables set above.
+        # Imported only now: the app reads the WEBHOOK_SYNC_* variables set in main().
         from . import app as example
 
         self.example = example
@@ -255,8 +256,11 @@ class Demo:
     def describe_database(self) -> str:
         import sqlalchemy as sa
 
-        url = sa.engine.make_url(self.example.DATABASE).render_as_string(hide_password=True)
-        return f"{url} (tables {self.example.LEASES_TABLE}, {self.example.EVENTS.name})"
+        url = sa.engine.make_url(self.example.DATABASE)
+        if url.get_backend_name() == "sqlite" and url.database:
+            url = url.set(database=shown_path(Path(url.database)))
+        shown = url.render_as_string(hide_password=True)
+        return f"{shown} (tables {self.example.LEASES_TABLE}, {self.example.EVENTS.name})"
 
     def reset_database(self) -> None:
         import sqlalchemy as sa
@@ -492,7 +496,7 @@ class Demo:
             text = f"resumed on {state.resumed_by} after the kill of {state.victim}: claimed "
             text += f"{claim:.2f} s later (DB clock)"
             if first_page is not None:
-                text += f", next page fetched {first_page:.2f} s later"
+                text += f", next page {first_page:.2f} s later"
             checks.append((state.resumed_by != state.victim, text))
         elif state.killed_at_wall is None:
             checks.append((False, "resumed after the kill: the sync ended before the kill"))
@@ -503,7 +507,8 @@ class Demo:
         result = job.result if job is not None else None
         if job is not None and job.state == "done":
             ok = isinstance(result, dict) and result.get("events") == args.events
-            text = f"job done: {job.attempts} attempts, result {json.dumps(result)}"
+            attempts = f"{job.attempts} attempt{'s' if job.attempts != 1 else ''}"
+            text = f"job done: {attempts}, result {json.dumps(result)}"
         else:
             ok = False
             text = f"job done: no, {getattr(job, 'state', 'unknown')} ({getattr(job, 'error', '')})"
@@ -511,7 +516,8 @@ class Demo:
 
         errors = {k: v for k, v in stats["statuses"].items() if k != "200"}
         error_text = ", ".join(f"{k} x{v}" for k, v in errors.items()) or "none"
-        console.always()
+        if not self.args.quiet:
+            console.always()
         console.always("Verdict")
         for ok, text in checks:
             lead = "  ok    " if ok else "  FAIL  "

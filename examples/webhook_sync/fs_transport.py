@@ -5,7 +5,9 @@ writes it, while consumers take files from that folder without a lock: a consume
 file before its content is there, and the whole worker dies with ``Unrecoverable error:
 JSONDecodeError`` (kombu issue 1551). The exchange tables in ``control_folder`` have the same
 gap when they are created. Here every file is written under a temporary name and renamed into
-place, which is atomic on one filesystem: a reader sees the whole file or none.
+place, which is atomic on one filesystem: a reader sees the whole file or none. A consumer
+takes a message by renaming it into ``processed_folder`` (kept next to the queue folder, so
+never a copy across filesystems), reads it, and deletes it unless ``store_processed`` is set.
 
 ``register()`` makes the URL ``atomicfs://`` mean this transport (in every process that imports
 the app). Its transport options are kombu's filesystem ones; :func:`options` sets them all
@@ -20,13 +22,14 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from queue import Empty
 from time import monotonic
 from typing import Any
 
 from kombu.exceptions import ChannelError
 from kombu.transport import TRANSPORT_ALIASES, filesystem, virtual
-from kombu.utils.encoding import str_to_bytes
-from kombu.utils.json import dumps
+from kombu.utils.encoding import bytes_to_str, str_to_bytes
+from kombu.utils.json import dumps, loads
 
 ALIAS = "atomicfs"
 #: Appended to a file's name while it is written; kombu only reads names ending in ``.msg``
@@ -42,15 +45,14 @@ def register() -> None:
 def options(folder: str | os.PathLike[str]) -> dict[str, Any]:
     """Transport options that keep every folder under ``folder``.
 
-    One queue folder for reading and writing, and the processed messages kept next to it, so
-    every move kombu makes is a rename on one filesystem. The channel creates missing folders.
+    One queue folder for reading and writing, and the folder consumers take messages into next
+    to it, so every move is a rename on one filesystem. The channel creates missing folders.
     """
     root = Path(folder)
     paths = {name: root / name for name in ("queue", "processed", "control")}
     return {
         "data_folder_in": str(paths["queue"]),
         "data_folder_out": str(paths["queue"]),
-        "store_processed": True,
         "processed_folder": str(paths["processed"]),
         "control_folder": str(paths["control"]),
     }
@@ -71,15 +73,32 @@ def _write_atomically(path: Path, data: bytes) -> None:
 class Channel(filesystem.Channel):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        folders = [self.data_folder_in, self.data_folder_out, self.control_folder]
-        if self.store_processed:
-            folders.append(self.processed_folder)
-        for folder in folders:
+        folders = [self.data_folder_in, self.data_folder_out, self.processed_folder]
+        for folder in [*folders, self.control_folder]:
             Path(folder).mkdir(parents=True, exist_ok=True)
 
     def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
         name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         _write_atomically(Path(self.data_folder_out) / name, str_to_bytes(dumps(payload)))
+
+    def _get(self, queue: str) -> Any:
+        wanted = f"{queue}.msg"
+        for name in sorted(os.listdir(self.data_folder_in)):
+            if name.partition(".")[2] != wanted:
+                continue
+            taken = Path(self.processed_folder) / name
+            try:
+                os.rename(Path(self.data_folder_in) / name, taken)
+            except OSError:
+                continue  # another consumer took it first
+            try:
+                payload = taken.read_bytes()
+            except OSError as exc:
+                raise ChannelError(f"cannot read {taken}") from exc
+            if not self.store_processed:
+                taken.unlink(missing_ok=True)
+            return loads(bytes_to_str(payload))
+        raise Empty()
 
     @contextlib.contextmanager
     def _tables_locked(self) -> Iterator[None]:
@@ -116,3 +135,8 @@ class Channel(filesystem.Channel):  # type: ignore[misc]
 class Transport(filesystem.Transport):  # type: ignore[misc]
     Channel = Channel
     driver_name = ALIAS
+
+    @property
+    def default_connection_params(self) -> dict[str, Any]:
+        # No default host: a folder has none (kombu would log "No hostname was supplied").
+        return {}

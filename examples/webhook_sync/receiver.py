@@ -16,7 +16,7 @@ import re
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from .app import DATA, sync_account
+from .app import make_data_folder, sync_account
 from .upstream import serve
 
 ROUTE = re.compile(r"^/webhooks/(?P<account>[A-Za-z0-9_-]{1,64})$")
@@ -36,11 +36,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, body: dict[str, Any]) -> None:
         payload = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            self.log_message("client gone before the answer (killed?)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (default)")
     args = parser.parse_args(argv)
-    DATA.mkdir(parents=True, exist_ok=True)
+    make_data_folder()
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True
     host, port = server.socket.getsockname()[:2]

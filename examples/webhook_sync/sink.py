@@ -84,6 +84,20 @@ def stored_ids(engine: Engine, table: sa.Table, account: str) -> list[str]:
         return list(connection.scalars(sa.select(table.c.id).where(table.c.account == account)))
 
 
+def newest(connection: Connection, table: sa.Table, account: str) -> tuple[str | None, int]:
+    """The id of the newest stored event of ``account`` (None if none), and how many there are."""
+    newest_id = connection.scalar(
+        sa.select(table.c.id)
+        .where(table.c.account == account)
+        .order_by(table.c.created.desc(), table.c.id.desc())
+        .limit(1)
+    )
+    stored = connection.scalar(
+        sa.select(sa.func.count()).select_from(table).where(table.c.account == account)
+    )
+    return newest_id, int(stored or 0)
+
+
 def count(engine: Engine, table: sa.Table, account: str) -> int:
     with engine.connect() as connection:
         query = sa.select(sa.func.count()).select_from(table).where(table.c.account == account)

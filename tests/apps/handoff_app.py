@@ -46,6 +46,16 @@ def add_handoff_tasks(app: Celery) -> Celery:
                 time.sleep(3600)
         return count
 
+    @app.task(base=LeasedTask, bind=True, shared=False, name="e2e.flaky", max_retries=3)
+    def flaky(self: Task, count: int) -> dict[str, int]:
+        """Checkpoints units; the first attempt asks Celery to retry it after unit 2."""
+        first = (self.lease.checkpoint or {}).get("next", 0)
+        for unit in range(first, count):
+            self.checkpoint({"next": unit + 1})
+            if self.request.retries == 0 and unit == 2:
+                raise self.retry(countdown=0.3)
+        return {"resumed_from": first, "retries": self.request.retries}
+
     @app.task(base=LeasedTask, bind=True, shared=False, name="e2e.hold")
     def hold(self: Task, seconds: float) -> int:
         time.sleep(seconds)

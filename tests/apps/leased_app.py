@@ -218,7 +218,7 @@ def _atomic_filesystem_put() -> None:
         return
 
     def _put(self: Any, queue: str, payload: Any, **kwargs: Any) -> None:
-        name = f"{int(round(time.monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg"
+        name = f"{round(time.monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         final = os.path.join(self.data_folder_out, name)
         partial = os.path.join(self.data_folder_out, f"partial-{uuid.uuid4().hex}")
         try:

@@ -152,6 +152,23 @@ def test_one_process_keeps_fifty_concurrent_leases_alive(
     assert [(j.state, j.attempts, j.result) for j in jobs] == [("done", 1, 1)] * 50
 
 
+def test_a_celery_retry_hands_the_lease_back_and_the_retry_resumes_from_the_checkpoint(
+    scenario: MakeScenario, celery_settings: dict[str, Any]
+) -> None:
+    # Given one worker and a task that calls self.retry() after its third checkpoint
+    s = handoff(scenario, celery_settings, lease_seconds=30.0)
+    start(s, 1)
+
+    # When it runs
+    job_id = s.send("e2e.flaky", 6)
+
+    # Then the retry message claims the lease the first attempt handed back (no waiting for a
+    # 30 s expiry) and resumes after unit 2
+    job = s.wait_finished(job_id, timeout=20)
+    assert (job.state, job.attempts, job.token) == ("done", 2, 2), job
+    assert job.result == {"resumed_from": 3, "retries": 1}
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

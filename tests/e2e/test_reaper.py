@@ -32,7 +32,8 @@ CRASH_AT_UNIT = 5
 
 
 def with_reaper(scenario: MakeScenario, broker: dict[str, Any], **options: Any) -> Scenario:
-    """Two workers and a beat reaping every second; a 2 s lease unless ``options`` say."""
+    """Two workers and a beat reaping every second; a 2 s lease unless ``options`` say.
+    ``result_backend=`` makes ``resumed_elsewhere`` check ``AsyncResult(id).get()`` too."""
     settings: dict[str, Any] = {"lease_seconds": 2.0, "renew_seconds": 0.5, "reaper_every": 1.0}
     s = scenario(broker, **(settings | options))
     s.start_workers(2)
@@ -52,15 +53,17 @@ def resumed_elsewhere(s: Scenario, job_id: str, *, crash: Callable[[Any], None])
     runs = check_unit_log(s.log.rows(job_id), UNITS, crashes=1)
     assert len(runs) == 2
     assert runs[1].first.unit == row.unit  # resumed at the unit in progress, none before
+    if "E2E_RESULT_BACKEND" in s.env:
+        assert s.app.AsyncResult(job_id).get(timeout=10) == UNITS  # same id, final result
     return job, runs, row
 
 
 @postgres
 def test_a_job_whose_pool_process_was_killed_resumes_from_its_last_checkpoint(
-    scenario: MakeScenario, celery_settings: dict[str, Any]
+    scenario: MakeScenario, celery_settings: dict[str, Any], result_backend: str
 ) -> None:
     # Given two workers, early ack, a beat reaping every second
-    s = with_reaper(scenario, celery_settings)
+    s = with_reaper(scenario, celery_settings, result_backend=result_backend)
 
     # When the pool process running the job is SIGKILLed during unit 5
     def kill_pool_process(row: Any) -> None:
@@ -74,10 +77,10 @@ def test_a_job_whose_pool_process_was_killed_resumes_from_its_last_checkpoint(
 
 @postgres
 def test_a_job_whose_whole_worker_was_killed_resumes_on_the_other_worker(
-    scenario: MakeScenario, celery_settings: dict[str, Any]
+    scenario: MakeScenario, celery_settings: dict[str, Any], result_backend: str
 ) -> None:
     # Given two workers, early ack, a beat reaping every second
-    s = with_reaper(scenario, celery_settings)
+    s = with_reaper(scenario, celery_settings, result_backend=result_backend)
 
     # When the whole worker running the job (main process and pool) is SIGKILLed during unit 5
     def kill_worker(row: Any) -> None:

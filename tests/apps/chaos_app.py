@@ -1,0 +1,205 @@
+"""``tests.apps.leased_app`` plus the two tasks of the chaos driver (``tests/chaos/driver.py``).
+
+Configured from the environment like ``leased_app`` (see its ``app_env``). Both tasks run
+``count`` units of ``unit_seconds``, write one unit-log row per unit (``<table>_units``,
+``tests/apps/unit_log.py``) and resume from ``{"next": unit}``:
+
+- ``chaos.exactly_once(count, unit_seconds, tail_seconds=0)``: the unit row is committed in
+  the transaction of its checkpoint (``self.checkpoint(..., connection=conn)``);
+- ``chaos.at_least_once(count, unit_seconds, tail_seconds=0)``: the unit row is committed on
+  its own, then ``self.checkpoint(state)`` (no connection) saves the checkpoint: a crash
+  between the two redoes that unit.
+
+``tail_seconds`` is a sleep after the last checkpoint, before the job finishes. A transient
+database error (the server restarting, a dropped connection) retries the task the way a user
+would (``autoretry_for``): the lease is handed back and the next attempt resumes from the
+stored checkpoint. The engines use ``pool_pre_ping``, so a restarted server costs no error.
+
+:func:`install_checkpoint_log` adds a trigger that copies every checkpoint write on the jobs
+table into ``<table>_checkpoints`` in the same transaction, so the chaos checks see every
+checkpoint ever committed, in commit order (PostgreSQL and SQLite).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from celery import Celery, Task
+from sqlalchemy.engine import Engine
+
+import celery_leases
+from celery_leases import LeasedTask, StoreUnavailable
+from tests.apps.leased_app import make_app as make_leased_app
+from tests.apps.unit_log import UnitLog, _sqlite_on_connect
+
+#: Errors of the task's own database writes that a retry from the checkpoint cures.
+TRANSIENT = (sa.exc.OperationalError, sa.exc.InterfaceError, StoreUnavailable)
+TASKS = ("chaos.exactly_once", "chaos.at_least_once")
+
+
+class ReconnectingUnitLog(UnitLog):
+    """The unit log with ``pool_pre_ping``: a connection the server dropped is replaced."""
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None or self._pid != os.getpid():
+            with self._lock:
+                if self._engine is None or self._pid != os.getpid():
+                    if self._engine is not None:
+                        self._engine.dispose(close=False)
+                    sqlite = self.url.startswith("sqlite")
+                    options: dict[str, Any] = {"pool_pre_ping": True}
+                    if sqlite:
+                        options["connect_args"] = {"timeout": 30}
+                    self._engine = sa.create_engine(self.url, **options)
+                    if sqlite:
+                        sa.event.listen(self._engine, "connect", _sqlite_on_connect)
+                    self._pid = os.getpid()
+        return self._engine
+
+
+def chaos_log_for(app: Celery) -> ReconnectingUnitLog:
+    """The unit log of ``app`` (table ``<leases_table>_units``, as ``leased_app`` names it)."""
+    log = app.__dict__.get("_chaos_unit_log")
+    if log is None:
+        conf = app.conf
+        log = ReconnectingUnitLog(
+            conf.get("leases_database_url", celery_leases.DEFAULTS["database_url"]),
+            f"{conf.get('leases_table', celery_leases.DEFAULTS['table'])}_units",
+        )
+        app.__dict__["_chaos_unit_log"] = log
+    return log
+
+
+def add_chaos_tasks(app: Celery) -> Celery:
+    log = chaos_log_for(app)
+    options: dict[str, Any] = {
+        "base": LeasedTask,
+        "bind": True,
+        "shared": False,
+        "autoretry_for": TRANSIENT,
+        "retry_backoff": 1,
+        "retry_backoff_max": 8,
+        "retry_jitter": True,
+        "max_retries": None,
+    }
+
+    def start(task: Task, unit: int, run: str) -> int:
+        lease = task.lease
+        return log.start(
+            lease.job_id,
+            unit,
+            run=run,
+            token=lease.token,
+            attempt=lease.attempt,
+            host=task.request.hostname or "",
+        )
+
+    @app.task(name="chaos.exactly_once", **options)
+    def exactly_once(self: Task, count: int, unit_seconds: float, tail_seconds: float = 0.0) -> int:
+        run = uuid.uuid4().hex
+        for unit in range((self.lease.checkpoint or {}).get("next", 0), count):
+            row = start(self, unit, run)
+            time.sleep(unit_seconds)
+            with log.engine.begin() as connection:
+                log.end(connection, row)
+                self.checkpoint({"next": unit + 1}, connection=connection)
+            self.stop_point()
+        time.sleep(tail_seconds)
+        return count
+
+    @app.task(name="chaos.at_least_once", **options)
+    def at_least_once(
+        self: Task, count: int, unit_seconds: float, tail_seconds: float = 0.0
+    ) -> int:
+        run = uuid.uuid4().hex
+        for unit in range((self.lease.checkpoint or {}).get("next", 0), count):
+            row = start(self, unit, run)
+            time.sleep(unit_seconds)
+            with log.engine.begin() as connection:
+                log.end(connection, row)
+            self.checkpoint({"next": unit + 1})
+        time.sleep(tail_seconds)
+        return count
+
+    return app
+
+
+# -- checkpoint log --------------------------------------------------------------------------
+
+
+def checkpoints_table(jobs_table: str) -> sa.Table:
+    return sa.Table(
+        f"{jobs_table}_checkpoints",
+        sa.MetaData(),
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("job_id", sa.String(155), nullable=False, index=True),
+        sa.Column("token", sa.BigInteger, nullable=False),
+        sa.Column("checkpoint", sa.Text),
+        sa.Column("at", sa.Double, nullable=False),
+    )
+
+
+def _trigger_name(jobs_table: str) -> str:
+    return f"{jobs_table}_ckpt"
+
+
+def install_checkpoint_log(engine: Engine, jobs_table: str) -> sa.Table:
+    """Create ``<jobs_table>_checkpoints`` and a trigger that fills it on every checkpoint."""
+    log = checkpoints_table(jobs_table)
+    log.create(engine, checkfirst=True)
+    trigger = _trigger_name(jobs_table)
+    with engine.begin() as connection:
+        if engine.dialect.name == "postgresql":
+            connection.execute(
+                sa.text(
+                    f"CREATE OR REPLACE FUNCTION {trigger}() RETURNS trigger AS $$ BEGIN "
+                    f"IF NEW.checkpoint_at IS DISTINCT FROM OLD.checkpoint_at THEN "
+                    f"INSERT INTO {log.name} (job_id, token, checkpoint, at) VALUES "
+                    f"(NEW.id, NEW.token, NEW.checkpoint, "
+                    f"EXTRACT(EPOCH FROM clock_timestamp())); "
+                    f"END IF; RETURN NEW; END $$ LANGUAGE plpgsql"
+                )
+            )
+            connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger} ON {jobs_table}"))
+            connection.execute(
+                sa.text(
+                    f"CREATE TRIGGER {trigger} AFTER UPDATE ON {jobs_table} "
+                    f"FOR EACH ROW EXECUTE FUNCTION {trigger}()"
+                )
+            )
+        elif engine.dialect.name == "sqlite":
+            connection.execute(
+                sa.text(
+                    f"CREATE TRIGGER IF NOT EXISTS {trigger} AFTER UPDATE ON {jobs_table} "
+                    f"FOR EACH ROW WHEN NEW.checkpoint_at IS NOT OLD.checkpoint_at BEGIN "
+                    f"INSERT INTO {log.name} (job_id, token, checkpoint, at) VALUES "
+                    f"(NEW.id, NEW.token, NEW.checkpoint, "
+                    f"(julianday('now') - 2440587.5) * 86400.0); END"
+                )
+            )
+        else:
+            raise NotImplementedError(f"no checkpoint log on {engine.dialect.name}")
+    return log
+
+
+def remove_checkpoint_log(engine: Engine, jobs_table: str) -> None:
+    """Drop the trigger (and its PostgreSQL function); the tables are left to their owner."""
+    trigger = _trigger_name(jobs_table)
+    with engine.begin() as connection:
+        if engine.dialect.name == "postgresql":
+            connection.execute(sa.text(f"DROP FUNCTION IF EXISTS {trigger}() CASCADE"))
+        elif engine.dialect.name == "sqlite":
+            connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger}"))
+
+
+def make_app(environ: Mapping[str, str] | None = None, *, name: str = "chaos_app") -> Celery:
+    return add_chaos_tasks(make_leased_app(environ, name=name, current=True))
+
+
+app = make_app(os.environ)

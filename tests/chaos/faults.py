@@ -1,0 +1,210 @@
+"""The faults of a chaos run: a seeded plan, and how each kind is done to real processes.
+
+Kinds: ``kill_child`` (SIGKILL one prefork pool process), ``kill_worker`` (SIGKILL a whole
+worker, then start a replacement), ``freeze`` (SIGSTOP a whole worker for longer than the
+lease, then SIGCONT), ``sigterm`` (warm shutdown, then start a replacement),
+``restart_database`` (``pg_ctlcluster ... restart`` of the local PostgreSQL) and
+``restart_broker`` (``redis-cli shutdown nosave`` and a fresh ``redis-server``: the queue is
+lost).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+WORKER_KINDS = ("kill_child", "kill_worker", "freeze", "sigterm")
+SERVICE_KINDS = ("restart_database", "restart_broker")
+KINDS = WORKER_KINDS + SERVICE_KINDS
+
+#: Relative frequency of each kind in a plan.
+WEIGHTS = {
+    "kill_child": 4.0,
+    "kill_worker": 2.0,
+    "freeze": 2.0,
+    "sigterm": 2.0,
+    "restart_database": 1.0,
+    "restart_broker": 1.0,
+}
+
+#: A service restart disturbs every client of the server: at most one per this many faults.
+FAULTS_PER_SERVICE_RESTART = 25
+
+REDIS_START = [
+    "redis-server",
+    "--daemonize",
+    "yes",
+    "--bind",
+    "127.0.0.1",
+    "-::1",
+    "--port",
+    "6379",
+    "--save",
+    "",
+    "--appendonly",
+    "no",
+    "--dir",
+    "/var/lib/redis",
+    "--logfile",
+    "/var/log/redis/ci.log",
+]
+#: Keys of other test runs kept across a Redis restart (``tests.services.private_redis_url``).
+REDIS_KEEP_PATTERN = "celery-leases-tests:*"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One planned fault: done when the run's progress (fraction of units) reaches ``at``.
+
+    ``pick`` (0..1) chooses the target among the candidates at that moment; ``seconds`` is
+    how long a freeze lasts.
+    """
+
+    number: int
+    kind: str
+    at: float
+    pick: float
+    seconds: float
+
+    def describe(self) -> str:
+        extra = f" {self.seconds:.1f}s" if self.kind == "freeze" else ""
+        return f"#{self.number} {self.kind}{extra} @{self.at:.0%}"
+
+
+def plan(
+    rng: random.Random, *, count: int, kinds: tuple[str, ...], lease_seconds: float
+) -> list[Fault]:
+    """``count`` faults of ``kinds``, each kind at least once when ``count`` allows, service
+    restarts capped; positions spread over 3-92% of the run's progress (15-75% for service
+    restarts)."""
+    services = [k for k in kinds if k in SERVICE_KINDS]
+    workers = [k for k in kinds if k in WORKER_KINDS]
+    cap = max(1, count // FAULTS_PER_SERVICE_RESTART)
+    chosen: list[str] = [k for k in (*workers, *services)][:count]
+    while len(chosen) < count:
+        pool = [k for k in kinds if k in WORKER_KINDS or chosen.count(k) < cap]
+        chosen.append(rng.choices(pool, weights=[WEIGHTS[k] for k in pool])[0])
+    rng.shuffle(chosen)
+    # Service restarts land mid-run, while many jobs are in flight.
+    placed = sorted(
+        (rng.uniform(0.15, 0.75) if kind in SERVICE_KINDS else rng.uniform(0.03, 0.92), kind)
+        for kind in chosen
+    )
+    return [
+        Fault(
+            number=number,
+            kind=kind,
+            at=at,
+            pick=rng.random(),
+            seconds=lease_seconds * rng.uniform(1.5, 3.0),
+        )
+        for number, (at, kind) in enumerate(placed, start=1)
+    ]
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to the process group of ``pid`` (a worker and its pool: its own session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def kill_process(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+# -- services ------------------------------------------------------------------------------------
+
+
+def local_postgres(url: str) -> bool:
+    """True when ``url`` is PostgreSQL on this machine's default port (we can restart it)."""
+    parts = urlsplit(url)
+    return (
+        parts.scheme.startswith("postgresql")
+        and parts.hostname in ("127.0.0.1", "localhost")
+        and (parts.port in (None, 5432))
+    )
+
+
+def local_redis(url: str) -> bool:
+    parts = urlsplit(url)
+    return (
+        parts.scheme == "redis"
+        and parts.hostname in ("127.0.0.1", "localhost")
+        and (parts.port in (None, 6379))
+    )
+
+
+def restart_postgres(timeout: float = 60) -> float:
+    """Restart the local PostgreSQL cluster (fast shutdown); returns the seconds it took."""
+    version = sorted(p.name for p in Path("/etc/postgresql").iterdir())[-1]
+    started = time.monotonic()
+    subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "restart"],
+        check=True,
+        capture_output=True,
+        timeout=timeout,
+    )
+    return time.monotonic() - started
+
+
+def restart_redis(url: str, *, down_seconds: float = 0.5, timeout: float = 30) -> float:
+    """Shut the local Redis down without saving (every queue is lost), start a fresh one, and
+    put back the other test runs' database claims. Returns the seconds it was down."""
+    import redis
+
+    base = urlsplit(url)._replace(path="/0").geturl()
+    client = redis.Redis.from_url(base, socket_timeout=5)
+    try:
+        kept = {
+            key: (client.dump(key), max(client.pttl(key), 0))
+            for key in client.scan_iter(REDIS_KEEP_PATTERN)
+        }
+    finally:
+        client.close()
+    started = time.monotonic()
+    subprocess.run(["redis-cli", "-u", base, "shutdown", "nosave"], capture_output=True, timeout=10)
+    _wait(lambda: not _redis_answers(base), timeout, "Redis to stop")
+    time.sleep(down_seconds)
+    subprocess.run(REDIS_START, check=True, capture_output=True, timeout=10)
+    _wait(lambda: _redis_answers(base), timeout, "Redis to answer again")
+    down = time.monotonic() - started
+    client = redis.Redis.from_url(base, socket_timeout=5)
+    try:
+        for key, (value, ttl) in kept.items():
+            if value is not None:
+                client.restore(key, ttl, value, replace=True)
+    finally:
+        client.close()
+    return down
+
+
+def _redis_answers(url: str) -> bool:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def _wait(probe: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)

@@ -1,0 +1,78 @@
+"""The short chaos form (issue 7): 40 jobs x 10 units on 3 prefork workers, ~15 faults.
+
+Each test runs ``tests/chaos/driver.py`` against real services and fails when an invariant
+does not hold. The seed is printed (``pytest -s``) and is in the failure message; replay one
+with ``CHAOS_SEED=<seed> pytest tests/chaos -m chaos -k <test>``, or run the long form with
+``python -m tests.chaos.driver --help``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from tests.chaos import faults
+from tests.chaos.driver import Chaos, Config, Report, new_seed
+from tests.workers import Spawner
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
+
+SHORT = Config(jobs=40, units=10, unit_seconds=0.6, workers=3, concurrency=2, faults=15)
+
+
+def short_config(kinds: tuple[str, ...]) -> Config:
+    seed = int(os.environ["CHAOS_SEED"]) if os.environ.get("CHAOS_SEED") else new_seed()
+    return Config(**{**SHORT.__dict__, "seed": seed, "kinds": kinds})
+
+
+def assert_chaos_survived(report: Report, config: Config) -> None:
+    replay = f"replay: CHAOS_SEED={report.seed}"
+    assert report.ok, f"{replay}\n{report.text}"
+    done = sum(report.faults.values())
+    assert done >= 0.8 * config.faults, f"only {done} faults done; {replay}\n{report.text}"
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+def test_on_postgresql_and_redis_kills_freezes_and_restarts_lose_nothing_and_run_nothing_twice(
+    spawn: Spawner, database_url: str, table_name: str, celery_settings: dict[str, Any]
+) -> None:
+    # Given 3 workers, beat running the reaper, 40 jobs (half exactly-once, half at-least-once)
+    config = short_config(faults.KINDS)
+
+    # When pool processes and workers are SIGKILLed, frozen past their lease, SIGTERMed, and
+    # PostgreSQL and Redis (losing its queue) restart while the jobs run
+    report = Chaos(config, spawn, celery_settings, database_url, table_name).run()
+
+    # Then every job is done, no unit twice in exactly-once mode, at most one redone per
+    # interruption in at-least-once mode, no overlap between attempts, no checkpoint backwards
+    assert_chaos_survived(report, config)
+    assert report.faults["restart_database"] >= 1 and report.faults["restart_broker"] >= 1
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_on_sqlite_and_the_embedded_broker_kills_and_freezes_lose_nothing_and_run_nothing_twice(
+    spawn: Spawner,
+    database_url: str,
+    table_name: str,
+    filesystem_broker: dict[str, Any],
+    queue_name: str,
+) -> None:
+    # Given the filesystem:// broker (no redelivery at all) and an SQLite store
+    broker = {
+        **filesystem_broker,
+        "broker_transport_options": {
+            **filesystem_broker["broker_transport_options"],
+            "polling_interval": 0.1,
+        },
+        "task_default_queue": queue_name,
+    }
+    config = short_config(faults.WORKER_KINDS)
+
+    # When pool processes and workers are SIGKILLed, frozen past their lease and SIGTERMed
+    report = Chaos(config, spawn, broker, database_url, table_name).run()
+
+    # Then the invariants hold: the reaper recovered every message the kills destroyed
+    assert_chaos_survived(report, config)
