@@ -29,6 +29,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from bench.common import (
@@ -61,7 +62,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--plain-timeout", type=float, default=150.0, help="seconds to wait for plain Celery"
     )
     parser.add_argument("--no-plain", action="store_true", help="skip plain Celery")
+    parser.add_argument(
+        "--from-json", metavar="PATH", help="measure nothing: summarize the runs of a result file"
+    )
     args = parser.parse_args(argv)
+    if args.from_json:
+        document = json.loads(Path(args.from_json).read_text())
+        report(document["runs"], document["settings"], quick=document.get("quick", False))
+        return 0
     runs = args.runs or (2 if args.quick else 5)
     plain = not (args.no_plain or args.quick)
 
@@ -73,49 +81,55 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = measure_retrying(mode, kind, plain_timeout=args.plain_timeout)
                 results.append(result)
                 print(f"{mode:6} {kind:22} run {number}: {describe(result)}", flush=True)
+    settings = {
+        "units": UNITS,
+        "unit_seconds": UNIT_SECONDS,
+        "crash_at_unit": CRASH_AT_UNIT,
+        "lease_seconds": LEASE_SECONDS,
+        "reaper_every_seconds": REAPER_EVERY,
+        "plain_visibility_timeout_seconds": VISIBILITY_TIMEOUT,
+        "plain_timeout_seconds": args.plain_timeout if plain else None,
+        "runs": runs,
+        "broker": "redis",
+        "store": "postgresql",
+    }
+    report(measured, settings, quick=args.quick)
+    return 0
 
+
+def report(
+    measured: dict[str, dict[str, list[dict[str, Any]]]],
+    settings: dict[str, Any],
+    *,
+    quick: bool,
+) -> None:
+    """Print the table and write ``bench/results/recovery.json``."""
+    plain = bool(measured.get("plain"))
     rows = []
     summary: dict[str, Any] = {}
     for kind in KINDS:
         leased = figures(measured["leased"][kind])
-        row: list[Any] = [kind, leased["median_s"], leased["worst_s"], leased["redone"]]
+        row: list[Any] = [kind, _s(leased["median_s"]), _s(leased["worst_s"]), leased["redone"]]
         summary[kind] = {"leased": leased}
         if plain:
             baseline = figures(measured["plain"][kind])
             summary[kind]["plain"] = baseline
-            row += [baseline["median_s"], baseline["worst_s"], baseline["outcome"]]
+            row += [_s(baseline["median_s"]), _s(baseline["worst_s"]), baseline["outcome"]]
         rows.append(row)
     headers = ["crash", "leases median s", "leases worst s", "leases units redone"]
     if plain:
         headers += ["plain median s", "plain worst s", "plain Celery outcome"]
     print_table(
-        f"crash -> first unit of the next attempt ({runs} runs; leases: lease {LEASE_SECONDS:g} s, "
-        f"reaper every {REAPER_EVERY:g} s; plain: acks_late, Redis visibility_timeout "
-        f"{VISIBILITY_TIMEOUT} s)",
+        f"crash -> first unit of the next attempt (runs per cell: {settings['runs']}; leases: "
+        f"lease {settings['lease_seconds']:g} s, reaper every {settings['reaper_every_seconds']:g}"
+        f" s; plain: acks_late, Redis visibility_timeout "
+        f"{settings['plain_visibility_timeout_seconds']} s)",
         headers,
         rows,
     )
     write_result(
-        "recovery",
-        {
-            "settings": {
-                "units": UNITS,
-                "unit_seconds": UNIT_SECONDS,
-                "crash_at_unit": CRASH_AT_UNIT,
-                "lease_seconds": LEASE_SECONDS,
-                "reaper_every_seconds": REAPER_EVERY,
-                "plain_visibility_timeout_seconds": VISIBILITY_TIMEOUT,
-                "plain_timeout_seconds": args.plain_timeout if plain else None,
-                "runs": runs,
-                "broker": "redis",
-                "store": "postgresql",
-            },
-            "summary": summary,
-            "runs": measured,
-        },
-        quick=args.quick,
+        "recovery", {"settings": settings, "summary": summary, "runs": measured}, quick=quick
     )
-    return 0
 
 
 def measure_retrying(mode: str, kind: str, *, plain_timeout: float) -> dict[str, Any]:
@@ -279,25 +293,36 @@ def concurrent(rows: list[Unit]) -> bool:
 
 
 def figures(results: list[dict[str, Any]]) -> dict[str, Any]:
-    seconds = [r["seconds"] for r in results if r["seconds"] is not None]
-    outcomes = sorted({r["outcome"] for r in results})
-    redone = sorted({r.get("redone_units") for r in results if r.get("redone_units") is not None})
-    return {
-        "median_s": statistics.median(seconds) if seconds else float("nan"),
-        "worst_s": max(seconds) if len(seconds) == len(results) else float("inf"),
-        "resumed": f"{len(seconds)}/{len(results)}",
-        "redone": "/".join(str(r) for r in redone) or "-",
-        "outcome": "; ".join(outcomes),
-        "stale_attempt_committed_units": sorted(
-            {r.get("stale_attempt_committed_units") for r in results} - {None}
-        ),
-        "concurrent_runs": any(r.get("concurrent_runs") for r in results),
+    """Median and worst seconds of the runs that measured something (a run that a service
+    restart spoiled three times is left out and counted under ``errors``)."""
+    valid = [r for r in results if not str(r["outcome"]).startswith("error:")]
+    seconds = [float(r["seconds"]) for r in valid if r["seconds"] is not None]
+    redone = sorted({int(r["redone_units"]) for r in valid if r.get("redone_units") is not None})
+    stale = {
+        int(r["stale_attempt_committed_units"])
+        for r in valid
+        if "stale_attempt_committed_units" in r
     }
+    return {
+        "median_s": statistics.median(seconds) if seconds else None,
+        # None when some run never resumed: the worst case is "never".
+        "worst_s": max(seconds) if seconds and len(seconds) == len(valid) else None,
+        "resumed": f"{len(seconds)}/{len(valid)}",
+        "errors": len(results) - len(valid),
+        "redone": "/".join(str(r) for r in redone) or "-",
+        "outcome": "; ".join(sorted({str(r["outcome"]) for r in valid})),
+        "stale_attempt_committed_units": sorted(stale),
+        "concurrent_runs": any(r.get("concurrent_runs") for r in valid),
+    }
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def describe(result: dict[str, Any]) -> str:
     if result["seconds"] is None:
-        return result["outcome"]
+        return str(result["outcome"])
     extra = {k: v for k, v in result.items() if k not in ("seconds", "outcome")}
     return f"{result['seconds']:.2f} s, {result['outcome']} {json.dumps(extra)}"
 

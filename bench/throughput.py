@@ -12,10 +12,12 @@ count the SQL statements the pool processes sent, by kind, per task.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
+import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -53,8 +55,6 @@ def broker(name: str, queue: str) -> Iterator[tuple[str, str]]:
 
 def publish(app: Any, task_name: str, count: int, args: tuple[Any, ...]) -> float:
     """Publish ``count`` messages of ``task_name`` on one producer; the seconds it took."""
-    import time
-
     task = app.tasks[task_name]
     started = time.perf_counter()
     with app.producer_or_acquire() as producer:
@@ -74,6 +74,7 @@ def one_run(
 ) -> dict[str, Any]:
     """Publish ``count`` tasks with ``app``, then let a fresh worker run them all."""
     run = f"bench:{uuid.uuid4().hex[:8]}"
+    purge(app)
     publish_seconds = publish(app, task_name, count, args)
     worker = bench_worker(
         config, counter_url=counter_url, run=run, concurrency=CONCURRENCY, log_dir=log_dir
@@ -90,6 +91,25 @@ def one_run(
         "publish_seconds": publish_seconds,
         "sql": done["sql"],
     }
+
+
+def with_retries(run: Callable[..., dict[str, Any]], *args: Any, tries: int = 3) -> dict[str, Any]:
+    """``run(*args)``, again after a failure (a shared Redis or RabbitMQ restarted under us)."""
+    for attempt in range(1, tries + 1):
+        try:
+            return run(*args)
+        except Exception as exc:
+            if attempt == tries:
+                raise
+            print(f"run failed ({exc!r:.200}); again in 5 s", flush=True)
+            time.sleep(5)
+    raise AssertionError("unreachable")
+
+
+def purge(app: Any) -> None:
+    """Drop what a failed run left in the queue."""
+    with contextlib.suppress(Exception):
+        app.control.purge()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -129,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                             if repeat % 2:
                                 variants.reverse()
                             for variant in variants:
-                                result = one_run(
+                                result = with_retries(
+                                    one_run,
                                     app,
                                     config,
                                     counter_url,

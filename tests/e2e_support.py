@@ -128,8 +128,12 @@ class Scenario:
         return job
 
     def wait_finished(self, job_id: str, timeout: float) -> Job:
+        def finished() -> Job | None:
+            job = get_job(self.app, job_id)
+            return job if job is not None and job.state in FINISHED else None
+
         return wait_for(
-            lambda: (j := get_job(self.app, job_id)) and j.state in FINISHED and j,
+            finished,
             timeout=timeout,
             interval=0.1,
             what=f"job {job_id} to finish ({self._job_line(job_id)})",

@@ -65,7 +65,7 @@ class ReconnectingUnitLog(UnitLog):
 
 def chaos_log_for(app: Celery) -> ReconnectingUnitLog:
     """The unit log of ``app`` (table ``<leases_table>_units``, as ``leased_app`` names it)."""
-    log = app.__dict__.get("_chaos_unit_log")
+    log: ReconnectingUnitLog | None = app.__dict__.get("_chaos_unit_log")
     if log is None:
         conf = app.conf
         log = ReconnectingUnitLog(
@@ -100,7 +100,7 @@ def add_chaos_tasks(app: Celery) -> Celery:
             host=task.request.hostname or "",
         )
 
-    @app.task(name="chaos.exactly_once", **options)
+    @app.task(name="chaos.exactly_once", **options)  # type: ignore[untyped-decorator]
     def exactly_once(self: Task, count: int, unit_seconds: float, tail_seconds: float = 0.0) -> int:
         run = uuid.uuid4().hex
         for unit in range((self.lease.checkpoint or {}).get("next", 0), count):
@@ -113,7 +113,7 @@ def add_chaos_tasks(app: Celery) -> Celery:
         time.sleep(tail_seconds)
         return count
 
-    @app.task(name="chaos.at_least_once", **options)
+    @app.task(name="chaos.at_least_once", **options)  # type: ignore[untyped-decorator]
     def at_least_once(
         self: Task, count: int, unit_seconds: float, tail_seconds: float = 0.0
     ) -> int:

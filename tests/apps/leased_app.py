@@ -121,7 +121,7 @@ def settings_from_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], float
 
 def unit_log_for(app: Celery) -> UnitLog:
     """The unit log of ``app``: table ``<leases_table>_units`` in the leases database."""
-    log = app.__dict__.get("_e2e_unit_log")
+    log: UnitLog | None = app.__dict__.get("_e2e_unit_log")
     if log is None:
         conf = app.conf
         log = UnitLog(

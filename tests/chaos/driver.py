@@ -610,11 +610,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_restartable(config: Config, *, database_url: str, broker: str) -> list[str]:
     """Why the service restarts asked for cannot be done here (empty when they can)."""
+    from tests.services import REDIS_URL
+
     problems = []
-    if "restart_database" in config.kinds and not F.local_postgres(database_url):
-        problems.append("--restart-database needs the local PostgreSQL (127.0.0.1:5432)")
-    if "restart_broker" in config.kinds and not (broker == "redis" or F.local_redis(broker)):
-        problems.append("--restart-broker needs the local Redis (127.0.0.1:6379)")
+    if "restart_database" in config.kinds and not F.can_restart_postgres(database_url):
+        problems.append(
+            "--restart-database needs the local PostgreSQL (127.0.0.1:5432) and pg_ctlcluster"
+        )
+    broker_url = REDIS_URL if broker == "redis" else broker
+    if "restart_broker" in config.kinds and not F.can_restart_redis(broker_url):
+        problems.append("--restart-broker needs the local Redis (127.0.0.1:6379) and redis-server")
     return problems
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -144,6 +145,20 @@ def local_redis(url: str) -> bool:
         and parts.hostname in ("127.0.0.1", "localhost")
         and (parts.port in (None, 6379))
     )
+
+
+def can_restart_postgres(url: str) -> bool:
+    """True when ``url`` is the local PostgreSQL and ``pg_ctlcluster`` can restart it."""
+    return (
+        local_postgres(url)
+        and shutil.which("pg_ctlcluster") is not None
+        and (Path("/etc/postgresql").is_dir())
+    )
+
+
+def can_restart_redis(url: str) -> bool:
+    """True when ``url`` is the local Redis and ``redis-server`` can start it again."""
+    return local_redis(url) and shutil.which("redis-server") is not None
 
 
 def restart_postgres(timeout: float = 60) -> float:

@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 
 import celery_leases
+from celery_leases import Job
 from celery_leases.store import GAVE_UP_NO_PROGRESS
-from tests.e2e_support import Scenario, check_unit_log, freeze, thaw
+from tests.apps.unit_log import Unit
+from tests.e2e_support import Run, Scenario, check_unit_log, freeze, thaw
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -33,7 +35,7 @@ CRASH_AT_UNIT = 5
 
 def with_reaper(scenario: MakeScenario, broker: dict[str, Any], **options: Any) -> Scenario:
     """Two workers and a beat reaping every second; a 2 s lease unless ``options`` say.
-    ``result_backend=`` makes ``resumed_elsewhere`` check ``AsyncResult(id).get()`` too."""
+    ``result_backend=`` makes ``crash_and_resume`` check ``AsyncResult(id).get()`` too."""
     settings: dict[str, Any] = {"lease_seconds": 2.0, "renew_seconds": 0.5, "reaper_every": 1.0}
     s = scenario(broker, **(settings | options))
     s.start_workers(2)
@@ -41,10 +43,11 @@ def with_reaper(scenario: MakeScenario, broker: dict[str, Any], **options: Any) 
     return s
 
 
-def resumed_elsewhere(s: Scenario, job_id: str, *, crash: Callable[[Any], None]) -> Any:
-    """Run a 16-unit job, ``crash(row)`` during unit 5, then wait for the job to end.
-
-    Returns (job, runs, the row in progress at the crash)."""
+def crash_and_resume(
+    s: Scenario, job_id: str, *, crash: Callable[[Unit], None]
+) -> tuple[Job, list[Run], Unit]:
+    """Run a 16-unit job, ``crash(row)`` during unit 5, wait for the job to end, and check it
+    resumed once, from the unit in progress. Returns (job, runs, the row of that unit)."""
     job_id = s.send("e2e.units", UNITS, UNIT_SECONDS, task_id=job_id)
     row = s.wait_unit(job_id, unit=CRASH_AT_UNIT, timeout=30)
     crash(row)
@@ -66,12 +69,12 @@ def test_a_job_whose_pool_process_was_killed_resumes_from_its_last_checkpoint(
     s = with_reaper(scenario, celery_settings, result_backend=result_backend)
 
     # When the pool process running the job is SIGKILLed during unit 5
-    def kill_pool_process(row: Any) -> None:
+    def kill_pool_process(row: Unit) -> None:
         os.kill(row.pid, signal.SIGKILL)
 
     # Then a worker resumes it from its last checkpoint, via the reaper
     job_id = f"pool-{os.urandom(4).hex()}"
-    resumed_elsewhere(s, job_id, crash=kill_pool_process)
+    crash_and_resume(s, job_id, crash=kill_pool_process)
     assert f"job {job_id} (e2e.units): lease expired" in s.logs()
 
 
@@ -83,11 +86,11 @@ def test_a_job_whose_whole_worker_was_killed_resumes_on_the_other_worker(
     s = with_reaper(scenario, celery_settings, result_backend=result_backend)
 
     # When the whole worker running the job (main process and pool) is SIGKILLed during unit 5
-    def kill_worker(row: Any) -> None:
+    def kill_worker(row: Unit) -> None:
         s.worker_of(row).kill()
 
     # Then the other worker resumes it from its last checkpoint
-    _, runs, row = resumed_elsewhere(s, f"whole-{os.urandom(4).hex()}", crash=kill_worker)
+    _, runs, row = crash_and_resume(s, f"whole-{os.urandom(4).hex()}", crash=kill_worker)
     assert s.worker_of(runs[1].first) is not s.worker_of(row)
 
 
@@ -232,12 +235,12 @@ def test_with_the_embedded_broker_a_killed_workers_lost_message_is_recovered_by_
 
     # When the worker running a job is SIGKILLed (its in-flight message dies with it: the
     # transport has no redelivery)
-    def kill_worker(row: Any) -> None:
+    def kill_worker(row: Unit) -> None:
         s.worker_of(row).kill()
 
     # Then the reaper re-publishes the job and the other worker resumes it
     job_id = f"embedded-{os.urandom(4).hex()}"
-    _, runs, row = resumed_elsewhere(s, job_id, crash=kill_worker)
+    _, runs, row = crash_and_resume(s, job_id, crash=kill_worker)
     assert s.worker_of(runs[1].first) is not s.worker_of(row)
     assert f"job {job_id} (e2e.units): lease expired" in s.logs()
 
