@@ -10,6 +10,7 @@ parent's and the pool process's memory is read from ``/proc``: VmRSS, and from
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import uuid
 from collections.abc import Sequence
@@ -119,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 app.close()
     finally:
         drop_tables(POSTGRES_URL, table)
+    shutil.rmtree(log_dir, ignore_errors=True)  # kept when a run failed
     report(data)
     write_result("memory", data, quick=args.quick)
 

@@ -68,7 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.from_json:
         document = json.loads(Path(args.from_json).read_text())
-        report(document["runs"], document["settings"], quick=document.get("quick", False))
+        kept = {k: document[k] for k in ("finished_at", "command", "machine") if k in document}
+        report(
+            document["runs"], document["settings"], quick=document.get("quick", False), kept=kept
+        )
         return 0
     runs = args.runs or (2 if args.quick else 5)
     plain = not (args.no_plain or args.quick)
@@ -102,8 +105,10 @@ def report(
     settings: dict[str, Any],
     *,
     quick: bool,
+    kept: dict[str, Any] | None = None,
 ) -> None:
-    """Print the table and write ``bench/results/recovery.json``."""
+    """Print the table and write ``bench/results/recovery.json`` (``kept``: fields of an
+    earlier result file to keep as they were, such as when and where it was measured)."""
     plain = bool(measured.get("plain"))
     rows = []
     summary: dict[str, Any] = {}
@@ -127,9 +132,10 @@ def report(
         headers,
         rows,
     )
-    write_result(
-        "recovery", {"settings": settings, "summary": summary, "runs": measured}, quick=quick
-    )
+    data: dict[str, Any] = {"settings": settings, "summary": summary, "runs": measured}
+    if kept:
+        data |= kept | {"summarized_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    write_result("recovery", data, quick=quick)
 
 
 def measure_retrying(mode: str, kind: str, *, plain_timeout: float) -> dict[str, Any]:

@@ -13,6 +13,7 @@ count the SQL statements the pool processes sent, by kind, per task.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import statistics
 import tempfile
 import time
@@ -173,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     app.close()
     finally:
         drop_tables(POSTGRES_URL, table)
+    shutil.rmtree(log_dir, ignore_errors=True)  # kept when a run failed
     summary = summarize(runs)
     report(summary)
     write_result(

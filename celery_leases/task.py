@@ -34,7 +34,7 @@ from .errors import (
 )
 from .keeper import keeper_for
 from .lease import Lease, checkpoint_hook, current
-from .schema import CANCELLED
+from .schema import CANCELLED, FINISHED_STATES
 from .store import Refused, Store, store_for
 
 logger = get_task_logger("celery_leases")
@@ -69,6 +69,17 @@ class LeasedTask(Task):  # type: ignore[misc]
     lease_kill_stalled: bool | None = None
 
     _lease_settings_cache: Settings | None = None
+
+    @property
+    def retry_on_worker_lost(self) -> bool:
+        """Celery >= 5.7: when a pool process dies, record RETRY instead of FAILURE.
+
+        The job resumes from its checkpoint through the reaper, so a client blocked in
+        ``AsyncResult(id).get()`` keeps waiting for the final result rather than getting
+        ``WorkerLostError``. Not with ``acks_late`` + ``reject_on_worker_lost``, where the
+        broker delivers the message again itself.
+        """
+        return not (self.acks_late and self.reject_on_worker_lost)
 
     # -- settings and store ---------------------------------------------------------------
 
@@ -262,11 +273,14 @@ class LeasedTask(Task):  # type: ignore[misc]
                 queued_timeout=settings.queued_timeout,
             )
             if not registered:
-                _log.warning(
-                    "job %s is already recorded; this message is dropped at its claim unless "
-                    "the job is queued or its lease expired",
-                    task_id,
-                )
+                known = store.get(task_id)
+                if known is not None and known.state in FINISHED_STATES:
+                    _log.warning(
+                        "job %s is already %s: this message will be dropped at its claim "
+                        "(celery leases retry re-runs a failed job)",
+                        task_id,
+                        known.state,
+                    )
             try:
                 return super().apply_async(
                     args, kwargs, task_id, producer, link, link_error, shadow, **options
