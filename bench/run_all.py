@@ -1,6 +1,6 @@
 """Run every benchmark in order, each in its own process: ``python -m bench.run_all [--quick]``.
 
-dispatch, throughput, operations, recovery (when ``bench/recovery.py`` exists), scale, memory.
+dispatch, throughput, operations, renewals, recovery (when ``bench/recovery.py`` exists), scale, memory.
 Each prints its tables and writes ``bench/results/<name>.json``; a failing one is run once
 more (the services are shared), then reported, and the others still run. ``--quick`` is
 passed on (a short run, under ~5 minutes in all); ``--skip NAME`` leaves one out.
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from bench.common import BENCH_DIR, machine, print_table, run_module
 
-ORDER = ("dispatch", "throughput", "operations", "recovery", "scale", "memory")
+ORDER = ("dispatch", "throughput", "operations", "renewals", "recovery", "scale", "memory")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

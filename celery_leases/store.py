@@ -190,11 +190,21 @@ class Store:
             stmt = self._statements[key] = build()
         return stmt
 
-    def _run(self, operation: Callable[[Connection], T], *, ensure: bool = True) -> T:
-        """Run ``operation`` in one transaction, wrapping driver errors once."""
+    def _run(
+        self, operation: Callable[[Connection], T], *, ensure: bool = True, single: bool = False
+    ) -> T:
+        """Run ``operation`` in one transaction, wrapping driver errors once.
+
+        ``single``: the operation's outcome rests on one statement, so on PostgreSQL and SQLite
+        it runs in autocommit mode: no BEGIN and COMMIT round trips around it.
+        """
         try:
             if ensure and not self._schema_ready:
                 self.ensure_schema()
+            if single and self.dialect in ("postgresql", "sqlite"):
+                with self.engine.connect() as connection:
+                    connection.execution_options(isolation_level="AUTOCOMMIT")
+                    return operation(connection)
             with self.engine.begin() as connection:
                 return operation(connection)
         except (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError) as exc:
@@ -263,7 +273,7 @@ class Store:
             "created_at": now,
             "schema_version": SCHEMA_VERSION,
         }
-        return self._run(lambda c: self._inserted(c, values))
+        return self._run(lambda c: self._inserted(c, values), single=True)
 
     def _inserted(self, c: Connection, values: dict[str, Any]) -> bool:
         """Insert unless the id exists; True when inserted."""
@@ -365,7 +375,7 @@ class Store:
                 return Refused("held" if state == RUNNING else state, holder, expires_in)
             return None
 
-        outcome = self._run(run)
+        outcome = self._run(run, single=True)
         if outcome is not None:
             return outcome
         # A message with no row (sent by name from elsewhere): create the job already claimed.
@@ -435,7 +445,7 @@ class Store:
                 frozenset(r[0] for r in rows), {r[0]: r[1] for r in rows if r[1] is not None}
             )
 
-        return self._run(run)
+        return self._run(run, single=True)
 
     def checkpoint(
         self,
@@ -499,7 +509,7 @@ class Store:
                 ) from exc
             except sa.exc.SQLAlchemyError as exc:
                 raise LeaseError(f"checkpoint failed: {_first_line(exc)}") from exc
-        return self._run(run)
+        return self._run(run, single=True)
 
     def _end(
         self,
@@ -525,7 +535,7 @@ class Store:
 
         stmt = self._statement(key, build)
         params.update(b_id=job_id, b_token=token)
-        return self._run(lambda c: c.execute(stmt, params).rowcount == 1)
+        return self._run(lambda c: c.execute(stmt, params).rowcount == 1, single=True)
 
     def finish(self, job_id: str, token: int, *, result: str | None) -> bool:
         """Mark the job done, fenced by ``token``. False if this attempt lost the lease."""

@@ -1,0 +1,73 @@
+"""celery_leases.testing catches a task that does not resume and passes one that does."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from celery import Celery
+
+from celery_leases import LeasedTask
+from celery_leases.config import settings_for
+from celery_leases.store import store_for
+from celery_leases.testing import assert_resumable, run_with_crashes
+
+stored: list[int] = []
+
+
+@pytest.fixture
+def app(database_url: str, table_name: str) -> Iterator[Celery]:
+    app = Celery("testing_helper", broker="memory://", set_as_current=False)
+    app.conf.leases_database_url = database_url
+    app.conf.leases_table = table_name
+    stored.clear()
+    yield app
+    store_for(settings_for(app)).engine.dispose()
+
+
+def resumable(app: Celery) -> LeasedTask:
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.resumable")
+    def sync(self: LeasedTask, pages: int) -> int:
+        page = (self.lease.checkpoint or {}).get("page", 0)
+        while page < pages:
+            stored.append(page)
+            page += 1
+            self.checkpoint({"page": page}, progress=(page, pages))
+        return len(stored)
+
+    return sync
+
+
+def starts_over(app: Celery) -> LeasedTask:
+    """Deliberately broken: checkpoints, but ignores the checkpoint when it runs again."""
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.starts_over")
+    def sync(self: LeasedTask, pages: int) -> int:
+        for page in range(pages):
+            stored.append(page)
+            self.checkpoint({"page": page + 1})
+        return pages
+
+    return sync
+
+
+def test_a_task_that_resumes_from_its_checkpoint_passes(app: Celery) -> None:
+    run = assert_resumable(resumable(app), [6], crash_after=[2, 1], reset=stored.clear)
+
+    assert run.attempts == 3
+    assert run.resumed_from == [None, {"page": 2}, {"page": 3}]
+    assert stored == [0, 1, 2, 3, 4, 5]  # the crashed run stored every page once
+    assert run.job is not None and (run.job.state, run.job.token) == ("done", 3)
+
+
+def test_a_task_that_starts_over_after_a_crash_is_caught(app: Celery) -> None:
+    with pytest.raises(AssertionError, match="does not resume from its checkpoint"):
+        assert_resumable(starts_over(app), [6], crash_after=[3], reset=stored.clear)
+
+
+def test_run_with_crashes_kills_each_attempt_after_the_planned_checkpoint(app: Celery) -> None:
+    run = run_with_crashes(resumable(app), [5], crash_after=[1, 1, 1])
+
+    assert run.attempts == 4
+    assert run.checkpoints == [{"page": p} for p in range(1, 6)]
+    assert run.result == 5
