@@ -1,6 +1,7 @@
 """Run every benchmark in order, each in its own process: ``python -m bench.run_all [--quick]``.
 
-dispatch, throughput, operations, renewals, recovery (when ``bench/recovery.py`` exists), scale, memory.
+dispatch, throughput, operations, renewals, recovery (when ``bench/recovery.py`` exists),
+scale, memory.
 Each prints its tables and writes ``bench/results/<name>.json``; a failing one is run once
 more (the services are shared), then reported, and the others still run. ``--quick`` is
 passed on (a short run, under ~5 minutes in all); ``--skip NAME`` leaves one out.
