@@ -164,7 +164,9 @@ class Store:
         return self.dialect not in ("mysql", "mariadb")
 
     def _create_engine(self) -> Engine:
-        options: dict[str, Any] = {"pool_pre_ping": True}
+        # No pre-ping: _run retries once on a connection the server closed, which saves a
+        # round trip on every operation (docs/benchmarks.md).
+        options: dict[str, Any] = {"pool_pre_ping": False}
         if self.dialect == "sqlite":
             options["connect_args"] = {"timeout": 30}
         options.update(self.settings.engine_options)
@@ -201,18 +203,29 @@ class Store:
         try:
             if ensure and not self._schema_ready:
                 self.ensure_schema()
-            if single and self.dialect in ("postgresql", "sqlite"):
-                with self.engine.connect() as connection:
-                    connection.execution_options(isolation_level="AUTOCOMMIT")
-                    return operation(connection)
-            with self.engine.begin() as connection:
-                return operation(connection)
+            try:
+                return self._execute(operation, single=single)
+            except sa.exc.DBAPIError as exc:
+                if not exc.connection_invalidated:
+                    raise
+            # A pooled connection the server had closed (a restart, an idle timeout): the pool
+            # is now invalidated, so run once more on a fresh connection. This replaces a
+            # pre-ping round trip on every operation.
+            return self._execute(operation, single=single)
         except (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError) as exc:
             raise StoreUnavailable(
                 f"leases database {self.safe_url} is unavailable: {_first_line(exc)}"
             ) from exc
         except sa.exc.SQLAlchemyError as exc:
             raise LeaseError(f"leases database {self.safe_url} error: {_first_line(exc)}") from exc
+
+    def _execute(self, operation: Callable[[Connection], T], *, single: bool) -> T:
+        if single and self.dialect in ("postgresql", "sqlite"):
+            with self.engine.connect() as connection:
+                connection.execution_options(isolation_level="AUTOCOMMIT")
+                return operation(connection)
+        with self.engine.begin() as connection:
+            return operation(connection)
 
     def ensure_schema(self) -> None:
         """Create the jobs table if missing; refuse a table from an older schema."""
