@@ -1,0 +1,44 @@
+"""Prometheus counters and the checkpoint histogram move when leased tasks run (in-process)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import prometheus_client
+import pytest
+from celery import Celery
+
+from celery_leases import LeasedTask
+from celery_leases.config import settings_for
+from celery_leases.store import store_for
+
+
+@pytest.fixture
+def app(tmp_path: object) -> Iterator[Celery]:
+    app = Celery("metrics", broker="memory://", set_as_current=False)
+    app.conf.leases_database_url = f"sqlite:///{tmp_path}/leases.sqlite3"
+    yield app
+    store_for(settings_for(app)).engine.dispose()
+
+
+def sample(name: str) -> float:
+    return prometheus_client.REGISTRY.get_sample_value(name) or 0.0
+
+
+def test_claims_duplicates_and_checkpoint_latency_are_counted(app: Celery) -> None:
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.metered")
+    def metered(self: LeasedTask) -> int:
+        self.checkpoint({"step": 1})
+        self.checkpoint({"step": 2})
+        return 2
+
+    claims = sample("celery_leases_claims_total")
+    dropped = sample("celery_leases_duplicates_dropped_total")
+    checkpoints = sample("celery_leases_checkpoint_seconds_count")
+
+    metered.apply(task_id="job-1")
+    metered.apply(task_id="job-1")  # already done: dropped at its claim
+
+    assert sample("celery_leases_claims_total") == claims + 1
+    assert sample("celery_leases_duplicates_dropped_total") == dropped + 1
+    assert sample("celery_leases_checkpoint_seconds_count") == checkpoints + 2
