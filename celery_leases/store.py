@@ -265,7 +265,6 @@ class Store:
         queued_timeout: float | None = None,
     ) -> bool:
         """Record a queued job (JSON texts given); False if the id is already recorded."""
-
         now = db_now()
         run_after = now + countdown if countdown else None
         expires = None
@@ -591,20 +590,9 @@ class Store:
         ``reap_in`` seconds from now the reaper re-publishes the job; None when a message for
         it is already on its way (a Celery retry).
         """
-        if reap_in is None:
-            return self._end(
-                "release",
-                job_id,
-                token,
-                lambda: {
-                    "state": QUEUED,
-                    "owner": None,
-                    "stop_requested": None,
-                    "expires_at": None,
-                },
-            )
+        # With reap_in None the bound NULL makes expires_at NULL: one statement for both.
         return self._end(
-            "release+reap_in",
+            "release",
             job_id,
             token,
             lambda: {

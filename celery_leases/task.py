@@ -141,29 +141,26 @@ class LeasedTask(Task):  # type: ignore[misc]
         self.stop_point()  # asked to stop since the last checkpoint: write nothing more
         if lease.lost:
             raise LeaseLost(f"job {lease.job_id}: this attempt lost its lease; stop")
-        if lease.detached:
-            lease.checkpoint = json.loads(text)
-            hook = checkpoint_hook.get()
-            if hook is not None:
-                hook(lease, lease.checkpoint)
-            return
-        started = time.monotonic()
-        saved, stop = self._write_checkpoint(lease, text, done_total, connection)
-        metrics.checkpoint_seconds(time.monotonic() - started)
-        if not saved:
-            lease.lost = True
-            metrics.count("leases_lost")
-            logger.warning(
-                "lease lost on job %s (token %s): another attempt holds it; checkpoint not saved",
-                lease.job_id,
-                lease.token,
-            )
-            raise LeaseLost(f"job {lease.job_id}: another attempt holds the lease; stop")
+        stop = None
+        if not lease.detached:  # a direct call keeps its checkpoints in memory only
+            started = time.monotonic()
+            saved, stop = self._write_checkpoint(lease, text, done_total, connection)
+            metrics.checkpoint_seconds(time.monotonic() - started)
+            if not saved:
+                lease.lost = True
+                metrics.count("leases_lost")
+                logger.warning(
+                    "lease lost on job %s (token %s): another attempt holds it; "
+                    "checkpoint not saved",
+                    lease.job_id,
+                    lease.token,
+                )
+                raise LeaseLost(f"job {lease.job_id}: another attempt holds the lease; stop")
+            lease.deadline = started + lease.duration
+            lease.last_progress = time.monotonic()
+            if done_total is not None:
+                self._report_progress(*done_total)
         lease.checkpoint = json.loads(text)
-        lease.deadline = started + lease.duration
-        lease.last_progress = time.monotonic()
-        if done_total is not None:
-            self._report_progress(*done_total)
         hook = checkpoint_hook.get()
         if hook is not None:
             hook(lease, lease.checkpoint)
@@ -242,6 +239,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         settings = self.lease_settings
         store = store_for(settings)
         held = next((lease for lease in current.stack if lease.job_id == task_id), None)
+        registered = False
         if held is not None and not held.detached:
             # A retry of the running attempt: hand the lease back before the new message can
             # reach another worker, or its claim would find the lease still held.
@@ -281,18 +279,15 @@ class LeasedTask(Task):  # type: ignore[misc]
                         task_id,
                         known.state,
                     )
-            try:
-                return super().apply_async(
-                    args, kwargs, task_id, producer, link, link_error, shadow, **options
-                )
-            except BaseException:
-                if registered:
-                    # Never published: leave no queued row that no message will ever claim.
-                    store.forget(task_id)
-                raise
-        return super().apply_async(
-            args, kwargs, task_id, producer, link, link_error, shadow, **options
-        )
+        try:
+            return super().apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+        except BaseException:
+            if registered:
+                # Never published: leave no queued row that no message will ever claim.
+                store.forget(task_id)
+            raise
 
     # -- running ---------------------------------------------------------------------------
 
@@ -312,7 +307,7 @@ class LeasedTask(Task):  # type: ignore[misc]
                 task=self.name,
                 args=_safe_dumps(list(args)) or "[]",
                 kwargs=_safe_dumps(kwargs) or "{}",
-                options=_delivery_options(request),
+                options=dumps(_routing(request)),
             )
         except StoreUnavailable as exc:
             if request.is_eager:
@@ -502,7 +497,6 @@ class LeasedTask(Task):  # type: ignore[misc]
     ) -> None:
         """Publish the current message again (same id and routing) in ``countdown`` seconds."""
         request = self.request
-        delivery = request.delivery_info or {}
         token = _publishing_unregistered.set(True)
         try:
             self.apply_async(
@@ -511,9 +505,7 @@ class LeasedTask(Task):  # type: ignore[misc]
                 task_id=request.id,
                 countdown=countdown,
                 headers=headers or {},
-                queue=delivery.get("routing_key") or None,
-                exchange=delivery.get("exchange") or None,
-                priority=delivery.get("priority"),
+                **_routing(request),
             )
         finally:
             _publishing_unregistered.reset(token)
@@ -553,11 +545,15 @@ def _progress(progress: Any) -> tuple[int, int | None] | None:
     raise CheckpointError(f"progress must be done or (done, total) integers, not {progress!r}")
 
 
-def _delivery_options(request: Any) -> str:
-    """Routing of a message that arrived without a row, so a re-publish goes back there."""
+def _routing(request: Any) -> dict[str, Any]:
+    """The routing the current message came with, to publish it (or its job) there again."""
     info = request.delivery_info or {}
-    options = {"queue": info.get("routing_key"), "priority": info.get("priority")}
-    return dumps({k: v for k, v in options.items() if v is not None})
+    routing = {
+        "queue": info.get("routing_key"),
+        "exchange": info.get("exchange"),
+        "priority": info.get("priority"),
+    }
+    return {k: v for k, v in routing.items() if v not in (None, "")}
 
 
 def _countdown(options: dict[str, Any]) -> float | None:
