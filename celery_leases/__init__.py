@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import lifecycle as _lifecycle  # noqa: F401  (connects the worker signals)
+from . import worker as _worker  # noqa: F401  (connects the worker signals)
 from .config import DEFAULTS, Settings
 from .errors import (
     ArgumentsError,
@@ -15,39 +15,47 @@ from .errors import (
     LeaseError,
     LeaseLost,
     Preempted,
+    Stop,
     StoreUnavailable,
 )
-from .jobs import get_job
 from .lease import Lease
 from .reaper import ReapReport, reap, reap_task, schedule_reaper
+from .rows import Job
 from .schema import jobs_table, metadata
-from .store import Job
+from .store import get_job
 from .task import LeasedTask
 
-__all__ = [
-    "DEFAULTS",
-    "ArgumentsError",
+__all__ = [  # noqa: RUF022  (grouped by what a user does with each name)
+    # Writing a leased task
+    "LeasedTask",
+    "Lease",
+    # What a running attempt may be told: stop now
+    "Stop",
     "Cancelled",
+    "Preempted",
+    "LeaseLost",
+    # Running the reaper
+    "schedule_reaper",
+    "reap",
+    "reap_task",
+    "ReapReport",
+    # Reading jobs
+    "get_job",
+    "Job",
+    # Configuration and schema
+    "DEFAULTS",
+    "Settings",
+    "jobs_table",
+    "metadata",
+    # Errors
+    "LeaseError",
+    "ArgumentsError",
     "CheckpointError",
     "ConfigurationError",
     "CorruptJob",
     "InvalidJobState",
-    "Job",
     "JobNotFound",
-    "Lease",
-    "LeaseError",
-    "LeaseLost",
-    "LeasedTask",
-    "Preempted",
-    "ReapReport",
-    "Settings",
     "StoreUnavailable",
-    "get_job",
-    "jobs_table",
-    "metadata",
-    "reap",
-    "reap_task",
-    "schedule_reaper",
 ]
 
 __version__ = "0.1.0"

@@ -14,18 +14,18 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import click
-import sqlalchemy as sa
 
 from .config import Settings, settings_for
 from .errors import InvalidJobState, JobNotFound, LeaseError, StoreUnavailable
+from .message import republish
 from .reaper import reap as reap_pass
+from .rows import Job
 from .schema import CANCELLED, FAILED, FINISHED_STATES, QUEUED, RUNNING, STATES
-from .store import Job, Store, store_for
-from .task import republish
+from .store import Store, store_for
 from .view import (
     JOB_COLUMNS,
     MAX_ID_LENGTH,
-    Jobs,
+    JobFacts,
     Output,
     counts_text,
     job_table,
@@ -103,20 +103,8 @@ class LeasesGroup(click.Group):
 
 
 def _fail(ctx: click.Context, message: str, *, code: int) -> NoReturn:
-    secret = _password(ctx)
-    text = " ".join(message.split())
-    if secret:
-        text = text.replace(secret, "***")
-    click.echo(f"Error: {text}", err=True)
+    click.echo(f"Error: {' '.join(message.split())}", err=True)
     ctx.exit(code)
-
-
-def _password(ctx: click.Context) -> str | None:
-    try:
-        url = ctx.find_root().obj.app.conf.get("leases_database_url")
-        return sa.engine.make_url(url).password if url else None
-    except Exception:  # a URL SQLAlchemy cannot parse holds no password we could hide better
-        return None
 
 
 @click.group(cls=LeasesGroup)
@@ -190,7 +178,7 @@ def list_jobs(states: tuple[str, ...], task: str | None, limit: int, as_json: bo
     """
     settings = _settings()
     store = store_for(settings)
-    facts = Jobs(_app(), settings)
+    facts = JobFacts(_app(), settings)
     jobs = store.list_jobs(states=states, task=task, limit=limit)
     if as_json:
         click.echo(json.dumps([facts.as_dict(job) for job in jobs], indent=2))
@@ -216,7 +204,7 @@ def show(job_id: str, as_json: bool) -> None:
     """One job in full, with its checkpoint. ID may be a unique prefix."""
     settings = _settings()
     job = find_job(store_for(settings), job_id)
-    facts = Jobs(_app(), settings)
+    facts = JobFacts(_app(), settings)
     if as_json:
         click.echo(json.dumps(facts.as_dict(job), indent=2))
         return
@@ -352,7 +340,7 @@ def release(job_id: str) -> None:
     """
     store = _store()
     job = find_job(store, job_id)
-    if not store.expire(job.id):
+    if not store.release(job.id):
         job = find_job(store, job.id)
         raise InvalidJobState(f"job {job.id} is {job.state}; only a running job holds a lease")
     click.echo(
@@ -418,12 +406,7 @@ def purge(older_than: float) -> None:
     """Delete jobs that finished longer ago than --older-than."""
     settings = _settings()
     store = store_for(settings)
-    purged = 0
-    while True:
-        batch = store.purge(older_than=older_than, batch=settings.reap_batch)
-        purged += batch
-        if batch < settings.reap_batch:
-            break
+    purged = store.purge_all(older_than=older_than, batch=settings.reap_batch)
     noun = "job" if purged == 1 else "jobs"
     click.echo(f"purged {purged} finished {noun} older than {span(older_than)}")
 
@@ -453,7 +436,7 @@ def watch(ctx: click.Context, interval: float, once: bool, limit: int) -> None:
     """
     settings = _settings()
     store = store_for(settings)
-    facts = Jobs(_app(), settings)
+    facts = JobFacts(_app(), settings)
     out = Output()
     try:
         while True:
@@ -475,7 +458,7 @@ def watch(ctx: click.Context, interval: float, once: bool, limit: int) -> None:
 
 
 def watch_frame(
-    out: Output, store: Store, facts: Jobs, *, limit: int, interval: float
+    out: Output, store: Store, facts: JobFacts, *, limit: int, interval: float
 ) -> list[str]:
     """One refresh of ``watch``: a summary line and the running jobs."""
     jobs = store.list_jobs(states=[RUNNING], limit=limit)

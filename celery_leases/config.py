@@ -1,88 +1,164 @@
-"""Every ``leases_*`` setting, its default and its validation, in one place.
+"""Every ``leases_*`` setting, declared once: its default, its check and its meaning.
 
-Durations are in seconds (``float``), sizes in bytes.
+:class:`Settings` is the single declaration. ``DEFAULTS``, the validation, the per-task options
+(``@app.task(lease_duration=...)``) and the README table all derive from its fields. Durations
+are in seconds (``float``), sizes in bytes.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .errors import ConfigurationError
 
-DEFAULTS: dict[str, Any] = {
-    # Where the jobs table lives (any SQLAlchemy URL).
-    "database_url": "sqlite:///celery_leases.sqlite3",
-    # Name of the jobs table.
-    "table": "celery_leases_jobs",
-    # Extra keyword arguments for sqlalchemy.create_engine().
-    "engine_options": {},
-    # Seconds a lease lasts without a renewal.
-    "duration": 30.0,
-    # Seconds between renewals; None means a third of the duration.
-    "renew_interval": None,
-    # Largest checkpoint, in bytes of its JSON form.
-    "max_checkpoint_bytes": 1024 * 1024,
-    # Largest delay, in seconds, between re-deliveries while the database is down.
-    "db_retry_max_delay": 60.0,
-    # Jobs handled per batch by one reaper pass.
-    "reap_batch": 500,
-    # Seconds a re-published job is left alone before it is re-published again.
-    "reap_grace": None,
-    # Seconds a queued job may wait for a worker before its message counts as lost; None is off.
-    "queued_timeout": None,
-    # Consecutive attempts that ended without a checkpoint before the job is failed.
-    "max_attempts_without_progress": 3,
-    # Hard cap on attempts (claims); None is no cap.
-    "max_attempts": None,
-    # Seconds a finished job is kept before the reaper deletes it.
-    "retention": 7 * 24 * 3600.0,
-    # Seconds without a checkpoint after which a running attempt counts as stalled; None is off.
-    "stall_timeout": None,
-    # Terminate a prefork pool process whose task stalled, freeing its slot.
-    "kill_stalled": False,
-    # On warm shutdown, running leased tasks hand back at their next checkpoint.
-    "preempt_on_shutdown": True,
-}
+Check = Callable[[str, Any], Any]
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,47}$")
+
+
+def _fail(name: str, what: str, value: Any) -> ConfigurationError:
+    return ConfigurationError(f"leases_{name} must be {what}, not {value!r}")
+
+
+def seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail(name, "a number of seconds", value)
+    if not value > 0 or math.isinf(value):
+        raise _fail(name, "a positive number", value)
+    return float(value)
+
+
+def count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _fail(name, "a positive integer", value)
+    return value
+
+
+def flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(name, "True or False", value)
+    return value
+
+
+def optional(check: Check) -> Check:
+    return lambda name, value: None if value is None else check(name, value)
+
+
+def database_url(name: str, value: Any) -> str:
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        if isinstance(value, str) and "://" in value:
+            make_url(value)
+            return value
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
+        pass
+    raise ConfigurationError(
+        f"leases_{name} must be an SQLAlchemy URL such as 'postgresql+psycopg://host/db', "
+        f"not {redact(value)!r}"
+    )
+
+
+def identifier(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not _IDENTIFIER.match(value):
+        raise _fail(name, "a plain SQL identifier (letters, digits, _)", value)
+    return value
+
+
+def mapping(name: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _fail(name, "a dict", value)
+    return dict(value)
+
+
+def setting(default: Any, check: Check, doc: str, *, per_task: bool = False) -> Any:
+    """Declare a setting: ``leases_<name>`` in ``app.conf``; with ``per_task`` also the task
+    option ``lease_<name>``. ``doc`` is its one-line meaning (the README table)."""
+    return field(default=default, metadata={"check": check, "doc": doc, "per_task": per_task})
 
 
 @dataclass(frozen=True)
 class Settings:
     """Validated settings; read them with :func:`settings_for`, not by hand."""
 
-    database_url: str
-    table: str
-    engine_options: dict[str, Any]
-    duration: float
-    renew_interval: float
-    max_checkpoint_bytes: int
-    db_retry_max_delay: float
-    reap_batch: int
-    reap_grace: float
-    queued_timeout: float | None
-    max_attempts_without_progress: int | None
-    max_attempts: int | None
-    retention: float
-    stall_timeout: float | None
-    kill_stalled: bool
-    preempt_on_shutdown: bool
+    database_url: str = setting(
+        "sqlite:///celery_leases.sqlite3",
+        database_url,
+        "SQLAlchemy URL of the leases database (PostgreSQL, MariaDB/MySQL, SQLite)",
+    )
+    table: str = setting("celery_leases_jobs", identifier, "table name (letters, digits, `_`)")
+    engine_options: dict[str, Any] = setting(
+        None, optional(mapping), "extra `create_engine()` keyword arguments"
+    )
+    duration: float = setting(
+        30.0,
+        seconds,
+        "seconds a lease lasts without renewal; a crashed job resumes after about this long",
+        per_task=True,
+    )
+    renew_interval: float = setting(
+        None,
+        optional(seconds),
+        "seconds between renewals (None: a third of the duration); shorter than the duration",
+        per_task=True,
+    )
+    max_checkpoint_bytes: int = setting(
+        1024 * 1024, count, "largest checkpoint, in bytes of its JSON", per_task=True
+    )
+    db_retry_max_delay: float = setting(
+        60.0, seconds, "longest delay between re-deliveries while the database is down"
+    )
+    reap_batch: int = setting(500, count, "jobs per reaper batch")
+    reap_grace: float = setting(
+        None,
+        optional(seconds),
+        "seconds a re-published job is left alone before it is re-published again "
+        "(None: max(duration, 5))",
+    )
+    queued_timeout: float | None = setting(
+        None,
+        optional(seconds),
+        "seconds a queued job may wait for a worker before its message counts as lost and "
+        "is re-published (None: off)",
+    )
+    max_attempts_without_progress: int | None = setting(
+        3,
+        optional(count),
+        "consecutive attempts that die without a checkpoint before the reaper fails the job",
+    )
+    max_attempts: int | None = setting(None, optional(count), "hard cap on attempts (claims)")
+    retention: float = setting(
+        7 * 24 * 3600.0, seconds, "seconds finished jobs are kept before the reaper deletes them"
+    )
+    stall_timeout: float | None = setting(
+        None,
+        optional(seconds),
+        "seconds without a checkpoint after which a running attempt stops renewing, so the "
+        "job moves (None: off)",
+        per_task=True,
+    )
+    kill_stalled: bool = setting(
+        False,
+        flag,
+        "also terminate the stalled prefork pool process, freeing its slot",
+        per_task=True,
+    )
+    preempt_on_shutdown: bool = setting(
+        True, flag, "on warm shutdown, running jobs hand back at their next checkpoint"
+    )
 
     def with_task_options(self, task: Any) -> Settings:
         """These settings with the task's own ``lease_*`` options applied and re-validated."""
-        overrides = {}
-        for name in (
-            "duration",
-            "renew_interval",
-            "max_checkpoint_bytes",
-            "stall_timeout",
-            "kill_stalled",
-        ):
-            value = getattr(task, f"lease_{name}", None)
-            if value is not None:
-                overrides[name] = value
+        overrides = {
+            f.name: getattr(task, f"lease_{f.name}")
+            for f in fields(self)
+            if f.metadata["per_task"] and getattr(task, f"lease_{f.name}", None) is not None
+        }
         if not overrides:
             return self
         if "duration" in overrides and "renew_interval" not in overrides:
@@ -91,102 +167,59 @@ class Settings:
         return validate(raw, where=f"task {getattr(task, 'name', task)!r}: ")
 
 
-def _number(raw: dict[str, Any], name: str, where: str, *, optional: bool = False) -> float | None:
-    value = raw[name]
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigurationError(f"{where}leases_{name} must be a number of seconds, not {value!r}")
-    if not value > 0 or value != value or value == float("inf"):
-        raise ConfigurationError(f"{where}leases_{name} must be a positive number, not {value!r}")
-    return float(value)
+#: Every setting's default, by name without the ``leases_`` prefix.
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Settings)}
 
-
-def _count(raw: dict[str, Any], name: str, where: str, *, optional: bool = False) -> int | None:
-    value = raw[name]
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigurationError(f"{where}leases_{name} must be a positive integer, not {value!r}")
-    return value
-
-
-def _parses_as_url(url: str) -> bool:
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        make_url(url)
-    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
-        return False
-    return True
-
-
-def _hide_password(url: Any) -> Any:
-    """``url`` with any ``user:password@`` password replaced by ``***`` (for messages)."""
-    return re.sub(r"(://[^:@/]*:)[^@]*@", r"\1***@", url) if isinstance(url, str) else url
+#: Names of the settings a task may override with ``lease_<name>``.
+TASK_OPTIONS = tuple(f.name for f in fields(Settings) if f.metadata["per_task"])
 
 
 def validate(raw: dict[str, Any], *, where: str = "") -> Settings:
-    """Check raw setting values (names without the ``leases_`` prefix) and build Settings."""
-    url = raw["database_url"]
-    if not isinstance(url, str) or "://" not in url or not _parses_as_url(url):
-        raise ConfigurationError(
-            f"{where}leases_database_url must be an SQLAlchemy URL such as "
-            f"'postgresql+psycopg://host/db', not {_hide_password(url)!r}"
-        )
-    table = raw["table"]
-    if not isinstance(table, str) or not _IDENTIFIER.match(table):
-        raise ConfigurationError(
-            f"{where}leases_table must be a plain SQL identifier (letters, digits, _), "
-            f"not {table!r}"
-        )
-    if not isinstance(raw["engine_options"], dict):
-        raise ConfigurationError(f"{where}leases_engine_options must be a dict")
-    duration = _number(raw, "duration", where)
-    assert duration is not None
-    renew = _number(raw, "renew_interval", where, optional=True)
-    if renew is None:
-        renew = duration / 3
+    """Check raw values (names without the ``leases_`` prefix) and build Settings."""
+    values: dict[str, Any] = {}
+    for f in fields(Settings):
+        try:
+            values[f.name] = f.metadata["check"](f.name, raw.get(f.name, f.default))
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"{where}{exc}") from None
+    values["engine_options"] = values["engine_options"] or {}
+    duration = values["duration"]
+    renew = values["renew_interval"] or duration / 3
     if renew >= duration:
         raise ConfigurationError(
             f"{where}leases_renew_interval ({renew:g} s) must be shorter than "
             f"leases_duration ({duration:g} s), or every lease expires before it is renewed"
         )
-    for flag in ("kill_stalled", "preempt_on_shutdown"):
-        if not isinstance(raw[flag], bool):
-            raise ConfigurationError(
-                f"{where}leases_{flag} must be True or False, not {raw[flag]!r}"
-            )
-    grace = _number(raw, "reap_grace", where, optional=True)
-    stall = _number(raw, "stall_timeout", where, optional=True)
-    return Settings(
-        database_url=url,
-        table=table,
-        engine_options=dict(raw["engine_options"]),
-        duration=duration,
-        renew_interval=renew,
-        max_checkpoint_bytes=_count(raw, "max_checkpoint_bytes", where) or 0,
-        db_retry_max_delay=_number(raw, "db_retry_max_delay", where) or 0.0,
-        reap_batch=_count(raw, "reap_batch", where) or 0,
-        reap_grace=grace if grace is not None else max(duration, 5.0),
-        queued_timeout=_number(raw, "queued_timeout", where, optional=True),
-        max_attempts_without_progress=_count(
-            raw, "max_attempts_without_progress", where, optional=True
-        ),
-        max_attempts=_count(raw, "max_attempts", where, optional=True),
-        retention=_number(raw, "retention", where) or 0.0,
-        stall_timeout=stall,
-        kill_stalled=raw["kill_stalled"],
-        preempt_on_shutdown=raw["preempt_on_shutdown"],
-    )
+    values["renew_interval"] = renew
+    if values["reap_grace"] is None:
+        values["reap_grace"] = max(duration, 5.0)
+    return Settings(**values)
 
 
 def settings_for(app: Any) -> Settings:
     """The validated ``leases_*`` settings of a Celery app."""
     conf = app.conf
-    raw = {name: conf.get(f"leases_{name}", default) for name, default in DEFAULTS.items()}
-    return validate(raw)
+    return validate(
+        {name: conf.get(f"leases_{name}", default) for name, default in DEFAULTS.items()}
+    )
 
 
-__all__ = ["DEFAULTS", "Settings", "settings_for", "validate"]
+def redact(url: Any) -> str:
+    """``url`` with its password replaced by ``***``, for messages and logs.
+
+    Everything between the user name and the last ``@`` before the host is hidden, so a
+    password holding ``@`` or ``:`` shows nothing of itself.
+    """
+    text = str(url)
+    scheme, sep, rest = text.partition("://")
+    if not sep or rest.startswith("/"):
+        return text
+    head, mark, query = rest.partition("?")
+    userinfo, at, host = head.rpartition("@")
+    if not at or ":" not in userinfo:
+        return text
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}{mark}{query}"
+
+
+__all__ = ["DEFAULTS", "TASK_OPTIONS", "Settings", "redact", "settings_for", "validate"]

@@ -1,13 +1,23 @@
-"""Errors raised by celery-leases. Every one derives from :class:`LeaseError`."""
+"""Errors raised by celery-leases.
+
+Two families: :class:`LeaseError` for what went wrong (a bad setting, an unreachable database,
+a state that cannot be stored), and :class:`Stop` for what the running attempt is told to do
+(stop now: it was cancelled, handed back, or lost its lease). A stop is not an error, and
+``except LeaseError:`` never swallows one.
+"""
 
 from __future__ import annotations
 
 
-class LeaseError(Exception):
-    """A celery-leases operation failed."""
+class _Described(Exception):
+    """Each leaf's docstring is its default message."""
 
     def __init__(self, message: str | None = None) -> None:
         super().__init__(message or (type(self).__doc__ or "").strip())
+
+
+class LeaseError(_Described):
+    """A celery-leases operation failed."""
 
 
 class ConfigurationError(LeaseError):
@@ -19,11 +29,7 @@ class CheckpointError(LeaseError):
 
 
 class ArgumentsError(LeaseError):
-    """The task's arguments are not JSON-serializable, so the job cannot be recorded."""
-
-
-class LeaseLost(LeaseError):
-    """This attempt no longer holds the job's lease; another attempt owns it, so stop."""
+    """The task's message cannot be recorded (not JSON, or an id the table cannot hold)."""
 
 
 class StoreUnavailable(LeaseError):
@@ -42,9 +48,17 @@ class InvalidJobState(LeaseError):
     """The job is not in a state that allows this operation."""
 
 
-class Cancelled(LeaseError):
+class Stop(_Described):
+    """This attempt must stop now; let it propagate out of the task."""
+
+
+class Cancelled(Stop):
     """An operator cancelled this job; the attempt stopped at its checkpoint."""
 
 
-class Preempted(LeaseError):
+class Preempted(Stop):
     """The worker is shutting down; the job was handed back at its checkpoint."""
+
+
+class LeaseLost(Stop):
+    """This attempt no longer holds the job's lease; another attempt owns it, so stop."""

@@ -99,7 +99,7 @@ class Keeper(threading.Thread):
         if not (lease.kill_when_stalled and _is_pool_process()):
             return
         try:
-            if self.store.release(lease.job_id, lease.token, reap_in=0.0):
+            if self.store.hand_back(lease.job_id, lease.token, reap_in=0.0):
                 lease.released = True
         except LeaseError as exc:
             logger.warning("celery-leases: could not release stalled job %s: %s", lease.job_id, exc)

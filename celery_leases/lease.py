@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import contextvars
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,15 +56,20 @@ class Lease:
         return time.monotonic() - self.last_progress > self.stall_timeout
 
 
-#: Called as hook(lease, state) after every saved checkpoint; celery_leases.testing sets it.
-checkpoint_hook: contextvars.ContextVar[Callable[[Lease, Any], None] | None] = (
-    contextvars.ContextVar("celery_leases_checkpoint_hook", default=None)
-)
-
-
 class _Current(threading.local):
     def __init__(self) -> None:
         self.stack: list[Lease] = []
 
 
+#: The leases of the attempts running in this thread, innermost last.
 current = _Current()
+
+
+@contextmanager
+def holding(lease: Lease) -> Iterator[Lease]:
+    """Make ``lease`` the current one (``LeasedTask.lease``) for the duration of the block."""
+    current.stack.append(lease)
+    try:
+        yield lease
+    finally:
+        current.stack.remove(lease)

@@ -14,8 +14,8 @@ from celery.utils.log import get_task_logger
 
 from . import metrics
 from .config import settings_for
+from .message import republish
 from .store import store_for
-from .task import republish
 
 logger = get_task_logger("celery_leases.reaper")
 
@@ -47,7 +47,7 @@ def reap(app: Any) -> ReapReport:
     store = store_for(settings)
     report = ReapReport()
     for _ in range(MAX_BATCHES):
-        batch = store.reap(
+        batch = store.collect_expired(
             batch=settings.reap_batch,
             grace=settings.reap_grace,
             max_stalled=settings.max_attempts_without_progress,
@@ -77,11 +77,9 @@ def reap(app: Any) -> ReapReport:
             )
         if len(batch.republish) + len(batch.gave_up) < settings.reap_batch:
             break
-    for _ in range(MAX_BATCHES):
-        purged = store.purge(older_than=settings.retention, batch=settings.reap_batch)
-        report.purged += purged
-        if purged < settings.reap_batch:
-            break
+    report.purged = store.purge_all(
+        older_than=settings.retention, batch=settings.reap_batch, max_batches=MAX_BATCHES
+    )
     return report
 
 

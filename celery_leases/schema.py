@@ -94,4 +94,4 @@ def jobs_table(metadata: sa.MetaData, name: str = "celery_leases_jobs") -> sa.Ta
 
 #: Metadata holding the jobs table under its default name, for Alembic ``target_metadata``.
 metadata = sa.MetaData()
-jobs = jobs_table(metadata)
+jobs_table(metadata)

@@ -19,16 +19,19 @@ from typing import Any
 
 from celery.utils import uuid
 
-from .lease import Lease, checkpoint_hook
-from .store import Job
+from .lease import Lease
+from .rows import Job
+from .signals import checkpoint_saved
 
 __all__ = ["CrashRun", "SimulatedCrash", "assert_resumable", "run_with_crashes"]
 
 
 class SimulatedCrash(BaseException):
-    """The attempt died here, as if its process was killed right after the checkpoint."""
+    """The attempt died here, as if its process was killed right after the checkpoint.
 
-    simulated_crash = True
+    A BaseException that is not SystemExit: the attempt keeps its lease, as a killed process
+    would, and ``except Exception`` in the task does not catch it.
+    """
 
 
 @dataclass
@@ -65,16 +68,18 @@ def run_with_crashes(
     run = CrashRun(job_id=job_id, result=None, attempts=0)
     saved_in_attempt = 0
 
-    def on_checkpoint(lease: Lease, state: Any) -> None:
+    def on_checkpoint(sender: Any, lease: Lease, **_: Any) -> None:
         nonlocal saved_in_attempt
-        run.checkpoints.append(state)
+        if sender.name != task.name:
+            return
+        run.checkpoints.append(lease.checkpoint)
         saved_in_attempt += 1
         index = run.attempts - 1
         if index < len(plan) and saved_in_attempt == plan[index]:
             raise SimulatedCrash(f"simulated crash after checkpoint {saved_in_attempt}")
 
     store = task.lease_store
-    reset = checkpoint_hook.set(on_checkpoint)
+    checkpoint_saved.connect(on_checkpoint, weak=False)
     try:
         while run.attempts < max_attempts:
             before = store.get(job_id)
@@ -84,14 +89,14 @@ def run_with_crashes(
             try:
                 outcome = task.apply(args=list(args), kwargs=kwargs or {}, task_id=job_id)
             except SimulatedCrash:
-                store.expire(job_id)
+                store.release(job_id)
                 continue
             run.result = outcome.get(propagate=True, disable_sync_subtasks=False)
             break
         else:
             raise AssertionError(f"job {job_id} did not finish in {max_attempts} attempts")
     finally:
-        checkpoint_hook.reset(reset)
+        checkpoint_saved.disconnect(on_checkpoint)
     run.job = store.get(job_id)
     return run
 

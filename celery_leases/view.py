@@ -14,8 +14,8 @@ from typing import Any
 import click
 
 from .config import Settings
+from .rows import Job
 from .schema import RUNNING, STATES
-from .store import Job
 
 #: Longest job id the table holds (``schema.jobs_table``).
 MAX_ID_LENGTH = 155
@@ -160,7 +160,7 @@ def span(seconds: float) -> str:
 # -- jobs as text --------------------------------------------------------------------------------
 
 
-class Jobs:
+class JobFacts:
     """The facts about jobs the commands show, derived from database-clock values."""
 
     def __init__(self, app: Any, settings: Settings) -> None:
@@ -222,7 +222,7 @@ JOB_COLUMNS = [
 
 
 def job_rows(
-    out: Output, facts: Jobs, jobs: Sequence[Job], bar_width: int
+    out: Output, facts: JobFacts, jobs: Sequence[Job], bar_width: int
 ) -> list[dict[str, Cell]]:
     ids = short_ids(jobs)
     rows = []
@@ -255,7 +255,7 @@ def job_rows(
 
 def job_table(
     out: Output,
-    facts: Jobs,
+    facts: JobFacts,
     jobs: Sequence[Job],
     columns: Sequence[Column],
     *,
@@ -283,7 +283,7 @@ def counts_text(counts: dict[str, int], stalled: int) -> list[str]:
     return parts
 
 
-def stall_note(facts: Jobs, jobs: Sequence[Job]) -> list[str]:
+def stall_note(facts: JobFacts, jobs: Sequence[Job]) -> list[str]:
     stalled = [job for job in jobs if facts.stalled(job)]
     if not stalled:
         return []

@@ -17,7 +17,8 @@ import pytest
 import sqlalchemy as sa
 
 from celery_leases.config import DEFAULTS, validate
-from celery_leases.store import Refused, Store
+from celery_leases.rows import Refused
+from celery_leases.store import Store
 from tests.services import celery_env
 from tests.workers import REPO_ROOT, Spawner
 

@@ -23,7 +23,7 @@ from celery import Celery, _state
 
 from celery_leases import LeasedTask, LeaseLost
 from celery_leases.lease import Lease, current
-from celery_leases.store import Claimed
+from celery_leases.rows import Claimed
 from tests.services import private_redis_url, require
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -159,7 +159,7 @@ def test_a_stale_attempt_can_neither_store_a_page_nor_move_the_cursor(
         store.register(job_id, task=sync.name, args="[]", kwargs="{}", options="{}")
         claim = {"duration": 30.0, "task": sync.name, "args": "[]", "kwargs": "{}"}
         stale = attempt(job_id, store.claim(job_id, owner="w1/1", **claim), "w1/1")
-        assert store.expire(job_id)
+        assert store.release(job_id)
         fresh = attempt(job_id, store.claim(job_id, owner="w2/2", **claim), "w2/2")
         assert fresh.token > stale.token
 

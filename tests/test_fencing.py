@@ -15,7 +15,8 @@ from celery import Celery
 from celery_leases import LeasedTask, LeaseLost
 from celery_leases.config import settings_for
 from celery_leases.lease import Lease, current
-from celery_leases.store import Claimed, Store, store_for
+from celery_leases.rows import Claimed
+from celery_leases.store import Store, store_for
 
 accounts = sa.Table(
     "fencing_accounts",
@@ -52,7 +53,7 @@ def two_attempts(store: Store) -> tuple[Claimed, Claimed]:
     store.register("job", task="t", args="[]", kwargs="{}", options="{}")
     first = store.claim("job", owner="a/1", duration=30, task="t", args="[]", kwargs="{}")
     assert isinstance(first, Claimed)
-    store.expire("job")
+    store.release("job")
     second = store.claim("job", owner="b/2", duration=30, task="t", args="[]", kwargs="{}")
     assert isinstance(second, Claimed)
     return first, second

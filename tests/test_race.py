@@ -11,7 +11,8 @@ import pytest
 import sqlalchemy as sa
 
 from celery_leases.config import DEFAULTS, validate
-from celery_leases.store import Claimed, Store
+from celery_leases.rows import Claimed
+from celery_leases.store import Store
 
 PROCESSES = 16
 ROUNDS = 20

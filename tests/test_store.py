@@ -12,14 +12,9 @@ import sqlalchemy as sa
 
 from celery_leases.config import DEFAULTS, validate
 from celery_leases.errors import InvalidJobState, JobNotFound
-from celery_leases.store import (
-    GAVE_UP_MAX_ATTEMPTS,
-    GAVE_UP_NO_PROGRESS,
-    Claimed,
-    Reaped,
-    Refused,
-    Store,
-)
+from celery_leases.rows import Claimed, Reaped, Refused
+from celery_leases.statements import GAVE_UP_MAX_ATTEMPTS, GAVE_UP_NO_PROGRESS
+from celery_leases.store import Store
 
 OWNER = "worker-a/1"
 
@@ -59,7 +54,7 @@ def move_back(store: Store, job_id: str, column: str = "expires_at", seconds: fl
 
 def reap(store: Store, **options: Any) -> Reaped:
     settings = {"batch": 100, "grace": 30.0, "max_stalled": None, "max_attempts": None}
-    return store.reap(**(settings | options))
+    return store.collect_expired(**(settings | options))
 
 
 def ids(jobs: list[Any]) -> list[str]:
@@ -138,7 +133,7 @@ def test_a_stale_token_can_neither_renew_nor_checkpoint_nor_end_the_job(store: S
     assert store.checkpoint("j1", stale.token, '"stale"') == (False, None)
     assert store.finish("j1", stale.token, result='"stale"') is False
     assert store.fail("j1", stale.token, error="stale") is False
-    assert store.release("j1", stale.token, reap_in=0.0) is False
+    assert store.hand_back("j1", stale.token, reap_in=0.0) is False
 
     # And the job is still attempt 2's
     job = store.get("j1")
@@ -195,7 +190,7 @@ def test_a_released_job_is_queued_again_and_claimable_with_its_checkpoint(store:
     lease = claimed(store, "j1")
     store.checkpoint("j1", lease.token, "[3]")
 
-    assert store.release("j1", lease.token, reap_in=None) is True
+    assert store.hand_back("j1", lease.token, reap_in=None) is True
 
     job = store.get("j1")
     assert job is not None
@@ -208,7 +203,7 @@ def test_a_release_with_a_reap_delay_sets_when_the_reaper_takes_the_job(store: S
     register(store, "j1")
     lease = claimed(store, "j1")
 
-    store.release("j1", lease.token, reap_in=60.0)
+    store.hand_back("j1", lease.token, reap_in=60.0)
 
     job = store.get("j1")
     assert job is not None and job.expires_in is not None and 59 < job.expires_in <= 60
@@ -447,7 +442,7 @@ def test_a_requeued_job_whose_message_was_lost_is_reaped_again_after_the_grace(
 def test_a_queued_job_with_no_expiry_is_never_reaped(store: Store) -> None:
     register(store, "j1")
     lease = claimed(store, "j1")
-    store.release("j1", lease.token, reap_in=None)
+    store.hand_back("j1", lease.token, reap_in=None)
 
     assert reap(store) == Reaped([], [])
 
@@ -681,7 +676,7 @@ def test_expiring_a_running_job_lets_the_next_reaper_pass_take_it(store: Store) 
     register(store, "j1")
     claimed(store, "j1")
 
-    assert store.expire("j1") is True
+    assert store.release("j1") is True
 
     assert ids(reap(store).republish) == ["j1"]
-    assert store.expire("j1") is False
+    assert store.release("j1") is False

@@ -18,7 +18,7 @@ import pytest
 
 import celery_leases
 from celery_leases import Job
-from celery_leases.store import GAVE_UP_NO_PROGRESS
+from celery_leases.statements import GAVE_UP_NO_PROGRESS
 from tests.apps.unit_log import Unit
 from tests.e2e_support import Run, Scenario, check_unit_log, freeze, thaw
 
@@ -181,7 +181,7 @@ def test_two_reapers_at_once_republish_an_expired_job_once(
             job_id, owner="dead@host/1", duration=2.0, task="e2e.units", args="[]", kwargs="{}"
         )
         assert getattr(claimed, "token", None) == 1, claimed
-        assert s.store.expire(job_id)
+        assert s.store.release(job_id)
     queued_before = queue_length(s)
 
     # When two reapers run a pass at the same moment

@@ -1,4 +1,4 @@
-"""Worker process signals: hand leases back when a worker shuts down."""
+"""The worker's signals: hand leases back at shutdown, fail jobs of tasks no worker knows."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def release_on_process_shutdown(**_: Any) -> None:
             if lease.released or lease.lost:
                 continue
             try:
-                keeper.store.release(lease.job_id, lease.token, reap_in=0.0)
+                keeper.store.hand_back(lease.job_id, lease.token, reap_in=0.0)
                 lease.released = True
                 logger.warning("celery-leases: job %s released at process shutdown", lease.job_id)
             except LeaseError as exc:

@@ -1,0 +1,413 @@
+"""One attempt at a leased job, in the worker process that runs it.
+
+:class:`Attempt` claims the lease, runs the task body with the keeper renewing it, and records
+how the attempt ended (done, failed, cancelled, handed back, retried, lost). :func:`checkpoint`
+is the fenced write behind ``LeasedTask.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
+
+from celery.exceptions import Ignore, Reject, Retry
+from celery.utils.log import get_task_logger
+from sqlalchemy.engine import Connection
+
+from . import message, metrics
+from .errors import (
+    Cancelled,
+    CheckpointError,
+    CorruptJob,
+    LeaseError,
+    LeaseLost,
+    Preempted,
+    StoreUnavailable,
+)
+from .keeper import keeper_for
+from .lease import Lease, holding
+from .rows import Refused
+from .schema import CANCELLED
+from .signals import checkpoint_saved
+from .store import Store, store_for
+
+logger = get_task_logger("celery_leases")
+
+T = TypeVar("T")
+
+#: What a process (or a gevent worker's greenlet) raises when it is being stopped.
+GOING_DOWN: tuple[type[BaseException], ...] = (SystemExit, KeyboardInterrupt)
+try:
+    from greenlet import GreenletExit
+except ImportError:  # no gevent/eventlet here
+    pass
+else:
+    GOING_DOWN += (GreenletExit,)
+
+
+class Attempt:
+    """Claim, run and end one delivery of a leased task's message (``task.request``)."""
+
+    def __init__(self, task: Any) -> None:
+        self.task = task
+        self.request = task.request
+        self.settings = task.lease_settings
+        self.store: Store = store_for(self.settings)
+        self.owner = f"{self.request.hostname or socket.gethostname()}/{os.getpid()}"
+
+    def run(self, args: Any, kwargs: Any) -> Any:
+        """The task body's return value; raises Celery's ``Ignore`` when this delivery must not
+        run (a duplicate, a stale delivery, the database down) or must not record a result."""
+        lease = self.claim(args, kwargs)
+        keeper = keeper_for(self.store)
+        keeper.add(lease)
+        try:
+            with holding(lease):
+                return self.outcome(lease, args, kwargs)
+        finally:
+            keeper.remove(lease)
+
+    # -- the claim -------------------------------------------------------------------------
+
+    def claim(self, args: Any, kwargs: Any) -> Lease:
+        request, settings = self.request, self.settings
+        try:
+            outcome = self.store.claim(
+                request.id,
+                owner=self.owner,
+                duration=settings.duration,
+                task=self.task.name,
+                args=message.safe_dumps(list(args)) or "[]",
+                kwargs=message.safe_dumps(kwargs) or "{}",
+                options=message.dumps(message.routing(request)),
+            )
+        except StoreUnavailable as exc:
+            if request.is_eager:
+                raise  # no broker message to deliver again; eager mode would recurse
+            self.redeliver_later(args, kwargs, exc)
+            raise Ignore() from exc
+        except CorruptJob as exc:
+            # The row cannot be read: fail it for good rather than redeliver it forever.
+            self.store.give_up(request.id, error=str(exc))
+            logger.error("job %s: %s; marked failed", request.id, exc)
+            raise
+        if isinstance(outcome, Refused):
+            self.refused(outcome, args, kwargs)
+        lease = Lease(
+            job_id=request.id,
+            token=outcome.token,
+            attempt=outcome.attempt,
+            checkpoint=outcome.checkpoint,
+            owner=self.owner,
+            duration=settings.duration,
+            renew_interval=settings.renew_interval,
+            stall_timeout=settings.stall_timeout,
+            kill_when_stalled=settings.kill_stalled,
+            checkpoint_age=outcome.checkpoint_age,
+        )
+        metrics.count("claims")
+        if outcome.attempt > 1:
+            metrics.count("resumes")
+            age = (
+                "none" if outcome.checkpoint_age is None else f"{outcome.checkpoint_age:.1f} s old"
+            )
+            logger.info(
+                "job %s: resumed, attempt %d, token %d, checkpoint %s",
+                lease.job_id,
+                lease.attempt,
+                lease.token,
+                age,
+            )
+        else:
+            logger.info("job %s: claimed, token %d", lease.job_id, lease.token)
+        return lease
+
+    def refused(self, refused: Refused, args: Any, kwargs: Any) -> NoReturn:
+        """Drop this delivery (always raises Ignore)."""
+        request = self.request
+        if refused.reason == "held" and (request.delivery_info or {}).get("redelivered"):
+            # The broker gave back the message of an attempt that died (acks_late with
+            # reject_on_worker_lost, a lost connection) before its lease ran out: come back
+            # when it has, or nothing but a reaper would ever run the job again.
+            delay = max(refused.expires_in or 0.0, 0.0) + 0.25
+            logger.info(
+                "job %s: redelivered while a lease still holds it (owner %s); "
+                "delivering again in %.1f s, when that lease has ended",
+                request.id,
+                refused.owner,
+                delay,
+            )
+            self.send_again(args, kwargs, countdown=delay)
+            raise Ignore()
+        metrics.count("duplicates_dropped")
+        logger.info("job %s: message dropped, %s", request.id, _refusal_text(refused))
+        raise Ignore()
+
+    def redeliver_later(self, args: Any, kwargs: Any, exc: Exception) -> None:
+        """The database is down: send the message again later instead of running unleased."""
+        request = self.request
+        tries = int((request.headers or {}).get(message.DB_RETRY_HEADER) or 0) + 1
+        delay = min(2.0**tries, self.settings.db_retry_max_delay) * random.uniform(0.5, 1)
+        logger.error(
+            "job %s: leases database unreachable, delivering again in %.1f s (try %d): %s",
+            request.id,
+            delay,
+            tries,
+            exc,
+        )
+        self.send_again(args, kwargs, countdown=delay, headers={message.DB_RETRY_HEADER: tries})
+
+    def send_again(
+        self, args: Any, kwargs: Any, *, countdown: float, headers: dict[str, Any] | None = None
+    ) -> None:
+        """Publish the current message again (same id and routing) in ``countdown`` seconds."""
+        request = self.request
+        message.send(
+            self.task.app,
+            self.task.name,
+            request.id,
+            args,
+            kwargs,
+            message.routing(request),
+            countdown=countdown,
+            headers=headers or {},
+        )
+
+    # -- how the attempt ends --------------------------------------------------------------
+
+    def outcome(self, lease: Lease, args: Any, kwargs: Any) -> Any:
+        store = self.store
+        try:
+            result = self.task.run(*args, **kwargs)
+        except Retry:
+            if not lease.released:
+                self.hand_back(lease, reap_in=0.0)
+            raise
+        except Reject as exc:
+            self.hand_back(lease, reap_in=None if exc.requeue else 0.0)
+            raise
+        except LeaseLost:
+            logger.warning(
+                "job %s: attempt with token %d stopped, lease lost", lease.job_id, lease.token
+            )
+            raise Ignore() from None
+        except Cancelled as exc:
+            store.fail(lease.job_id, lease.token, error=str(exc), state=CANCELLED)
+            logger.info("job %s: cancelled at its checkpoint", lease.job_id)
+            raise
+        except Preempted:
+            self.hand_back(lease, reap_in=0.0)
+            job = store.get(lease.job_id)
+            if job is not None:
+                message.republish(self.task.app, job)
+            logger.info("job %s: handed back at its checkpoint for another worker", lease.job_id)
+            raise Ignore() from None
+        except Ignore:
+            self.finish(lease, None)
+            raise
+        except Exception as exc:
+            if lease.released:
+                raise
+            self.failed(lease, exc)
+            raise
+        except GOING_DOWN:
+            # The process is going down: hand the job back so it resumes at once elsewhere.
+            # Any other BaseException leaves the lease to expire, as a crash would.
+            self.hand_back(lease, reap_in=0.0)
+            raise
+        self.finish(lease, result)
+        return result
+
+    def failed(self, lease: Lease, exc: Exception) -> None:
+        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        try:
+            ended = self.store.fail(lease.job_id, lease.token, error=text)
+        except LeaseError as store_exc:
+            logger.error(
+                "job %s: failed, and the failure could not be recorded: %s",
+                lease.job_id,
+                store_exc,
+            )
+            return
+        if not ended:
+            logger.warning(
+                "job %s: a stale attempt failed (token %d); not recorded",
+                lease.job_id,
+                lease.token,
+            )
+            raise Ignore() from None
+
+    def finish(self, lease: Lease, result: Any) -> None:
+        if lease.released:
+            return
+        ended = until_deadline(
+            lease,
+            lambda: self.store.finish(lease.job_id, lease.token, result=message.safe_dumps(result)),
+            waiting=f"job {lease.job_id}: done, waiting for the database to record it",
+            gave_up=f"job {lease.job_id}: done, but the database stayed down until the lease "
+            f"ended; it will run again from its checkpoint",
+            first_delay=0.2,
+        )
+        if not ended:
+            metrics.count("leases_lost")
+            logger.warning(
+                "job %s: attempt with token %d finished after losing its lease; "
+                "its result is dropped",
+                lease.job_id,
+                lease.token,
+            )
+            raise Ignore()
+
+    def hand_back(self, lease: Lease, *, reap_in: float | None) -> None:
+        try:
+            self.store.hand_back(lease.job_id, lease.token, reap_in=reap_in)
+            lease.released = True
+        except LeaseError as exc:
+            logger.warning(
+                "job %s: could not release the lease (%s); it expires in %.0f s",
+                lease.job_id,
+                exc,
+                lease.duration,
+            )
+
+
+def checkpoint(
+    task: Any,
+    lease: Lease,
+    state: Any,
+    *,
+    progress: Any = None,
+    connection: Connection | None = None,
+) -> None:
+    """Save ``state`` for ``lease``'s job, fenced by its token (``LeasedTask.checkpoint``)."""
+    settings = task.lease_settings
+    try:
+        text = message.dumps(state)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"checkpoint of job {lease.job_id} is not JSON-serializable ({exc}); "
+            f"the previous checkpoint is kept"
+        ) from exc
+    size = len(text.encode())
+    if size > settings.max_checkpoint_bytes:
+        raise CheckpointError(
+            f"checkpoint of job {lease.job_id} is {size} bytes, over "
+            f"leases_max_checkpoint_bytes ({settings.max_checkpoint_bytes}); "
+            f"the previous checkpoint is kept"
+        )
+    done_total = _progress(progress)
+    stop_point(lease)  # asked to stop since the last checkpoint: write nothing more
+    if lease.lost:
+        raise LeaseLost(f"job {lease.job_id}: this attempt lost its lease; stop")
+    stop = None
+    if not lease.detached:  # a direct call keeps its checkpoints in memory only
+        started = time.monotonic()
+        store = store_for(settings)
+        if connection is not None:
+            saved, stop = store.checkpoint(
+                lease.job_id, lease.token, text, progress=done_total, connection=connection
+            )
+        else:
+            saved, stop = until_deadline(
+                lease,
+                lambda: store.checkpoint(lease.job_id, lease.token, text, progress=done_total),
+                waiting=f"checkpoint of job {lease.job_id} waits for the database",
+                lost=True,
+            )
+        metrics.checkpoint_seconds(time.monotonic() - started)
+        if not saved:
+            lease.lost = True
+            metrics.count("leases_lost")
+            logger.warning(
+                "lease lost on job %s (token %s): another attempt holds it; checkpoint not saved",
+                lease.job_id,
+                lease.token,
+            )
+            raise LeaseLost(f"job {lease.job_id}: another attempt holds the lease; stop")
+        lease.deadline = started + lease.duration
+        lease.last_progress = time.monotonic()
+        if done_total is not None:
+            _report_progress(task, *done_total)
+    lease.checkpoint = json.loads(text)
+    checkpoint_saved.send(sender=task, lease=lease, progress=done_total)
+    lease.stop_requested = stop or lease.stop_requested
+    if connection is None:
+        stop_point(lease)
+    # Inside the caller's transaction a raise would roll the checkpoint back: the stop is
+    # raised by stop_point() after the commit, or before the next checkpoint writes.
+
+
+def stop_point(lease: Lease) -> None:
+    """Raise :class:`Cancelled` or :class:`Preempted` if ``lease``'s job was asked to stop."""
+    if lease.stop_requested == "cancel":
+        raise Cancelled(f"job {lease.job_id} was cancelled; stopped at its checkpoint")
+    if lease.stop_requested == "preempt":
+        raise Preempted(f"job {lease.job_id} handed back at its checkpoint (shutdown)")
+
+
+def until_deadline(
+    lease: Lease,
+    operation: Callable[[], T],
+    *,
+    waiting: str,
+    gave_up: str | None = None,
+    lost: bool = False,
+    first_delay: float = 0.1,
+) -> T:
+    """Run ``operation``, retrying while the database is unavailable and the lease has time
+    left. When it runs out: with ``lost``, the lease counts as lost (:class:`LeaseLost`);
+    otherwise ``gave_up`` is logged and the StoreUnavailable raised."""
+    delay = first_delay
+    while True:
+        try:
+            return operation()
+        except StoreUnavailable as exc:
+            if time.monotonic() + delay > lease.deadline:
+                if lost:
+                    lease.lost = True
+                    raise LeaseLost(
+                        f"job {lease.job_id}: database unreachable until the lease ended; "
+                        f"stop ({exc})"
+                    ) from exc
+                logger.error("%s", gave_up)
+                raise
+            logger.warning("%s: %s", waiting, exc)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+def _report_progress(task: Any, done: int, total: int | None) -> None:
+    if task.ignore_result or task.request.called_directly:
+        return
+    try:
+        task.update_state(state="PROGRESS", meta={"done": done, "total": total})
+    except Exception as exc:  # a result backend that cannot store states is not fatal
+        logger.debug("could not store PROGRESS of %s: %r", task.request.id, exc)
+
+
+def _progress(progress: Any) -> tuple[int, int | None] | None:
+    if progress is None:
+        return None
+    if isinstance(progress, int) and not isinstance(progress, bool):
+        return (progress, None)
+    if (
+        isinstance(progress, tuple | list)
+        and len(progress) == 2
+        and isinstance(progress[0], int)
+        and (progress[1] is None or isinstance(progress[1], int))
+    ):
+        return (int(progress[0]), None if progress[1] is None else int(progress[1]))
+    raise CheckpointError(f"progress must be done or (done, total) integers, not {progress!r}")
+
+
+def _refusal_text(refused: Refused) -> str:
+    if refused.reason == "held":
+        left = f", {refused.expires_in:.1f} s left" if refused.expires_in is not None else ""
+        return f"a live lease holds it (owner {refused.owner}{left}): duplicate delivery"
+    return f"the job is already {refused.reason}"

@@ -1,0 +1,147 @@
+"""The connection to the leases database: one engine per process, dialect hooks, the one retry.
+
+Driver errors are wrapped here, once: an unreachable or restarting server becomes
+:class:`StoreUnavailable`, anything else a :class:`LeaseError`, each ``from`` the driver's error.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from .config import redact
+from .errors import ConfigurationError, LeaseError, StoreUnavailable
+
+T = TypeVar("T")
+
+#: Dialects without ``UPDATE ... RETURNING``.
+NO_RETURNING = ("mysql", "mariadb")
+#: Dialects where a one-statement operation runs in autocommit (no BEGIN/COMMIT round trips).
+AUTOCOMMIT = ("postgresql", "sqlite")
+
+
+class Database:
+    """An SQLAlchemy engine for this process (a forked child makes its own) and how to run
+    operations on it. Safe to share between threads."""
+
+    def __init__(self, url: str, engine_options: dict[str, Any]) -> None:
+        self.url = sa.engine.make_url(url)
+        self.engine_options = engine_options
+        self.dialect = self.url.get_backend_name()
+        self.returning = self.dialect not in NO_RETURNING
+        self._engine: Engine | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    @property
+    def safe_url(self) -> str:
+        """The database URL with its password hidden."""
+        return redact(self.url.render_as_string(hide_password=False))
+
+    @property
+    def engine(self) -> Engine:
+        """This process's engine."""
+        if self._engine is None or self._pid != os.getpid():
+            with self._lock:
+                if self._engine is None or self._pid != os.getpid():
+                    if self._engine is not None:
+                        self._engine.dispose(close=False)  # the parent's connections stay its own
+                    self._engine = self._create_engine()
+                    self._pid = os.getpid()
+        return self._engine
+
+    def _create_engine(self) -> Engine:
+        # No pre-ping: run() retries once on a connection the server closed, which saves a
+        # round trip on every operation (docs/benchmarks.md).
+        options: dict[str, Any] = {"pool_pre_ping": False}
+        if self.dialect == "sqlite":
+            options["connect_args"] = {"timeout": 30}
+        options.update(self.engine_options)
+        try:
+            engine = sa.create_engine(self.url, **options)
+        except (sa.exc.ArgumentError, ImportError) as exc:
+            raise ConfigurationError(f"cannot use leases database {self.safe_url}: {exc}") from exc
+        hook = _ON_CONNECT.get(self.dialect)
+        if hook is not None:
+            sa.event.listen(engine, "connect", hook)
+        return engine
+
+    def run(self, operation: Callable[[Connection], T], *, single: bool = False) -> T:
+        """Run ``operation`` in one transaction, retrying once on a connection the server had
+        closed. ``single``: its outcome rests on one statement, so where the dialect allows it
+        runs in autocommit."""
+        with self.wrapped_errors():
+            try:
+                return self._execute(operation, single=single)
+            except sa.exc.DBAPIError as exc:
+                if not exc.connection_invalidated:
+                    raise
+            # A pooled connection the server had closed (a restart, an idle timeout): the pool
+            # is now invalidated, so run once more on a fresh connection.
+            return self._execute(operation, single=single)
+
+    def _execute(self, operation: Callable[[Connection], T], *, single: bool) -> T:
+        if single and self.dialect in AUTOCOMMIT:
+            with self.engine.connect() as connection:
+                connection.execution_options(isolation_level="AUTOCOMMIT")
+                return operation(connection)
+        with self.engine.begin() as connection:
+            return operation(connection)
+
+    def wrapped_errors(self, what: str = "") -> _Wrapped:
+        """A context manager that turns driver errors into LeaseError / StoreUnavailable."""
+        return _Wrapped(self.safe_url, what)
+
+
+class _Wrapped:
+    def __init__(self, safe_url: str, what: str) -> None:
+        self.prefix = f"{what}, " if what else ""
+        self.safe_url = safe_url
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError | sa.exc.TimeoutError):
+            raise StoreUnavailable(
+                f"{self.prefix}leases database {self.safe_url} is unavailable: {first_line(exc)}"
+            ) from exc
+        if isinstance(exc, sa.exc.SQLAlchemyError):
+            raise LeaseError(
+                f"{self.prefix}leases database {self.safe_url} error: {first_line(exc)}"
+            ) from exc
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of a driver error's own message."""
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip().splitlines()
+    return text[0] if text else type(orig).__name__
+
+
+def _sqlite_on_connect(dbapi_connection: Any, record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def _mysql_on_connect(dbapi_connection: Any, record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    # UTC makes UNIX_TIMESTAMP(NOW(6)) unambiguous around DST; strict mode makes a value the
+    # column cannot hold an error instead of a silent truncation.
+    cursor.execute("SET time_zone = '+00:00', sql_mode = CONCAT(@@sql_mode, ',STRICT_ALL_TABLES')")
+    cursor.close()
+
+
+_ON_CONNECT = {
+    "sqlite": _sqlite_on_connect,
+    "mysql": _mysql_on_connect,
+    "mariadb": _mysql_on_connect,
+}

@@ -1,0 +1,124 @@
+"""What the store returns: claim outcomes, renewals, reaper batches and jobs as recorded.
+
+Stored JSON is decoded here; a value that is not JSON raises :class:`CorruptJob` naming the job
+and the column.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CorruptJob
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A successful claim: this attempt now holds the lease under ``token``."""
+
+    token: int
+    attempt: int
+    checkpoint: Any
+    checkpoint_age: float | None
+    created: bool
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A refused claim. ``reason`` is the job's state, or ``held`` when a live lease holds it."""
+
+    reason: str
+    owner: str | None
+    expires_in: float | None
+
+
+@dataclass(frozen=True)
+class Renewal:
+    """Outcome of one renew tick: the jobs still held, and stop requests seen on them."""
+
+    held: frozenset[str]
+    stops: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job as recorded in the leases table. Ages and ``expires_in`` are seconds, DB clock."""
+
+    id: str
+    task: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    options: dict[str, Any]
+    state: str
+    owner: str | None
+    token: int
+    attempts: int
+    stalled_attempts: int
+    checkpoint: Any
+    progress_done: int | None
+    progress_total: int | None
+    result: Any
+    error: str | None
+    stop_requested: str | None
+    expires_in: float | None
+    checkpoint_age: float | None
+    age: float
+    created_at: float
+    claimed_at: float | None
+    renewed_at: float | None
+    checkpoint_at: float | None
+    finished_at: float | None
+
+
+@dataclass(frozen=True)
+class Reaped:
+    """What one reaper batch did: jobs to re-publish, and jobs given up as failed."""
+
+    republish: list[Job]
+    gave_up: list[Job]
+    #: The owner each expired lease had before the reaper cleared it.
+    previous_owners: dict[str, str | None] = field(default_factory=dict)
+
+
+def loads(text: str | None, job_id: str = "?", column: str = "?") -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise CorruptJob(
+            f"job {job_id}: column {column} holds text that is not JSON ({exc}); "
+            f"celery-leases reads JSON only"
+        ) from exc
+
+
+def job(m: Any) -> Job:
+    """A Job from a row of ``Statements.select_jobs``."""
+    job_id = m["id"]
+    return Job(
+        id=m["id"],
+        task=m["task"],
+        args=loads(m["args"], job_id, "args") or [],
+        kwargs=loads(m["kwargs"], job_id, "kwargs") or {},
+        options=loads(m["options"], job_id, "options") or {},
+        state=m["state"],
+        owner=m["owner"],
+        token=m["token"],
+        attempts=m["attempts"],
+        stalled_attempts=m["stalled_attempts"],
+        checkpoint=loads(m["checkpoint"], job_id, "checkpoint"),
+        progress_done=m["progress_done"],
+        progress_total=m["progress_total"],
+        result=loads(m["result"], job_id, "result"),
+        error=m["error"],
+        stop_requested=m["stop_requested"],
+        expires_in=m["expires_in"],
+        checkpoint_age=m["checkpoint_age"],
+        age=m["age"],
+        created_at=m["created_at"],
+        claimed_at=m["claimed_at"],
+        renewed_at=m["renewed_at"],
+        checkpoint_at=m["checkpoint_at"],
+        finished_at=m["finished_at"],
+    )

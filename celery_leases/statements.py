@@ -1,0 +1,341 @@
+"""Every SQL statement of celery-leases, built once per table and dialect.
+
+Values travel as bind parameters (``b_*``), so each statement object keeps its SQLAlchemy cache
+key and a call only binds: building an UPDATE on every call cost more CPU than the database
+spends on it (docs/benchmarks.md). Every time is the database clock (``db_now()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from .schema import (
+    CANCELLED,
+    DONE,
+    FAILED,
+    FINISHED_STATES,
+    LIVE_STATES,
+    QUEUED,
+    RUNNING,
+    SCHEMA_VERSION,
+    db_now,
+)
+
+GAVE_UP_NO_PROGRESS = (
+    "gave up: its last attempts ended (crashed, killed or lost) without saving a checkpoint "
+    "(leases_max_attempts_without_progress)"
+)
+GAVE_UP_MAX_ATTEMPTS = "gave up: reached leases_max_attempts"
+GAVE_UP_CORRUPT = "gave up: its stored args, options or checkpoint are not JSON"
+
+
+def param(name: str, type_: Any = None) -> Any:
+    return sa.bindparam(f"b_{name}", type_=type_)
+
+
+def unindexed(column: Any) -> Any:
+    """``column`` in a form no index serves, for a row found by primary key.
+
+    Statistics taken while few jobs ran (a burst after a quiet spell) make PostgreSQL prefer
+    the (state, expires_at) index for ``state = 'running'`` and walk every running job on
+    each write; SQLite does so without statistics. See docs/benchmarks.md.
+    """
+    return sa.func.coalesce(column, "")
+
+
+class Statements:
+    """The statements on one jobs table for one dialect."""
+
+    def __init__(self, table: sa.Table, dialect: str) -> None:
+        self.table = t = table
+        self.dialect = dialect
+        self.returning = dialect not in ("mysql", "mariadb")
+        now = db_now()
+        self.now = sa.select(now)
+        seconds: Any = param("duration", sa.Double())
+
+        # -- a job's row: written by the client, claimed, kept and ended by a worker ----------
+        text = {c: param(c, t.c[c].type) for c in ("id", "task", "args", "kwargs", "options")}
+        self.register = self._insert_ignore(
+            text
+            | {
+                "state": QUEUED,
+                "token": 0,
+                "attempts": 0,
+                "stalled_attempts": 0,
+                "run_after": now + param("countdown", sa.Double()),
+                "expires_at": now + param("expires_in", sa.Double()),
+                "created_at": now,
+                "schema_version": SCHEMA_VERSION,
+            }
+        )
+        # A message with no row (sent by name from elsewhere): the job is created claimed.
+        self.create_claimed = self._insert_ignore(
+            text
+            | {
+                "state": RUNNING,
+                "owner": param("owner", t.c.owner.type),
+                "token": 1,
+                "attempts": 1,
+                "stalled_attempts": 0,
+                "duration": seconds,
+                "expires_at": now + seconds,
+                "created_at": now,
+                "claimed_at": now,
+                "renewed_at": now,
+                "schema_version": SCHEMA_VERSION,
+            }
+        )
+
+        held = _unindexed_running = unindexed(t.c.state) == RUNNING
+        by_token = sa.and_(t.c.id == param("id"), t.c.token == param("token"), held)
+        claimable = sa.and_(
+            t.c.id == param("id"),
+            sa.or_(
+                unindexed(t.c.state) == QUEUED,
+                sa.and_(_unindexed_running, t.c.expires_at <= now),
+            ),
+        )
+        self.claim_reads = [t.c.token, t.c.attempts, t.c.checkpoint, (now - t.c.checkpoint_at)]
+        claim = (
+            sa.update(t)
+            .where(claimable)
+            .values(
+                token=t.c.token + 1,
+                attempts=t.c.attempts + 1,
+                state=RUNNING,
+                owner=param("owner", t.c.owner.type),
+                duration=seconds,
+                expires_at=now + seconds,
+                claimed_at=now,
+                renewed_at=now,
+                # A preemption was for the attempt that saw it; a cancel stands.
+                stop_requested=sa.case((t.c.stop_requested == "cancel", "cancel"), else_=sa.null()),
+            )
+        )
+        self.claim = claim.returning(*self.claim_reads) if self.returning else claim
+        self.claimed = sa.select(*self.claim_reads).where(t.c.id == param("id"))
+        self.refusal = sa.select(t.c.state, t.c.owner, t.c.expires_at - now).where(
+            t.c.id == param("id")
+        )
+
+        # The plain id list lets every database find the rows by primary key.
+        leases = sa.and_(
+            t.c.id.in_(sa.bindparam("b_ids", expanding=True)),
+            sa.tuple_(t.c.id, t.c.token).in_(sa.bindparam("b_leases", expanding=True)),
+            held,
+        )
+        renew = sa.update(t).where(leases).values(expires_at=now + t.c.duration, renewed_at=now)
+        self.renew = renew.returning(t.c.id, t.c.stop_requested) if self.returning else renew
+        self.renewed = sa.select(t.c.id, t.c.stop_requested).where(leases)
+
+        saved = {
+            "checkpoint": param("checkpoint", t.c.checkpoint.type),
+            "checkpoint_at": now,
+            "renewed_at": now,
+            "expires_at": now + t.c.duration,
+        }
+        progress = {
+            "progress_done": param("done", sa.BigInteger()),
+            "progress_total": param("total", sa.BigInteger()),
+        }
+        self.checkpoint = self._returning_stop(sa.update(t).where(by_token).values(saved))
+        self.checkpoint_progress = self._returning_stop(
+            sa.update(t).where(by_token).values(saved | progress)
+        )
+        ended = {"owner": None, "expires_at": None, "stop_requested": None, "finished_at": now}
+        self.finish = (
+            sa.update(t)
+            .where(by_token)
+            .values(ended | {"state": DONE, "result": param("result", t.c.result.type)})
+        )
+        self.fail = (
+            sa.update(t)
+            .where(by_token)
+            .values(
+                ended
+                | {"state": param("state", t.c.state.type), "error": param("error", t.c.error.type)}
+            )
+        )
+        # With b_reap_in NULL, expires_at is NULL: a message for the job is already on its way.
+        self.hand_back = (
+            sa.update(t)
+            .where(by_token)
+            .values(
+                state=QUEUED,
+                owner=None,
+                stop_requested=None,
+                expires_at=now + param("reap_in", sa.Double()),
+            )
+        )
+
+        # -- operators ------------------------------------------------------------------------
+        by_id = t.c.id == param("id")
+        self.give_up = (
+            sa.update(t)
+            .where(by_id, t.c.state.in_(LIVE_STATES))
+            .values(
+                state=FAILED, owner=None, expires_at=None, error=param("error"), finished_at=now
+            )
+        )
+        self.forget = sa.delete(t).where(by_id, t.c.state == QUEUED, t.c.token == 0)
+        self.cancel_queued = (
+            sa.update(t)
+            .where(by_id, t.c.state == QUEUED)
+            .values(
+                state=CANCELLED,
+                expires_at=None,
+                error="cancelled by an operator",
+                finished_at=now,
+            )
+        )
+        self.release = sa.update(t).where(by_id, t.c.state == RUNNING).values(expires_at=now)
+        self.request_stop = (
+            sa.update(t)
+            .where(t.c.id.in_(sa.bindparam("b_ids", expanding=True)), t.c.state == RUNNING)
+            .values(stop_requested=param("kind"))
+        )
+        self.request_stop_owned_by = (
+            sa.update(t)
+            .where(t.c.state == RUNNING, t.c.owner.like(param("owner_like"), escape="\\"))
+            .values(stop_requested=param("kind"))
+        )
+        self.requeue = (
+            sa.update(t)
+            .where(by_id, t.c.state.in_(sa.bindparam("b_from_states", expanding=True)))
+            .values(
+                state=QUEUED,
+                owner=None,
+                expires_at=now + param("queued_timeout", sa.Double()),
+                error=None,
+                finished_at=None,
+                stalled_attempts=0,
+                stop_requested=None,
+            )
+        )
+        self.ids_starting_with = (
+            sa.select(t.c.id)
+            .where(t.c.id.like(param("prefix_like"), escape="\\"))
+            .order_by(t.c.id)
+            .limit(param("limit"))
+        )
+        self.count_by_state = sa.select(t.c.state, sa.func.count()).group_by(t.c.state)
+
+        # -- the reaper -----------------------------------------------------------------------
+        self.expired = sa.and_(t.c.state.in_(LIVE_STATES), t.c.expires_at <= now)
+        # Read the clock once per statement (an InitPlan on PostgreSQL), so the search on
+        # (state, expires_at) is an index range and not a filter.
+        self.expired_candidates = (
+            sa.select(t.c.id, t.c.owner)
+            .where(
+                t.c.state.in_(LIVE_STATES),
+                t.c.expires_at <= sa.select(db_now()).scalar_subquery(),
+            )
+            .order_by(t.c.expires_at)
+            .limit(param("batch"))
+            .with_for_update(skip_locked=True)
+        )
+        self.no_progress = sa.and_(
+            t.c.state == RUNNING,
+            sa.or_(t.c.checkpoint_at.is_(None), t.c.checkpoint_at < t.c.claimed_at),
+        )
+        self.fail_corrupt = (
+            sa.update(t)
+            .where(t.c.id.in_(sa.bindparam("b_ids", expanding=True)))
+            .values(
+                state=FAILED, owner=None, expires_at=None, finished_at=now, error=GAVE_UP_CORRUPT
+            )
+        )
+        finished_before = sa.and_(
+            t.c.state.in_(FINISHED_STATES),
+            t.c.finished_at
+            <= sa.select(db_now() - param("older_than", sa.Double())).scalar_subquery(),
+        )
+        # Oldest first: the order makes the planner walk the finished_at index, where a bare
+        # LIMIT seq-scans the whole table when nothing is old enough (every idle pass).
+        self.purgeable = (
+            sa.select(t.c.id).where(finished_before).order_by(t.c.finished_at).limit(param("batch"))
+        )
+        self.purge = sa.delete(t).where(
+            t.c.id.in_(sa.bindparam("b_ids", expanding=True)), finished_before
+        )
+
+        # -- reading jobs ---------------------------------------------------------------------
+        self.job_columns = [
+            *(c for c in t.columns if c.name not in ("duration", "schema_version")),
+            (t.c.expires_at - now).label("expires_in"),
+            (now - t.c.checkpoint_at).label("checkpoint_age"),
+            (now - t.c.created_at).label("age"),
+        ]
+
+    def select_jobs(self, *where: Any) -> Any:
+        """A SELECT of whole jobs (as :func:`rows.job` reads them)."""
+        return sa.select(*self.job_columns).where(*where)
+
+    def expired_batch(
+        self, ids: list[str], *, grace: float, max_stalled: int | None, max_attempts: int | None
+    ) -> tuple[Any, Any, Any]:
+        """(poison select, give-up update, re-publish update) for the expired jobs ``ids``."""
+        t = self.table
+        now = db_now()
+        give_up_when = []
+        stalled_out: Any = sa.false()
+        if max_stalled is not None:
+            stalled_out = sa.and_(self.no_progress, t.c.stalled_attempts + 1 >= max_stalled)
+            give_up_when.append(stalled_out)
+        if max_attempts is not None:
+            give_up_when.append(t.c.attempts >= max_attempts)
+        poison = None
+        give_up = None
+        if give_up_when:
+            poison = sa.select(t.c.id).where(t.c.id.in_(ids), self.expired, sa.or_(*give_up_when))
+            reason = sa.case(
+                (stalled_out, sa.literal(GAVE_UP_NO_PROGRESS)),
+                else_=sa.literal(GAVE_UP_MAX_ATTEMPTS),
+            )
+            # MySQL evaluates SET left to right: read the old state before changing it.
+            give_up = sa.update(t).ordered_values(
+                (t.c.error, reason),
+                (
+                    t.c.stalled_attempts,
+                    t.c.stalled_attempts + sa.case((self.no_progress, 1), else_=0),
+                ),
+                (t.c.state, FAILED),
+                (t.c.owner, None),
+                (t.c.expires_at, None),
+                (t.c.finished_at, now),
+            )
+        republish = sa.update(t).ordered_values(
+            (
+                t.c.stalled_attempts,
+                sa.case(
+                    (self.no_progress, t.c.stalled_attempts + 1),
+                    (t.c.state == RUNNING, 0),
+                    else_=t.c.stalled_attempts,
+                ),
+            ),
+            (t.c.state, QUEUED),
+            (t.c.owner, None),
+            (t.c.expires_at, now + grace),
+        )
+        return poison, give_up, republish
+
+    def _returning_stop(self, stmt: Any) -> Any:
+        return stmt.returning(self.table.c.stop_requested) if self.returning else stmt
+
+    def _insert_ignore(self, values: dict[str, Any]) -> Any:
+        """INSERT that does nothing when the id exists, RETURNING the id where supported.
+
+        MySQL/MariaDB get a plain INSERT whose duplicate-key error the store reads as "exists":
+        INSERT IGNORE would also turn a value the column cannot hold into a warning and a
+        truncated row, and ON DUPLICATE KEY UPDATE reports 1 row either way under FOUND_ROWS.
+        """
+        t = self.table
+        if self.dialect == "postgresql":
+            return postgresql.insert(t).values(values).on_conflict_do_nothing().returning(t.c.id)
+        if self.dialect == "sqlite":
+            return sqlite.insert(t).values(values).on_conflict_do_nothing().returning(t.c.id)
+        return sa.insert(t).values(values)
