@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
 .DEFAULT_GOAL := test
-.PHONY: venv test lint demo bench chaos
+.PHONY: venv test lint demo bench chaos celery-suite
 
 venv: $(STAMP)
 
@@ -29,11 +29,18 @@ lint: venv
 demo: venv
 	$(BIN)/python -m examples.webhook_sync.demo $(DEMO_ARGS)
 
+# BENCH_ARGS=--quick for the short form (~8 min); see docs/benchmarks.md.
+BENCH_ARGS ?=
 bench: venv
-	$(BIN)/python -m bench.run_all
+	$(BIN)/python -m bench.run_all $(BENCH_ARGS)
 
 # The long form by hand (~15-20 min on 2 cores); the short form runs in `make test`.
 CHAOS_ARGS ?= --jobs 500 --units 20 --unit-seconds 0.5 --workers 3 --faults 120 \
 	--broker redis --database postgres --restart-database --restart-broker
 chaos: venv
 	$(BIN)/python -m tests.chaos.driver $(CHAOS_ARGS)
+
+# Celery's own integration suite with LeasedTask as the default task class, compared test by
+# test with Celery's Task (../shared/celery-suite); ~20-45 min, not in CI.
+celery-suite: venv
+	bash scripts/celery_suite.sh $(SUITE_ARGS)

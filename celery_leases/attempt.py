@@ -20,7 +20,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_task_logger
 from sqlalchemy.engine import Connection
 
-from . import message, metrics
+from . import metrics, rows
 from .errors import (
     Cancelled,
     CheckpointError,
@@ -32,8 +32,9 @@ from .errors import (
 )
 from .keeper import keeper_for
 from .lease import Lease, holding
+from .message import DB_RETRY_HEADER, Message
 from .rows import Refused
-from .schema import CANCELLED
+from .schema import CANCELLED, QUEUED
 from .signals import checkpoint_saved
 from .store import Store, store_for
 
@@ -77,20 +78,14 @@ class Attempt:
 
     def claim(self, args: Any, kwargs: Any) -> Lease:
         request, settings = self.request, self.settings
+        delivery = Message.received(request, args, kwargs).with_headers(task=self.task.name)
+        self.delivery = delivery
         try:
-            outcome = self.store.claim(
-                request.id,
-                owner=self.owner,
-                duration=settings.duration,
-                task=self.task.name,
-                args=message.safe_dumps(list(args)) or "[]",
-                kwargs=message.safe_dumps(kwargs) or "{}",
-                options=message.dumps(message.routing(request)),
-            )
+            outcome = self.store.claim(delivery, owner=self.owner, duration=settings.duration)
         except StoreUnavailable as exc:
             if request.is_eager:
                 raise  # no broker message to deliver again; eager mode would recurse
-            self.redeliver_later(args, kwargs, exc)
+            self.redeliver_later(delivery, exc)
             raise Ignore() from exc
         except CorruptJob as exc:
             # The row cannot be read: fail it for good rather than redeliver it forever.
@@ -98,7 +93,7 @@ class Attempt:
             logger.error("job %s: %s; marked failed", request.id, exc)
             raise
         if isinstance(outcome, Refused):
-            self.refused(outcome, args, kwargs)
+            self.refused(outcome, delivery)
         lease = Lease(
             job_id=request.id,
             token=outcome.token,
@@ -128,7 +123,7 @@ class Attempt:
             logger.info("job %s: claimed, token %d", lease.job_id, lease.token)
         return lease
 
-    def refused(self, refused: Refused, args: Any, kwargs: Any) -> NoReturn:
+    def refused(self, refused: Refused, delivery: Message) -> NoReturn:
         """Drop this delivery (always raises Ignore)."""
         request = self.request
         if refused.reason == "held" and (request.delivery_info or {}).get("redelivered"):
@@ -143,16 +138,16 @@ class Attempt:
                 refused.owner,
                 delay,
             )
-            self.send_again(args, kwargs, countdown=delay)
+            delivery.send(self.task.app, countdown=delay)
             raise Ignore()
         metrics.count("duplicates_dropped")
         logger.info("job %s: message dropped, %s", request.id, _refusal_text(refused))
         raise Ignore()
 
-    def redeliver_later(self, args: Any, kwargs: Any, exc: Exception) -> None:
+    def redeliver_later(self, delivery: Message, exc: Exception) -> None:
         """The database is down: send the message again later instead of running unleased."""
         request = self.request
-        tries = int((request.headers or {}).get(message.DB_RETRY_HEADER) or 0) + 1
+        tries = int(delivery.headers.get(DB_RETRY_HEADER) or 0) + 1
         delay = min(2.0**tries, self.settings.db_retry_max_delay) * random.uniform(0.5, 1)
         logger.error(
             "job %s: leases database unreachable, delivering again in %.1f s (try %d): %s",
@@ -161,23 +156,7 @@ class Attempt:
             tries,
             exc,
         )
-        self.send_again(args, kwargs, countdown=delay, headers={message.DB_RETRY_HEADER: tries})
-
-    def send_again(
-        self, args: Any, kwargs: Any, *, countdown: float, headers: dict[str, Any] | None = None
-    ) -> None:
-        """Publish the current message again (same id and routing) in ``countdown`` seconds."""
-        request = self.request
-        message.send(
-            self.task.app,
-            self.task.name,
-            request.id,
-            args,
-            kwargs,
-            message.routing(request),
-            countdown=countdown,
-            headers=headers or {},
-        )
+        delivery.send(self.task.app, countdown=delay, **{DB_RETRY_HEADER: tries})
 
     # -- how the attempt ends --------------------------------------------------------------
 
@@ -190,7 +169,13 @@ class Attempt:
                 self.hand_back(lease, reap_in=0.0)
             raise
         except Reject as exc:
-            self.hand_back(lease, reap_in=None if exc.requeue else 0.0)
+            if exc.requeue:
+                # Celery puts the message back only with acks_late; otherwise it is gone and
+                # the reaper sends the job again at once.
+                wait = self.settings.reap_grace if self.task.acks_late else 0.0
+                self.hand_back(lease, reap_in=wait)
+            else:
+                self.failed(lease, exc)  # Celery stores FAILURE for it
             raise
         except LeaseLost:
             logger.warning(
@@ -198,15 +183,19 @@ class Attempt:
             )
             raise Ignore() from None
         except Cancelled as exc:
-            store.fail(lease.job_id, lease.token, error=str(exc), state=CANCELLED)
+            # Handed back already (a retry met the cancel): the reaper tells the backend.
+            if not lease.released and store.fail(
+                lease.job_id, lease.token, error=str(exc), state=CANCELLED
+            ):
+                self.revoked(str(exc))
             logger.info("job %s: cancelled at its checkpoint", lease.job_id)
-            raise
+            raise Ignore() from None
         except Preempted:
-            self.hand_back(lease, reap_in=0.0)
-            job = store.get(lease.job_id)
-            if job is not None:
-                message.republish(self.task.app, job)
-            logger.info("job %s: handed back at its checkpoint for another worker", lease.job_id)
+            if self.hand_back(lease, reap_in=0.0) == QUEUED:
+                self.delivery.send(self.task.app)
+                logger.info(
+                    "job %s: handed back at its checkpoint for another worker", lease.job_id
+                )
             raise Ignore() from None
         except Ignore:
             self.finish(lease, None)
@@ -248,7 +237,7 @@ class Attempt:
             return
         ended = until_deadline(
             lease,
-            lambda: self.store.finish(lease.job_id, lease.token, result=message.safe_dumps(result)),
+            lambda: self.store.finish(lease.job_id, lease.token, result=rows.safe_dumps(result)),
             waiting=f"job {lease.job_id}: done, waiting for the database to record it",
             gave_up=f"job {lease.job_id}: done, but the database stayed down until the lease "
             f"ended; it will run again from its checkpoint",
@@ -264,10 +253,10 @@ class Attempt:
             )
             raise Ignore()
 
-    def hand_back(self, lease: Lease, *, reap_in: float | None) -> None:
+    def hand_back(self, lease: Lease, *, reap_in: float | None) -> str | None:
+        """Give the lease back; the job's state after it (None: not handed back)."""
         try:
-            self.store.hand_back(lease.job_id, lease.token, reap_in=reap_in)
-            lease.released = True
+            state = self.store.hand_back(lease.job_id, lease.token, reap_in=reap_in)
         except LeaseError as exc:
             logger.warning(
                 "job %s: could not release the lease (%s); it expires in %.0f s",
@@ -275,6 +264,19 @@ class Attempt:
                 exc,
                 lease.duration,
             )
+            return None
+        lease.released = state is not None
+        return state
+
+    def revoked(self, reason: str) -> None:
+        """Store REVOKED for the job, as Celery does for a revoked task (chord part counted)."""
+        request = self.request
+        try:
+            self.task.backend.mark_as_revoked(
+                request.id, reason, request=request, store_result=not request.ignore_result
+            )
+        except Exception as exc:  # a backend that is down or disabled: the row is the truth
+            logger.error("job %s: could not store REVOKED: %r", request.id, exc)
 
 
 def checkpoint(
@@ -288,7 +290,7 @@ def checkpoint(
     """Save ``state`` for ``lease``'s job, fenced by its token (``LeasedTask.checkpoint``)."""
     settings = task.lease_settings
     try:
-        text = message.dumps(state)
+        text = rows.dumps(state)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(
             f"checkpoint of job {lease.job_id} is not JSON-serializable ({exc}); "
@@ -410,4 +412,6 @@ def _refusal_text(refused: Refused) -> str:
     if refused.reason == "held":
         left = f", {refused.expires_in:.1f} s left" if refused.expires_in is not None else ""
         return f"a live lease holds it (owner {refused.owner}{left}): duplicate delivery"
+    if refused.reason == "stale":
+        return "another message of this id is the recorded one: a stale or duplicate delivery"
     return f"the job is already {refused.reason}"

@@ -14,17 +14,17 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import click
+from kombu.utils import json as kombu_json
 
 from .config import Settings, settings_for
 from .errors import InvalidJobState, JobNotFound, LeaseError, StoreUnavailable
-from .message import republish
+from .notice import announce_pending
 from .reaper import reap as reap_pass
 from .rows import Job
-from .schema import CANCELLED, FAILED, FINISHED_STATES, QUEUED, RUNNING, STATES
+from .schema import CANCELLED, FAILED, FINISHED_STATES, MAX_ID_LENGTH, QUEUED, RUNNING, STATES
 from .store import Store, store_for
 from .view import (
     JOB_COLUMNS,
-    MAX_ID_LENGTH,
     JobFacts,
     Output,
     counts_text,
@@ -254,7 +254,8 @@ def show(job_id: str, as_json: bool) -> None:
         ("finished", ago(job.finished_at)),
         ("args", _compact(job.args)),
         ("kwargs", _compact(job.kwargs) if job.kwargs else None),
-        ("routing", _compact(job.options) if job.options else None),
+        ("parent", job.message.headers.get("parent_id")),
+        ("routing", _compact(job.route) if job.route else None),
         ("error", out.style(job.error, "failed") if job.error else None),
         ("result", _compact(job.result) if job.result is not None else None),
     ]
@@ -275,7 +276,7 @@ def show(job_id: str, as_json: bool) -> None:
 
 
 def _compact(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False)
+    text = str(kombu_json.dumps(value, ensure_ascii=False))
     return text if len(text) <= 200 else text[:197] + "..."
 
 
@@ -288,7 +289,7 @@ def retry(job_id: str) -> None:
         find_job(store, job_id).id, queued_timeout=settings_for(_app()).queued_timeout
     )
     try:
-        republish(_app(), job)
+        job.message.send(_app())
     except Exception as exc:
         store.cancel_queued(job.id)
         raise LeaseError(
@@ -312,6 +313,7 @@ def cancel(job_id: str) -> None:
     job = find_job(store, job_id)
     for _ in range(3):  # the job may change state between the read and the write
         if job.state == QUEUED and store.cancel_queued(job.id):
+            announce_pending(_app(), store, batch=_settings().reap_batch)
             click.echo(
                 f"job {job.id} ({job.task}) cancelled: its message is dropped when a worker "
                 f"receives it"

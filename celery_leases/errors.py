@@ -2,8 +2,8 @@
 
 Two families: :class:`LeaseError` for what went wrong (a bad setting, an unreachable database,
 a state that cannot be stored), and :class:`Stop` for what the running attempt is told to do
-(stop now: it was cancelled, handed back, or lost its lease). A stop is not an error, and
-``except LeaseError:`` never swallows one.
+(stop now: it was cancelled, handed back, or lost its lease). A stop is not an error: neither
+``except LeaseError:`` nor ``except Exception:`` swallows one.
 """
 
 from __future__ import annotations
@@ -48,8 +48,20 @@ class InvalidJobState(LeaseError):
     """The job is not in a state that allows this operation."""
 
 
-class Stop(_Described):
-    """This attempt must stop now; let it propagate out of the task."""
+class GaveUp(LeaseError):
+    """The reaper gave up on this job; its error in the leases table says why."""
+
+
+class Stop(BaseException):
+    """This attempt must stop now: let it propagate out of the task.
+
+    A ``BaseException``, as ``asyncio.CancelledError`` is: ``except Exception`` in your task
+    and Celery's ``autoretry_for=(Exception,)`` never catch it. Clean up in ``finally``;
+    code that must catch it re-raises it.
+    """
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (type(self).__doc__ or "").strip().splitlines()[0])
 
 
 class Cancelled(Stop):

@@ -1,70 +1,288 @@
-"""Publishing a recorded job again: the reaper, the hand-off, the redelivery and the CLI.
+"""The Celery message a job carries, as recorded in its row, and sending it again.
 
-A job sent again goes straight to ``app.send_task`` with its recorded id, so it is published
-without being recorded a second time.
+A job's row keeps the whole task message (protocol 2): every header (custom ones and stamps
+included), the arguments, the callbacks, errbacks, chain and chord, the reply-to and
+correlation id, the priority and the exchange and routing key it was published to. It is
+recorded from what the client publishes (:class:`RecordingProducer`) or, for a message sent by
+name from elsewhere, from what the worker received. It is stored as Celery's own JSON
+(``kombu.utils.json``): everything Celery's JSON serializer accepts is accepted, and the
+table holds JSON only.
+
+The reaper, a hand-off, a redelivery and ``celery leases retry`` all send that same message
+again with :meth:`Message.send`: the same task id, arguments and options, so a resumed job is
+the same Celery job.
 """
 
 from __future__ import annotations
 
-import json
-from datetime import datetime, timezone
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
-ROUTING_OPTIONS = ("queue", "exchange", "routing_key", "priority")
+from celery.app.amqp import task_message
+from kombu.utils import json as kombu_json
+
+from .errors import ArgumentsError, ConfigurationError
+
+#: Header naming the recorded version of a job's message: a new one for each message the
+#: library records (a publish, a retry), kept when the recorded message is sent again.
+VERSION_HEADER = "leases_message_id"
 #: Header counting the deliveries sent again while the leases database was down.
 DB_RETRY_HEADER = "leases_db_retries"
 
+#: Protocol 2 headers, as Celery's ``amqp.as_task_v2`` writes them.
+HEADERS = (
+    "lang", "task", "id", "shadow", "eta", "expires", "group", "group_index", "retries",
+    "timelimit", "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin", "ignore_result",
+    "replaced_task_nesting", "stamped_headers", "stamps",
+)  # fmt: skip
+#: What the body's third part (embed) holds.
+EMBED = ("callbacks", "errbacks", "chain", "chord")
+#: Message properties worth keeping; broker internals (delivery tags) and the AMQP
+#: ``expiration`` (recomputed from the ``expires`` header at each send) are not.
+PROPERTIES = ("correlation_id", "reply_to", "priority", "delivery_mode", "user_id", "app_id")
 
-def dumps(value: Any) -> str:
-    """JSON text of ``value``; NaN and Infinity are refused (they are not JSON)."""
-    return json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+
+@dataclass(frozen=True)
+class Message:
+    """A task message: headers, body (args, kwargs, embed), properties and route."""
+
+    headers: dict[str, Any]
+    args: list[Any]
+    kwargs: dict[str, Any]
+    embed: dict[str, Any] = field(default_factory=dict)
+    properties: dict[str, Any] = field(default_factory=dict)
+    exchange: str | None = None
+    routing_key: str | None = None
+
+    # -- what it says --------------------------------------------------------------------------
+
+    @property
+    def id(self) -> str:
+        return str(self.headers["id"])
+
+    @property
+    def task(self) -> str:
+        return str(self.headers["task"])
+
+    @property
+    def version(self) -> str | None:
+        """The recorded version (``leases_message_id`` header), None for an unrecorded one."""
+        found = self.headers.get(VERSION_HEADER)
+        return None if found is None else str(found)
+
+    @property
+    def generation(self) -> int:
+        """Celery's ``replaced_task_nesting``: how many ``replace()`` calls led to this job."""
+        return int(self.headers.get("replaced_task_nesting") or 0)
+
+    @property
+    def retries(self) -> int:
+        return int(self.headers.get("retries") or 0)
+
+    @property
+    def route(self) -> dict[str, Any]:
+        """Where it goes: exchange, routing key and priority (for people reading a job)."""
+        found = {
+            "exchange": self.exchange,
+            "routing_key": self.routing_key,
+            "priority": self.properties.get("priority"),
+        }
+        return {k: v for k, v in found.items() if v is not None}
+
+    def expires_in(self, now: datetime | None = None) -> float | None:
+        """Seconds until the ``expires`` header (negative once past), None without one."""
+        expires = _moment(self.headers.get("expires"))
+        if expires is None:
+            return None
+        return (expires - (now or datetime.now(timezone.utc))).total_seconds()
+
+    def eta_in(self, now: datetime | None = None) -> float | None:
+        """Seconds until the ``eta`` header (countdown), None without one."""
+        eta = _moment(self.headers.get("eta"))
+        if eta is None:
+            return None
+        return (eta - (now or datetime.now(timezone.utc))).total_seconds()
+
+    def with_headers(self, **headers: Any) -> Message:
+        return replace(self, headers={**self.headers, **headers})
+
+    def new_version(self) -> Message:
+        """This message under a version id of its own (a message the library records)."""
+        return self.with_headers(**{VERSION_HEADER: uuid.uuid4().hex})
+
+    # -- from Celery and back -------------------------------------------------------------
+
+    @classmethod
+    def published(
+        cls,
+        *,
+        body: Any,
+        headers: dict[str, Any],
+        properties: dict[str, Any],
+        exchange: str | None,
+        routing_key: str | None,
+    ) -> Message:
+        """The message as ``before_task_publish`` sees it, just before the client sends it."""
+        if not isinstance(body, tuple | list) or len(body) != 3:
+            raise ConfigurationError(
+                "celery-leases needs Celery's task message protocol 2 (task_protocol = 2)"
+            )
+        args, kwargs, embed = body
+        return cls(
+            headers=dict(headers),
+            args=list(args),
+            kwargs=dict(kwargs),
+            embed={k: v for k, v in (embed or {}).items() if v is not None},
+            properties={k: properties[k] for k in PROPERTIES if properties.get(k) is not None},
+            exchange=exchange,
+            routing_key=routing_key,
+        )
+
+    @classmethod
+    def received(cls, request: Any, args: Any, kwargs: Any) -> Message:
+        """The message a worker received, read back from the task's request context."""
+        found = vars(request)
+        headers = {h: found[h] for h in HEADERS if h in found}
+        headers.update(request.headers or {})  # custom headers (Celery puts them top level)
+        headers.setdefault("lang", "py")
+        info = request.delivery_info or {}
+        properties = {
+            "correlation_id": request.correlation_id or request.id,
+            "reply_to": request.reply_to,
+            "priority": info.get("priority"),
+        }
+        return cls(
+            headers=headers,
+            args=list(args),
+            kwargs=dict(kwargs),
+            embed={k: found[k] for k in EMBED if found.get(k) is not None},
+            properties={k: v for k, v in properties.items() if v is not None},
+            exchange=info.get("exchange"),
+            routing_key=info.get("routing_key"),
+        )
+
+    def send(
+        self, app: Any, *, countdown: float | None = None, producer: Any = None, **headers: Any
+    ) -> None:
+        """Publish this message again, to where it was published first.
+
+        ``countdown`` replaces its ETA; ``headers`` are added to its headers. Celery's
+        ``expires`` header stays as it is, and the AMQP expiration is recomputed from it, as
+        ``send_task`` does.
+        """
+        sent = self.with_headers(**headers) if headers else self
+        if countdown is not None:
+            sent = sent.with_headers(eta=(app.now() + timedelta(seconds=countdown)).isoformat())
+        properties = dict(sent.properties)
+        # send_task_message takes the delivery mode as an argument of its own.
+        route: dict[str, Any] = {"delivery_mode": properties.pop("delivery_mode", None)}
+        left = sent.expires_in(app.now())
+        if left is not None:
+            properties["expiration"] = max(left, 0.0)
+        if sent.exchange == "" and sent.routing_key:
+            route["queue"] = sent.routing_key  # the default exchange: the key is the queue
+        else:
+            route |= {"exchange": sent.exchange, "routing_key": sent.routing_key}
+        body = (sent.args, sent.kwargs, {k: sent.embed.get(k) for k in EMBED})
+        with app.producer_or_acquire(producer) as publisher:
+            app.amqp.send_task_message(
+                publisher,
+                sent.task,
+                task_message(dict(sent.headers), properties, body, None),
+                retry=True,
+                **route,
+            )
+
+    # -- as stored ---------------------------------------------------------------------------
+
+    def dumps(self) -> str:
+        """Celery's JSON of this message; :class:`ArgumentsError` if Celery's JSON refuses it."""
+        document = {
+            "headers": self.headers,
+            "body": [self.args, self.kwargs, self.embed],
+            "properties": self.properties,
+            "exchange": self.exchange,
+            "routing_key": self.routing_key,
+        }
+        try:
+            return str(
+                kombu_json.dumps(
+                    document, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+                )
+            )
+        except (TypeError, ValueError) as exc:
+            raise ArgumentsError(
+                f"arguments of {self.task} must be JSON-serializable to be recorded for a "
+                f"resume ({exc}; job {self.id}): celery-leases stores them as Celery's JSON "
+                f"serializer does (datetime, UUID, Decimal and bytes included), as JSON only"
+            ) from exc
+
+    @classmethod
+    def loads(cls, text: str) -> Message:
+        document = kombu_json.loads(text)
+        args, kwargs, embed = document["body"]
+        return cls(
+            headers=document["headers"],
+            args=args,
+            kwargs=kwargs,
+            embed=embed or {},
+            properties=document.get("properties") or {},
+            exchange=document.get("exchange"),
+            routing_key=document.get("routing_key"),
+        )
 
 
-def safe_dumps(value: Any) -> str | None:
-    """JSON text of ``value``, or None when it is not JSON."""
-    try:
-        return dumps(value)
-    except (TypeError, ValueError):
+def _moment(value: Any) -> datetime | None:
+    if value in (None, ""):
         return None
+    moment = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
-def routing(request: Any) -> dict[str, Any]:
-    """The routing the current message came with, to publish it (or its job) there again."""
-    info = request.delivery_info or {}
-    found = {
-        "queue": info.get("routing_key"),
-        "exchange": info.get("exchange"),
-        "priority": info.get("priority"),
-    }
-    return {k: v for k, v in found.items() if v not in (None, "")}
+# -- recording what a client publishes ---------------------------------------------------------
 
 
-def countdown(options: dict[str, Any]) -> float | None:
-    """Seconds until an ``apply_async`` call's ``countdown`` or ``eta``; None for neither."""
-    seconds = options.get("countdown")
-    if seconds:
-        return float(seconds)
-    eta = options.get("eta")
-    if eta is not None:
-        moment = eta if eta.tzinfo else eta.replace(tzinfo=timezone.utc)
-        return float(max(0.0, (moment - datetime.now(timezone.utc)).total_seconds()))
-    return None
+class RecordingProducer:
+    """A kombu ``Producer`` that hands each task message to ``record`` before publishing it,
+    and publishes the message ``record`` returns (it adds the version header).
 
+    Passed as ``producer=`` to Celery's ``apply_async``, it sees the message exactly as Celery
+    sends it, after ``before_task_publish`` receivers (stamping) have changed it. An error from
+    ``record`` stops the publish. Publish retries record once.
+    """
 
-def send(
-    app: Any,
-    task: str,
-    job_id: str,
-    args: Any,
-    kwargs: Any,
-    options: dict[str, Any],
-    **extra: Any,
-) -> None:
-    """Publish job ``job_id`` of ``task`` again, with its routing ``options``."""
-    chosen = {k: v for k, v in (options or {}).items() if k in ROUTING_OPTIONS}
-    app.send_task(task, args=args, kwargs=kwargs, task_id=job_id, **chosen, **extra)
+    def __init__(self, producer: Any, record: Callable[[Message], Message]) -> None:
+        self._producer = producer
+        self._record = record
+        self.recorded: Message | None = None
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._producer, name)
 
-def republish(app: Any, job: Any) -> None:
-    """Publish a recorded job again, with its id, arguments and routing (no new row)."""
-    send(app, job.task, job.id, job.args, job.kwargs, job.options)
+    def publish(
+        self,
+        body: Any,
+        *,
+        exchange: str | None = None,
+        routing_key: str | None = None,
+        headers: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> Any:
+        headers = dict(headers or {})
+        if self.recorded is None:
+            self.recorded = self._record(
+                Message.published(
+                    body=body,
+                    headers=headers,
+                    properties=options,
+                    exchange=exchange,
+                    routing_key=routing_key,
+                )
+            )
+        headers.update(self.recorded.headers)
+        return self._producer.publish(
+            body, exchange=exchange, routing_key=routing_key, headers=headers, **options
+        )

@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery import shared_task
+from celery import shared_task, states
 from celery.utils.log import get_task_logger
 
 from . import metrics
 from .config import settings_for
-from .message import republish
+from .notice import announce_pending
+from .schema import REVOKED
 from .store import store_for
 
 logger = get_task_logger("celery_leases.reaper")
@@ -30,6 +31,10 @@ class ReapReport:
     republished: list[str] = field(default_factory=list)
     gave_up: list[str] = field(default_factory=list)
     publish_failed: list[str] = field(default_factory=list)
+    #: Jobs whose message expired while they waited to be re-published: now ``revoked``.
+    expired: list[str] = field(default_factory=list)
+    #: Jobs whose end (failed, cancelled, expired) was stored in the result backend.
+    notified: list[str] = field(default_factory=list)
     purged: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -37,6 +42,8 @@ class ReapReport:
             "republished": self.republished,
             "gave_up": self.gave_up,
             "publish_failed": self.publish_failed,
+            "expired": self.expired,
+            "notified": self.notified,
             "purged": self.purged,
         }
 
@@ -58,8 +65,19 @@ def reap(app: Any) -> ReapReport:
             metrics.count("gave_up")
             logger.error("job %s (%s): %s", job.id, job.task, job.error)
         for job in batch.republish:
+            left = job.message.expires_in()
+            if left is not None and left <= 0:
+                # A worker would discard it as expired: end it as Celery would have.
+                if store.end_live(
+                    job.id,
+                    state=REVOKED,
+                    error="expired (its message's expires passed)",
+                    notify=states.REVOKED,
+                ):
+                    report.expired.append(job.id)
+                continue
             try:
-                republish(app, job)
+                job.message.send(app)
             except Exception as exc:  # the row keeps its pushed expiry: a later pass retries
                 report.publish_failed.append(job.id)
                 logger.error("job %s: re-publish failed, next pass retries: %r", job.id, exc)
@@ -77,6 +95,7 @@ def reap(app: Any) -> ReapReport:
             )
         if len(batch.republish) + len(batch.gave_up) < settings.reap_batch:
             break
+    report.notified = announce_pending(app, store, batch=settings.reap_batch)
     report.purged = store.purge_all(
         older_than=settings.retention, batch=settings.reap_batch, max_batches=MAX_BATCHES
     )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CorruptJob
+from .message import Message
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,8 @@ class Claimed:
 
 @dataclass(frozen=True)
 class Refused:
-    """A refused claim. ``reason`` is the job's state, or ``held`` when a live lease holds it."""
+    """A refused claim. ``reason`` is the job's state, ``held`` when a live lease holds it, or
+    ``stale`` when another message of the id is the recorded one (an older retry, a copy)."""
 
     reason: str
     owner: str | None
@@ -47,9 +49,8 @@ class Job:
 
     id: str
     task: str
-    args: list[Any]
-    kwargs: dict[str, Any]
-    options: dict[str, Any]
+    #: The whole task message the job carries (see :class:`~celery_leases.message.Message`).
+    message: Message
     state: str
     owner: str | None
     token: int
@@ -69,6 +70,23 @@ class Job:
     renewed_at: float | None
     checkpoint_at: float | None
     finished_at: float | None
+    generation: int = 0
+    version: str | None = None
+    sends: int = 0
+    notify: str | None = None
+
+    @property
+    def args(self) -> list[Any]:
+        return self.message.args
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return self.message.kwargs
+
+    @property
+    def route(self) -> dict[str, Any]:
+        """Exchange, routing key and priority of its message."""
+        return self.message.route
 
 
 @dataclass(frozen=True)
@@ -79,6 +97,19 @@ class Reaped:
     gave_up: list[Job]
     #: The owner each expired lease had before the reaper cleared it.
     previous_owners: dict[str, str | None] = field(default_factory=dict)
+
+
+def dumps(value: Any) -> str:
+    """JSON text of a checkpoint or result; NaN and Infinity are refused (they are not JSON)."""
+    return json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+
+
+def safe_dumps(value: Any) -> str | None:
+    """JSON text of ``value``, or None when it is not JSON."""
+    try:
+        return dumps(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def loads(text: str | None, job_id: str = "?", column: str = "?") -> Any:
@@ -93,15 +124,24 @@ def loads(text: str | None, job_id: str = "?", column: str = "?") -> Any:
         ) from exc
 
 
+def load_message(text: str, job_id: str) -> Message:
+    """The stored message of job ``job_id``; :class:`CorruptJob` if it cannot be read."""
+    try:
+        return Message.loads(text)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptJob(
+            f"job {job_id}: column message holds text that is not JSON of a Celery message "
+            f"({exc}); celery-leases reads JSON only"
+        ) from exc
+
+
 def job(m: Any) -> Job:
     """A Job from a row of ``Statements.select_jobs``."""
     job_id = m["id"]
     return Job(
         id=m["id"],
         task=m["task"],
-        args=loads(m["args"], job_id, "args") or [],
-        kwargs=loads(m["kwargs"], job_id, "kwargs") or {},
-        options=loads(m["options"], job_id, "options") or {},
+        message=load_message(m["message"], job_id),
         state=m["state"],
         owner=m["owner"],
         token=m["token"],
@@ -121,4 +161,8 @@ def job(m: Any) -> Job:
         renewed_at=m["renewed_at"],
         checkpoint_at=m["checkpoint_at"],
         finished_at=m["finished_at"],
+        generation=m["generation"],
+        version=m["version"],
+        sends=m["sends"],
+        notify=m["notify"],
     )

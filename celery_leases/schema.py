@@ -14,13 +14,19 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-#: Job states. ``queued`` and ``running`` are live; the others are finished.
-QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
-STATES = (QUEUED, RUNNING, DONE, FAILED, CANCELLED)
+#: Job states. ``queued`` and ``running`` are live; the others are finished. A ``replaced``
+#: job handed its id to the signature it was replaced with (``Task.replace``); a ``revoked``
+#: one was revoked or expired in Celery.
+QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
+CANCELLED, REVOKED, REPLACED = "cancelled", "revoked", "replaced"
+STATES = (QUEUED, RUNNING, DONE, FAILED, CANCELLED, REVOKED, REPLACED)
 LIVE_STATES = (QUEUED, RUNNING)
-FINISHED_STATES = (DONE, FAILED, CANCELLED)
+FINISHED_STATES = (DONE, FAILED, CANCELLED, REVOKED, REPLACED)
+
+#: Longest job (task) id the table holds; a longer one is refused, never truncated.
+MAX_ID_LENGTH = 155
 
 
 class db_now(FunctionElement[float]):
@@ -62,11 +68,15 @@ def jobs_table(metadata: sa.MetaData, name: str = "celery_leases_jobs") -> sa.Ta
     return sa.Table(
         name,
         metadata,
-        sa.Column("id", sa.String(155), primary_key=True),
+        sa.Column("id", sa.String(MAX_ID_LENGTH), primary_key=True),
         sa.Column("task", sa.String(255), nullable=False),
-        sa.Column("args", text, nullable=False),
-        sa.Column("kwargs", text, nullable=False),
-        sa.Column("options", text, nullable=False),
+        # Celery's replaced_task_nesting of the message: a replacement is a newer generation.
+        sa.Column("generation", sa.Integer, nullable=False, default=0),
+        # The message's version id (leases_message_id header); NULL for one not recorded
+        # by celery-leases (sent by name from elsewhere).
+        sa.Column("version", sa.String(64)),
+        # The whole task message, as Celery's JSON (message.Message.dumps).
+        sa.Column("message", text, nullable=False),
         sa.Column("state", sa.String(16), nullable=False),
         sa.Column("owner", sa.String(255)),
         sa.Column("token", sa.BigInteger, nullable=False, default=0),
@@ -74,12 +84,17 @@ def jobs_table(metadata: sa.MetaData, name: str = "celery_leases_jobs") -> sa.Ta
         sa.Column("expires_at", sa.Double),
         sa.Column("attempts", sa.Integer, nullable=False, default=0),
         sa.Column("stalled_attempts", sa.Integer, nullable=False, default=0),
+        # Times the reaper re-published the job while it waited queued (for the backoff).
+        sa.Column("sends", sa.Integer, nullable=False, default=0),
         sa.Column("checkpoint", text),
         sa.Column("progress_done", sa.BigInteger),
         sa.Column("progress_total", sa.BigInteger),
         sa.Column("result", text),
         sa.Column("error", text),
         sa.Column("stop_requested", sa.String(16)),
+        # A Celery state (FAILURE, REVOKED) to store in the result backend for a job that
+        # ended outside any attempt (given up, cancelled while queued); NULL once stored.
+        sa.Column("notify", sa.String(16)),
         sa.Column("run_after", sa.Double),
         sa.Column("created_at", sa.Double, nullable=False),
         sa.Column("claimed_at", sa.Double),

@@ -19,6 +19,7 @@ from .schema import (
     FINISHED_STATES,
     LIVE_STATES,
     QUEUED,
+    REPLACED,
     RUNNING,
     SCHEMA_VERSION,
     db_now,
@@ -29,7 +30,8 @@ GAVE_UP_NO_PROGRESS = (
     "(leases_max_attempts_without_progress)"
 )
 GAVE_UP_MAX_ATTEMPTS = "gave up: reached leases_max_attempts"
-GAVE_UP_CORRUPT = "gave up: its stored args, options or checkpoint are not JSON"
+GAVE_UP_CORRUPT = "gave up: its stored message or checkpoint cannot be read"
+CANCELLED_TEXT = "cancelled by an operator"
 
 
 def param(name: str, type_: Any = None) -> Any:
@@ -58,37 +60,67 @@ class Statements:
         seconds: Any = param("duration", sa.Double())
 
         # -- a job's row: written by the client, claimed, kept and ended by a worker ----------
-        text = {c: param(c, t.c[c].type) for c in ("id", "task", "args", "kwargs", "options")}
-        self.register = self._insert_ignore(
-            text
-            | {
-                "state": QUEUED,
-                "token": 0,
-                "attempts": 0,
-                "stalled_attempts": 0,
-                "run_after": now + param("countdown", sa.Double()),
-                "expires_at": now + param("expires_in", sa.Double()),
-                "created_at": now,
-                "schema_version": SCHEMA_VERSION,
-            }
-        )
+        # A new job (or one taking over an id, see Store.register/claim): the message and
+        # everything an earlier job of the id left is reset.
+        job = {
+            "task": param("task", t.c.task.type),
+            "generation": param("generation", sa.Integer()),
+            "version": param("version", t.c.version.type),
+            "message": param("message", t.c.message.type),
+            "stalled_attempts": 0,
+            "sends": 0,
+            "created_at": now,
+            "schema_version": SCHEMA_VERSION,
+        }
+        fresh = {
+            c: None
+            for c in (
+                "checkpoint", "progress_done", "progress_total", "result", "error",
+                "stop_requested", "notify", "checkpoint_at", "finished_at",
+            )
+        }  # fmt: skip
+        queued = {
+            "state": QUEUED,
+            "owner": None,
+            "attempts": 0,
+            "duration": None,
+            "run_after": now + param("countdown", sa.Double()),
+            "expires_at": now + param("expires_in", sa.Double()),
+            "claimed_at": None,
+            "renewed_at": None,
+        }
+        claimed = {
+            "state": RUNNING,
+            "owner": param("owner", t.c.owner.type),
+            "attempts": 1,
+            "duration": seconds,
+            "expires_at": now + seconds,
+            "claimed_at": now,
+            "renewed_at": now,
+        }
+        self.register = self._insert_ignore({"id": param("id"), "token": 0} | job | queued)
         # A message with no row (sent by name from elsewhere): the job is created claimed.
-        self.create_claimed = self._insert_ignore(
-            text
-            | {
-                "state": RUNNING,
-                "owner": param("owner", t.c.owner.type),
-                "token": 1,
-                "attempts": 1,
-                "stalled_attempts": 0,
-                "duration": seconds,
-                "expires_at": now + seconds,
-                "created_at": now,
-                "claimed_at": now,
-                "renewed_at": now,
-                "schema_version": SCHEMA_VERSION,
-            }
+        self.create_claimed = self._insert_ignore({"id": param("id"), "token": 1} | job | claimed)
+        # Another job takes the id over; fenced by what the deciding read saw.
+        as_seen = sa.and_(
+            t.c.id == param("id"),
+            t.c.token == param("seen_token"),
+            t.c.state == param("seen_state"),
         )
+        self.take_over = (
+            sa.update(t).where(as_seen).values({"token": t.c.token + 1} | job | fresh | queued)
+        )
+        take_over_claimed = (
+            sa.update(t).where(as_seen).values({"token": t.c.token + 1} | job | fresh | claimed)
+        )
+        self.take_over_claimed = (
+            take_over_claimed.returning(t.c.token) if self.returning else take_over_claimed
+        )
+        # What a claim that matched no row needs to decide (Store.claim).
+        self.facts = sa.select(
+            t.c.state, t.c.owner, t.c.expires_at - now, t.c.task, t.c.generation, t.c.version,
+            t.c.token,
+        ).where(t.c.id == param("id"))  # fmt: skip
 
         held = _unindexed_running = unindexed(t.c.state) == RUNNING
         by_token = sa.and_(t.c.id == param("id"), t.c.token == param("token"), held)
@@ -100,27 +132,29 @@ class Statements:
             ),
         )
         self.claim_reads = [t.c.token, t.c.attempts, t.c.checkpoint, (now - t.c.checkpoint_at)]
-        claim = (
-            sa.update(t)
-            .where(claimable)
-            .values(
-                token=t.c.token + 1,
-                attempts=t.c.attempts + 1,
-                state=RUNNING,
-                owner=param("owner", t.c.owner.type),
-                duration=seconds,
-                expires_at=now + seconds,
-                claimed_at=now,
-                renewed_at=now,
-                # A preemption was for the attempt that saw it; a cancel stands.
-                stop_requested=sa.case((t.c.stop_requested == "cancel", "cancel"), else_=sa.null()),
-            )
+        claim = sa.update(t).values(
+            token=t.c.token + 1,
+            attempts=t.c.attempts + 1,
+            state=RUNNING,
+            owner=param("owner", t.c.owner.type),
+            duration=seconds,
+            expires_at=now + seconds,
+            claimed_at=now,
+            renewed_at=now,
+            # A preemption was for the attempt that saw it; a cancel stands.
+            stop_requested=sa.case((t.c.stop_requested == "cancel", "cancel"), else_=sa.null()),
         )
-        self.claim = claim.returning(*self.claim_reads) if self.returning else claim
+        # The delivery is the recorded message (its version), or, for a message recorded by
+        # none (sent by name), the same task and generation.
+        same_version = t.c.version == param("version")
+        same_job = sa.and_(
+            t.c.task == param("task"), t.c.generation == param("generation", sa.Integer())
+        )
+        if self.returning:
+            claim = claim.returning(*self.claim_reads)
+        self.claim_version = claim.where(claimable, same_version)
+        self.claim_job = claim.where(claimable, same_job)
         self.claimed = sa.select(*self.claim_reads).where(t.c.id == param("id"))
-        self.refusal = sa.select(t.c.state, t.c.owner, t.c.expires_at - now).where(
-            t.c.id == param("id")
-        )
 
         # The plain id list lets every database find the rows by primary key.
         leases = sa.and_(
@@ -147,38 +181,87 @@ class Statements:
             sa.update(t).where(by_token).values(saved | progress)
         )
         ended = {"owner": None, "expires_at": None, "stop_requested": None, "finished_at": now}
+        # Idempotent for the token that ended it: a retry after a commit whose reply was lost
+        # (the connection dropped) finds its own outcome and reports success.
+        ended_by = sa.and_(t.c.id == param("id"), t.c.token == param("token"))
         self.finish = (
             sa.update(t)
-            .where(by_token)
+            .where(ended_by, unindexed(t.c.state).in_([RUNNING, DONE]))
             .values(ended | {"state": DONE, "result": param("result", t.c.result.type)})
         )
         self.fail = (
             sa.update(t)
-            .where(by_token)
+            .where(ended_by, unindexed(t.c.state).in_([RUNNING, param("state")]))
             .values(
                 ended
                 | {"state": param("state", t.c.state.type), "error": param("error", t.c.error.type)}
             )
         )
-        # With b_reap_in NULL, expires_at is NULL: a message for the job is already on its way.
-        self.hand_back = (
+        self.replace = (
+            sa.update(t).where(by_token).values(ended | {"state": REPLACED, "result": None})
+        )
+        # The lease handed back: the job is queued again, unless an operator cancelled it,
+        # which it then is (and the reaper tells the result backend). With b_reap_in NULL,
+        # expires_at is NULL: a message for the job is already on its way.
+        cancel = t.c.stop_requested == "cancel"
+        # MySQL evaluates SET left to right: the columns read come first.
+        handed_back = [
+            (t.c.error, sa.case((cancel, CANCELLED_TEXT), else_=t.c.error)),
+            (t.c.notify, sa.case((cancel, "REVOKED"), else_=t.c.notify)),
+            (t.c.finished_at, sa.case((cancel, now), else_=sa.null())),
+            (
+                t.c.expires_at,
+                sa.case((cancel, sa.null()), else_=now + param("reap_in", sa.Double())),
+            ),
+            (t.c.state, sa.case((cancel, CANCELLED), else_=QUEUED)),
+            (t.c.stop_requested, None),
+            (t.c.owner, None),
+        ]
+        self.hand_back = self._returning_state(
+            sa.update(t).where(by_token).ordered_values(*handed_back)
+        )
+        # A Celery retry: the retry's message becomes the job's message.
+        self.hand_back_retry = self._returning_state(
             sa.update(t)
             .where(by_token)
-            .values(
-                state=QUEUED,
-                owner=None,
-                stop_requested=None,
-                expires_at=now + param("reap_in", sa.Double()),
+            .ordered_values(
+                (t.c.version, sa.case((cancel, t.c.version), else_=param("version"))),
+                (t.c.message, sa.case((cancel, t.c.message), else_=param("message"))),
+                *handed_back,
             )
         )
+        self.state_of = sa.select(t.c.state).where(t.c.id == param("id"))
 
         # -- operators ------------------------------------------------------------------------
         by_id = t.c.id == param("id")
+        no_live_lease = sa.or_(
+            t.c.state == QUEUED, sa.and_(t.c.state == RUNNING, t.c.expires_at <= now)
+        )
         self.give_up = (
+            sa.update(t)
+            .where(by_id, no_live_lease)
+            .values(
+                state=FAILED,
+                owner=None,
+                expires_at=None,
+                error=param("error"),
+                notify=param("notify"),
+                finished_at=now,
+            )
+        )
+        # What Celery decided in a worker's main process (a revoke, an expiry, a hard time
+        # limit): the result backend already says so, whatever attempt holds the job.
+        self.end_live = (
             sa.update(t)
             .where(by_id, t.c.state.in_(LIVE_STATES))
             .values(
-                state=FAILED, owner=None, expires_at=None, error=param("error"), finished_at=now
+                state=param("state"),
+                owner=None,
+                expires_at=None,
+                stop_requested=None,
+                error=param("error"),
+                notify=param("notify"),
+                finished_at=now,
             )
         )
         self.forget = sa.delete(t).where(by_id, t.c.state == QUEUED, t.c.token == 0)
@@ -188,7 +271,8 @@ class Statements:
             .values(
                 state=CANCELLED,
                 expires_at=None,
-                error="cancelled by an operator",
+                error=CANCELLED_TEXT,
+                notify="REVOKED",
                 finished_at=now,
             )
         )
@@ -198,9 +282,14 @@ class Statements:
             .where(t.c.id.in_(sa.bindparam("b_ids", expanding=True)), t.c.state == RUNNING)
             .values(stop_requested=param("kind"))
         )
+        # A shutdown's preemption never overwrites a pending cancel.
         self.request_stop_owned_by = (
             sa.update(t)
-            .where(t.c.state == RUNNING, t.c.owner.like(param("owner_like"), escape="\\"))
+            .where(
+                t.c.state == RUNNING,
+                t.c.owner.like(param("owner_like"), escape="\\"),
+                sa.or_(t.c.stop_requested.is_(None), t.c.stop_requested != "cancel"),
+            )
             .values(stop_requested=param("kind"))
         )
         self.requeue = (
@@ -246,7 +335,12 @@ class Statements:
             sa.update(t)
             .where(t.c.id.in_(sa.bindparam("b_ids", expanding=True)))
             .values(
-                state=FAILED, owner=None, expires_at=None, finished_at=now, error=GAVE_UP_CORRUPT
+                state=FAILED,
+                owner=None,
+                expires_at=None,
+                finished_at=now,
+                error=GAVE_UP_CORRUPT,
+                notify="FAILURE",
             )
         )
         finished_before = sa.and_(
@@ -261,6 +355,20 @@ class Statements:
         )
         self.purge = sa.delete(t).where(
             t.c.id.in_(sa.bindparam("b_ids", expanding=True)), finished_before
+        )
+
+        # Jobs whose end the result backend has not been told yet (Store.take_notices).
+        self.noticed = (
+            sa.select(t.c.id)
+            .where(t.c.notify.is_not(None))
+            .limit(param("batch"))
+            .with_for_update(skip_locked=True)
+        )
+        self.set_notify = sa.update(t).where(by_id).values(notify=param("notify"))
+        self.clear_notices = (
+            sa.update(t)
+            .where(t.c.id.in_(sa.bindparam("b_ids", expanding=True)))
+            .values(notify=None)
         )
 
         # -- reading jobs ---------------------------------------------------------------------
@@ -306,8 +414,12 @@ class Statements:
                 (t.c.state, FAILED),
                 (t.c.owner, None),
                 (t.c.expires_at, None),
+                (t.c.notify, "FAILURE"),
                 (t.c.finished_at, now),
             )
+        # A job still queued when its wait ran out may only be waiting in a long backlog:
+        # each re-publish of it doubles the wait (up to 64 times), so copies stay few.
+        backoff = sa.case(*((t.c.sends == n, 2**n) for n in range(6)), else_=64)
         republish = sa.update(t).ordered_values(
             (
                 t.c.stalled_attempts,
@@ -317,11 +429,15 @@ class Statements:
                     else_=t.c.stalled_attempts,
                 ),
             ),
+            (t.c.expires_at, now + grace * sa.case((t.c.state == QUEUED, backoff), else_=1)),
+            (t.c.sends, sa.case((t.c.state == QUEUED, t.c.sends + 1), else_=0)),
             (t.c.state, QUEUED),
             (t.c.owner, None),
-            (t.c.expires_at, now + grace),
         )
         return poison, give_up, republish
+
+    def _returning_state(self, stmt: Any) -> Any:
+        return stmt.returning(self.table.c.state) if self.returning else stmt
 
     def _returning_stop(self, stmt: Any) -> Any:
         return stmt.returning(self.table.c.stop_requested) if self.returning else stmt

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -20,9 +20,26 @@ from sqlalchemy.engine import Connection
 from . import rows
 from .config import Settings, settings_for
 from .database import Database
-from .errors import ConfigurationError, CorruptJob, InvalidJobState, JobNotFound, LeaseError
+from .errors import (
+    ArgumentsError,
+    ConfigurationError,
+    CorruptJob,
+    InvalidJobState,
+    JobNotFound,
+    LeaseError,
+)
+from .message import Message
 from .rows import Claimed, Job, Reaped, Refused, Renewal
-from .schema import CANCELLED, FAILED, RUNNING, SCHEMA_VERSION, jobs_table
+from .schema import (
+    CANCELLED,
+    FAILED,
+    FINISHED_STATES,
+    LIVE_STATES,
+    MAX_ID_LENGTH,
+    RUNNING,
+    SCHEMA_VERSION,
+    jobs_table,
+)
 from .statements import Statements
 
 
@@ -96,27 +113,34 @@ class Store:
 
     def register(
         self,
-        job_id: str,
+        message: Message,
         *,
-        task: str,
-        args: str,
-        kwargs: str,
-        options: str,
         countdown: float | None = None,
         queued_timeout: float | None = None,
-    ) -> bool:
-        """Record a queued job (JSON texts given); False if the id is already recorded."""
+    ) -> str:
+        """Record the job of a message about to be published: ``new``, ``taken over`` (a new
+        job reusing the id of one that ended, see :func:`takes_over`), or the state of the job
+        that keeps the id (this message will be dropped at its claim)."""
+        text = message.dumps()
+        job_id = checked_id(message.id)
         expires_in = None if queued_timeout is None else (countdown or 0.0) + queued_timeout
-        params = {
+        params = _job_params(message, text) | {
             "b_id": job_id,
-            "b_task": task,
-            "b_args": args,
-            "b_kwargs": kwargs,
-            "b_options": options,
             "b_countdown": countdown or None,
             "b_expires_in": expires_in,
         }
-        return bool(self._run(lambda c: self._insert(c, self.sql.register, params), single=True))
+        for _ in range(3):
+            if self._run(lambda c: self._insert(c, self.sql.register, params), single=True):
+                return "new"
+            facts = self._facts(job_id)
+            if facts is None:
+                continue  # deleted in between
+            if not takes_over(message, facts):
+                return facts.state
+            seen = {"b_seen_token": facts.token, "b_seen_state": facts.state}
+            if self._count(self.sql.take_over, params | seen) == 1:
+                return "taken over"
+        raise LeaseError(f"job {job_id}: its row kept changing while it was recorded; try again")
 
     def forget(self, job_id: str) -> bool:
         """Delete a job registered but never published (its publish failed)."""
@@ -124,52 +148,78 @@ class Store:
 
     # -- writes of a worker: one statement each --------------------------------------------
 
-    def claim(
-        self,
-        job_id: str,
-        *,
-        owner: str,
-        duration: float,
-        task: str,
-        args: str,
-        kwargs: str,
-        options: str = "{}",
-    ) -> Claimed | Refused:
-        """Take the lease if the job is queued or its lease expired; bump the token."""
-        params = {"b_id": job_id, "b_owner": owner, "b_duration": duration}
+    def claim(self, delivery: Message, *, owner: str, duration: float) -> Claimed | Refused:
+        """Take the lease if ``delivery`` is the job's recorded message and the job is queued
+        or its lease expired; bump the token. One statement when it is (the usual case)."""
+        job_id = checked_id(delivery.id)
+        params = {
+            "b_id": job_id,
+            "b_owner": owner,
+            "b_duration": duration,
+            "b_version": delivery.version,
+            "b_task": delivery.task,
+            "b_generation": delivery.generation,
+        }
+        hot = self.sql.claim_version if delivery.version else self.sql.claim_job
+        for _ in range(3):
+            claimed = self._claim_with(hot, params)
+            if claimed is not None:
+                return claimed
+            outcome = self._claim_other(delivery, params)
+            if outcome is not None:
+                return outcome
+        raise LeaseError(f"job {job_id}: its row kept changing while it was claimed; try again")
 
-        def run(c: Connection) -> Claimed | Refused | None:
+    def _claim_with(self, stmt: Any, params: dict[str, Any]) -> Claimed | None:
+        def run(c: Connection) -> Claimed | None:
             if self.db.returning:
-                row = c.execute(self.sql.claim, params).first()
+                row = c.execute(stmt, params).first()
             else:
                 row = None
-                if c.execute(self.sql.claim, params).rowcount == 1:
+                if c.execute(stmt, params).rowcount == 1:
                     row = c.execute(self.sql.claimed, params).first()
-            if row is not None:
-                checkpoint = rows.loads(row[2], job_id, "checkpoint")
-                return Claimed(row[0], row[1], checkpoint, row[3], created=False)
-            found = c.execute(self.sql.refusal, params).first()
-            if found is not None:
-                state, holder, expires_in = found
-                return Refused("held" if state == RUNNING else state, holder, expires_in)
-            return None
+            if row is None:
+                return None
+            checkpoint = rows.loads(row[2], params["b_id"], "checkpoint")
+            return Claimed(row[0], row[1], checkpoint, row[3], created=False)
 
-        outcome = self._run(run, single=True)
-        if outcome is not None:
-            return outcome  # type: ignore[no-any-return]
-        created = params | {
-            "b_task": task,
-            "b_args": args,
-            "b_kwargs": kwargs,
-            "b_options": options,
-        }
-        if self._run(lambda c: self._insert(c, self.sql.create_claimed, created), single=True):
-            return Claimed(1, 1, None, None, created=True)
-        # Registered by another process in between: claim the row it wrote.
-        return self.claim(
-            job_id, owner=owner, duration=duration, task=task, args=args, kwargs=kwargs,
-            options=options,
-        )  # fmt: skip
+        return self._run(run, single=True)  # type: ignore[no-any-return]
+
+    def _claim_other(self, delivery: Message, params: dict[str, Any]) -> Claimed | Refused | None:
+        """The delivery matched no claimable recorded message: create the job, take the id
+        over, claim the same job recorded without a version, or refuse. None when the row
+        changed in between (claim again)."""
+        facts = self._facts(params["b_id"])
+        if facts is None:
+            created = params | _job_params(delivery, delivery.dumps())
+            inserted = self._run(
+                lambda c: self._insert(c, self.sql.create_claimed, created), single=True
+            )
+            return Claimed(1, 1, None, None, created=True) if inserted else None
+        if facts.state == RUNNING and (facts.expires_in or 0.0) > 0:
+            return Refused("held", facts.owner, facts.expires_in)
+        if takes_over(delivery, facts):
+            job = params | _job_params(delivery, delivery.dumps())
+            job |= {"b_seen_token": facts.token, "b_seen_state": facts.state}
+
+            def take(c: Connection) -> int | None:
+                if self.db.returning:
+                    row = c.execute(self.sql.take_over_claimed, job).first()
+                    return None if row is None else int(row[0])
+                taken = c.execute(self.sql.take_over_claimed, job).rowcount == 1
+                return facts.token + 1 if taken else None
+
+            token = self._run(take, single=True)
+            return None if token is None else Claimed(token, 1, None, None, created=True)
+        if facts.state not in LIVE_STATES:
+            return Refused(facts.state, facts.owner, facts.expires_in)
+        if _same_job(delivery, facts):
+            return self._claim_with(self.sql.claim_job, params)  # recorded without a version
+        return Refused("stale", facts.owner, facts.expires_in)
+
+    def _facts(self, job_id: str) -> Facts | None:
+        row = self._run(lambda c: c.execute(self.sql.facts, {"b_id": job_id}).first())
+        return None if row is None else Facts(*row)
 
     def renew(self, leases: Sequence[tuple[str, int]]) -> Renewal:
         """Extend every lease still held under its token, in one statement."""
@@ -234,14 +284,46 @@ class Store:
         params = {"b_id": job_id, "b_token": token, "b_state": state, "b_error": error}
         return self._count(self.sql.fail, params) == 1
 
-    def hand_back(self, job_id: str, token: int, *, reap_in: float | None) -> bool:
-        """Give the lease back, fenced by ``token``.
+    def hand_back(self, job_id: str, token: int, *, reap_in: float | None) -> str | None:
+        """Give the lease back, fenced by ``token``: the job's state after it (``queued``, or
+        ``cancelled`` when an operator had cancelled it), None if this attempt lost the lease.
 
         ``reap_in`` seconds from now the reaper re-publishes the job; None when a message for
         it is already on its way (a Celery retry).
         """
         params = {"b_id": job_id, "b_token": token, "b_reap_in": reap_in}
-        return self._count(self.sql.hand_back, params) == 1
+        return self._handed_back(self.sql.hand_back, params)
+
+    def _handed_back(self, stmt: Any, params: dict[str, Any]) -> str | None:
+        def run(c: Connection) -> str | None:
+            if self.db.returning:
+                row = c.execute(stmt, params).first()
+                return None if row is None else str(row[0])
+            if c.execute(stmt, params).rowcount != 1:
+                return None
+            return str(c.execute(self.sql.state_of, params).scalar_one())
+
+        return self._run(run, single=True)  # type: ignore[no-any-return]
+
+    def hand_back_retry(
+        self, job_id: str, token: int, message: Message, *, reap_in: float
+    ) -> str | None:
+        """Give the lease back for a Celery retry whose ``message`` becomes the job's message;
+        fenced by ``token``; the state after it, as :meth:`hand_back`. The reaper re-publishes
+        it ``reap_in`` seconds from now if no worker has claimed it by then."""
+        params = {
+            "b_id": job_id,
+            "b_token": token,
+            "b_reap_in": reap_in,
+            "b_version": message.version,
+            "b_message": message.dumps(),
+        }
+        return self._handed_back(self.sql.hand_back_retry, params)
+
+    def replace(self, job_id: str, token: int) -> bool:
+        """End the job as ``replaced`` (``Task.replace``): its id goes to the replacement,
+        which a later register or claim takes over. Fenced by ``token``."""
+        return self._count(self.sql.replace, {"b_id": job_id, "b_token": token}) == 1
 
     # -- operators -------------------------------------------------------------------------
 
@@ -268,9 +350,18 @@ class Store:
             stmt = stmt.order_by(order)
         return [rows.job(row._mapping) for row in self._run(lambda c: c.execute(stmt).all())]
 
-    def give_up(self, job_id: str, *, error: str) -> bool:
-        """Fail a live job whatever its lease (its stored values cannot be read)."""
-        return self._count(self.sql.give_up, {"b_id": job_id, "b_error": error}) == 1
+    def give_up(self, job_id: str, *, error: str, notify: str | None = None) -> bool:
+        """Fail a job no live lease holds (queued, or its lease expired). ``notify``: the
+        Celery state the reaper then stores in the result backend (None: Celery already
+        records one)."""
+        params = {"b_id": job_id, "b_error": error, "b_notify": notify}
+        return self._count(self.sql.give_up, params) == 1
+
+    def end_live(self, job_id: str, *, state: str, error: str, notify: str | None = None) -> bool:
+        """End a queued or running job as ``state``, whatever attempt holds it: Celery decided
+        (a revoke, an expiry, a hard time limit in a worker's main process)."""
+        params = {"b_id": job_id, "b_state": state, "b_error": error, "b_notify": notify}
+        return self._count(self.sql.end_live, params) == 1
 
     def request_stop(self, job_ids: Sequence[str], kind: str) -> int:
         """Ask running attempts to stop at their next checkpoint (``cancel`` or ``preempt``)."""
@@ -375,6 +466,24 @@ class Store:
 
         return self._run(run)  # type: ignore[no-any-return]
 
+    def take_notices(self, *, batch: int) -> list[Job]:
+        """Up to ``batch`` jobs whose end the result backend has not been told, now marked as
+        told: the caller stores their state (at most once, even with several reapers)."""
+
+        def run(c: Connection) -> list[Job]:
+            ids = [r[0] for r in c.execute(self.sql.noticed, {"b_batch": batch}).all()]
+            if not ids:
+                return []
+            jobs, _ = self._parse_jobs(c, ids)
+            c.execute(self.sql.clear_notices, {"b_ids": ids})
+            return jobs
+
+        return self._run(run)  # type: ignore[no-any-return]
+
+    def notify_again(self, job_id: str, notify: str | None) -> None:
+        """Mark the job again for :meth:`take_notices` (the result backend refused it)."""
+        self._count(self.sql.set_notify, {"b_id": job_id, "b_notify": notify})
+
     def _parse_jobs(self, c: Connection, ids: list[str]) -> tuple[list[Job], dict[str, str]]:
         """The jobs ``ids``, and the ids whose stored values are not JSON (with the error)."""
         if not ids:
@@ -411,6 +520,54 @@ class Store:
             if done < batch:
                 break
         return purged
+
+
+class Facts(NamedTuple):
+    """What a claim or a register that matched no row reads to decide."""
+
+    state: str
+    owner: str | None
+    expires_in: float | None
+    task: str
+    generation: int
+    version: str | None
+    token: int
+
+
+def _same_job(message: Message, facts: Facts) -> bool:
+    """Whether ``message`` is (a copy of) the recorded message of the job in ``facts``."""
+    if message.task != facts.task or message.generation != facts.generation:
+        return False
+    return message.version is None or facts.version is None or message.version == facts.version
+
+
+def takes_over(message: Message, facts: Facts) -> bool:
+    """Whether ``message`` is a new job reusing the id of the job in ``facts``, the way Celery
+    reuses ids: a replacement (``Task.replace``: a higher ``replaced_task_nesting``), or a
+    different task once the recorded job has ended (a chord's ``celery.accumulate``)."""
+    if message.generation != facts.generation:
+        return message.generation > facts.generation
+    return message.task != facts.task and facts.state in FINISHED_STATES
+
+
+def checked_id(job_id: str) -> str:
+    """``job_id``, or :class:`ArgumentsError` when the table cannot hold it whole."""
+    if not isinstance(job_id, str) or not job_id or len(job_id) > MAX_ID_LENGTH:
+        shown = repr(job_id) if len(str(job_id)) <= 60 else repr(str(job_id)[:57]) + "..."
+        raise ArgumentsError(
+            f"task id {shown} cannot be a celery-leases job id: it must be a string of 1 to "
+            f"{MAX_ID_LENGTH} characters (the table holds no more, and never truncates one)"
+        )
+    return job_id
+
+
+def _job_params(message: Message, text: str) -> dict[str, Any]:
+    return {
+        "b_task": message.task,
+        "b_generation": message.generation,
+        "b_version": message.version,
+        "b_message": text,
+    }
 
 
 def like_prefix(prefix: str) -> str:

@@ -6,14 +6,13 @@ import logging
 from typing import Any
 
 from celery import Task
-from celery.utils import uuid
 from sqlalchemy.engine import Connection
 
 from . import attempt, message
 from .config import Settings, settings_for
-from .errors import ArgumentsError, LeaseError
+from .errors import Cancelled, LeaseError, LeaseLost
 from .lease import Lease, current, holding
-from .schema import FINISHED_STATES
+from .schema import CANCELLED
 from .store import Store, store_for
 
 _log = logging.getLogger("celery_leases")
@@ -96,65 +95,39 @@ class LeasedTask(Task):  # type: ignore[misc]
         shadow: str | None = None,
         **options: Any,
     ) -> Any:
-        """Record the job (state ``queued``) in the leases table, then publish it."""
-        task_id = task_id or uuid()
-        settings = self.lease_settings
-        store = store_for(settings)
-        held = next((lease for lease in current.stack if lease.job_id == task_id), None)
-        registered = False
-        if held is not None and not held.detached:
-            # A retry of the running attempt: hand the lease back before the new message can
-            # reach another worker, or its claim would find the lease still held.
-            # If the retry message is lost (its worker dies holding it until its ETA), the
-            # reaper publishes the job again once it is overdue; a duplicate is dropped.
-            wait = settings.queued_timeout or settings.reap_grace
-            reap_in = (message.countdown(options) or 0.0) + wait
-            store.hand_back(held.job_id, held.token, reap_in=reap_in)
-            held.released = True
-        else:
-            registered = self._register(store, task_id, args, kwargs, options)
-        try:
+        """Record the job (its whole message, state ``queued``) in the leases table, then
+        publish that message. A retry of the running attempt hands its lease back instead,
+        with the retry's message as the job's message."""
+        if self.app.conf.task_always_eager:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
-        except BaseException:
-            if registered:
-                # Never published: leave no queued row that no message will ever claim.
-                store.forget(task_id)
-            raise
-
-    def _register(
-        self, store: Store, task_id: str, args: Any, kwargs: Any, options: dict[str, Any]
-    ) -> bool:
-        try:
-            args_text = message.dumps(list(args or ()))
-            kwargs_text = message.dumps(dict(kwargs or {}))
-            routing = {k: options[k] for k in message.ROUTING_OPTIONS if options.get(k) is not None}
-            options_text = message.dumps(routing)
-        except (TypeError, ValueError) as exc:
-            raise ArgumentsError(
-                f"arguments of {self.name} must be JSON-serializable to be recorded "
-                f"for a resume ({exc}); nothing was published"
-            ) from exc
-        registered = store.register(
-            task_id,
-            task=self.name,
-            args=args_text,
-            kwargs=kwargs_text,
-            options=options_text,
-            countdown=message.countdown(options),
-            queued_timeout=self.lease_settings.queued_timeout,
-        )
-        if not registered:
-            known = store.get(task_id)
-            if known is not None and known.state in FINISHED_STATES:
-                _log.warning(
-                    "job %s is already %s: this message will be dropped at its claim "
-                    "(celery leases retry re-runs a failed job)",
+        recorder = _Recorder(self)
+        with self.app.producer_or_acquire(producer) as publisher:
+            try:
+                return super().apply_async(
+                    args,
+                    kwargs,
                     task_id,
-                    known.state,
+                    message.RecordingProducer(publisher, recorder.record),
+                    link,
+                    link_error,
+                    shadow,
+                    **options,
                 )
-        return registered
+            except BaseException:
+                recorder.undo()
+                raise
+
+    def on_replace(self, sig: Any) -> Any:
+        """``self.replace(sig)``: the job ends ``replaced`` and hands its id over to the
+        replacement, which runs as a job of its own (a new generation of the id)."""
+        lease = _held(self.request.id)
+        if lease is not None:
+            if not self.lease_store.replace(lease.job_id, lease.token):
+                raise LeaseLost(f"job {lease.job_id}: lost its lease; not replaced")
+            lease.released = True
+        return super().on_replace(sig)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
@@ -162,3 +135,57 @@ class LeasedTask(Task):  # type: ignore[misc]
             with holding(Lease("(direct call)", 0, 1, None, "", 1.0, 0.5, detached=True)):
                 return self.run(*args, **kwargs)
         return attempt.Attempt(self).run(args, kwargs)
+
+
+class _Recorder:
+    """Records the message a ``LeasedTask.apply_async`` publishes (``RecordingProducer``)."""
+
+    def __init__(self, task: LeasedTask) -> None:
+        self.task = task
+        self.settings = task.lease_settings
+        self.store = store_for(self.settings)
+        self.registered: str | None = None
+
+    def record(self, published: message.Message) -> message.Message:
+        recorded = published.new_version()
+        countdown = max(recorded.eta_in() or 0.0, 0.0)
+        held = _held(recorded.id)
+        if held is not None:
+            # A retry of the running attempt: hand the lease back before the new message can
+            # reach another worker, or its claim would find the lease still held. If the retry
+            # message is lost (its worker dies holding it until its ETA), the reaper publishes
+            # the job again once it is overdue; a duplicate is dropped.
+            wait = self.settings.queued_timeout or self.settings.reap_grace
+            state = self.store.hand_back_retry(
+                held.job_id, held.token, recorded, reap_in=countdown + wait
+            )
+            held.released = state is not None
+            if state == CANCELLED:
+                raise Cancelled(f"job {held.job_id} was cancelled; not retried")
+            return recorded
+        outcome = self.store.register(
+            recorded, countdown=countdown or None, queued_timeout=self.settings.queued_timeout
+        )
+        if outcome == "new":
+            self.registered = recorded.id
+        elif outcome != "taken over":
+            _log.warning(
+                "job %s is already %s: this message will be dropped at its claim "
+                "(celery leases retry re-runs a failed job)",
+                recorded.id,
+                outcome,
+            )
+        return recorded
+
+    def undo(self) -> None:
+        """The publish failed: leave no queued row that no message will ever claim."""
+        if self.registered is not None:
+            self.store.forget(self.registered)
+
+
+def _held(job_id: str | None) -> Lease | None:
+    """The lease this thread's running attempt holds on ``job_id`` (a retry or a replace)."""
+    for lease in current.stack:
+        if lease.job_id == job_id and not (lease.detached or lease.released):
+            return lease
+    return None

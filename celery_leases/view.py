@@ -6,6 +6,7 @@ Plain text that reads in a 100-column terminal and in CI logs; colours only on a
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
@@ -15,10 +16,7 @@ import click
 
 from .config import Settings
 from .rows import Job
-from .schema import RUNNING, STATES
-
-#: Longest job id the table holds (``schema.jobs_table``).
-MAX_ID_LENGTH = 155
+from .schema import MAX_ID_LENGTH, RUNNING, STATES
 
 STYLES: dict[str, dict[str, Any]] = {
     "queued": {"fg": "cyan"},
@@ -196,7 +194,10 @@ class JobFacts:
         return "stalled" if self.stalled(job) else job.state
 
     def as_dict(self, job: Job) -> dict[str, Any]:
-        return {**dataclasses.asdict(job), "stalled": self.stalled(job)}
+        """The job as JSON-ready values; its message in Celery's JSON form."""
+        found = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
+        found["message"] = json.loads(job.message.dumps())
+        return {**found, "stalled": self.stalled(job)}
 
 
 def short_ids(jobs: Sequence[Job]) -> dict[str, str]:

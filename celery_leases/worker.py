@@ -1,16 +1,26 @@
-"""The worker's signals: hand leases back at shutdown, fail jobs of tasks no worker knows."""
+"""The worker's signals: hand leases back at shutdown, fail jobs of tasks no worker knows, and
+record what Celery decided about a leased job in the worker's main process (revoked,
+expired, timed out)."""
 
 from __future__ import annotations
 
 import logging
+import traceback
 from typing import Any
 
-from celery import current_app
-from celery.signals import task_unknown, worker_process_shutdown, worker_shutting_down
+from celery import current_app, states
+from celery.signals import (
+    task_failure,
+    task_revoked,
+    task_unknown,
+    worker_process_shutdown,
+    worker_shutting_down,
+)
 
 from .config import settings_for
 from .errors import LeaseError
 from .keeper import all_keepers
+from .schema import FAILED, REVOKED
 from .store import store_for
 
 logger = logging.getLogger("celery_leases")
@@ -64,13 +74,71 @@ def fail_unknown_task(sender: Any = None, name: str = "", id: str = "", **_: Any
     try:
         store = store_for(settings_for(app))
         failed = store.give_up(
-            id, error=f"{hostname} does not know task {name!r} (not registered); message discarded"
+            id,
+            error=f"{hostname} does not know task {name!r} (not registered); message discarded",
+            notify=states.FAILURE,
         )
     except LeaseError as exc:
         logger.warning("celery-leases: could not fail job %s of unknown task %r: %s", id, name, exc)
         return
     if failed:
         logger.error("celery-leases: job %s failed: task %r is not registered here", id, name)
+
+
+@task_revoked.connect(weak=False)  # type: ignore[untyped-decorator]
+def record_revoke(
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    expired: bool = False,
+    **_: Any,
+) -> None:
+    """Celery revoked a leased job in this worker's main process (discarded its message as
+    revoked or expired, or terminated it): the job ends ``revoked`` for good, so no reaper,
+    redelivery or restarted worker (whose revoked list was in memory) runs it again. Celery
+    has stored REVOKED in the result backend."""
+    job_id = getattr(request, "id", None)
+    if not _is_leased(sender) or not job_id:
+        return
+    how = "expired" if expired else "terminated" if terminated else "revoked"
+    _end(sender, job_id, REVOKED, f"{how} in Celery ({getattr(request, 'hostname', None)})")
+
+
+@task_failure.connect(weak=False)  # type: ignore[untyped-decorator]
+def record_failure_in_main_process(
+    sender: Any = None, task_id: str | None = None, exception: Any = None, **_: Any
+) -> None:
+    """A leased job's FAILURE decided in the worker's main process (a hard time limit, a
+    rejected message, a lost pool process past max_retries): the job ends ``failed`` as the
+    result backend says. Failures inside the task are recorded by its attempt."""
+    if not _is_leased(sender) or not task_id or _in_pool_process():
+        return
+    text = "".join(traceback.format_exception_only(type(exception), exception)).strip()
+    _end(sender, task_id, FAILED, f"failed in the worker's main process: {text}")
+
+
+def _end(task: Any, job_id: str, state: str, error: str) -> None:
+    try:
+        ended = store_for(task.lease_settings).end_live(job_id, state=state, error=error)
+    except LeaseError as exc:
+        logger.error("celery-leases: could not record job %s as %s: %s", job_id, state, exc)
+        return
+    if ended:
+        logger.warning("celery-leases: job %s is %s: %s", job_id, state, error)
+
+
+def _is_leased(task: Any) -> bool:
+    from .task import LeasedTask
+
+    return isinstance(task, LeasedTask)
+
+
+def _in_pool_process() -> bool:
+    try:
+        from billiard.process import current_process
+    except ImportError:
+        return False
+    return bool(current_process().name != "MainProcess")
 
 
 def _uses_leases(app: Any) -> bool:

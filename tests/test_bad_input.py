@@ -32,6 +32,7 @@ from tests.apps.leased_app import app_env
 from tests.apps.leased_app import make_app as make_leased_app
 from tests.apps.unit_log import Unit
 from tests.e2e_support import FINISHED, check_unit_log, close_app, kill_all, wait_for
+from tests.messages import job_message
 from tests.workers import Beat, Spawner, Worker
 
 pytestmark = [
@@ -364,13 +365,17 @@ def test_a_job_of_a_task_no_worker_knows_ends_failed_with_the_reason_and_is_not_
     o.worker()
     o.beat()
     unknown = "unknown-task-job"
-    assert o.store.register(
-        unknown,
-        task="chaos.nobody_knows",
-        args="[1]",
-        kwargs="{}",
-        options="{}",
-        queued_timeout=0.5,
+    assert (
+        o.store.register(
+            job_message(
+                unknown,
+                "chaos.nobody_knows",
+                args=[1],
+                routing_key=o.client.conf.task_default_queue,
+            ),
+            queued_timeout=0.5,
+        )
+        == "new"
     )
     known = o.send(2, 0.1)
 
@@ -399,8 +404,9 @@ def test_a_transactional_checkpoint_on_a_connection_the_database_dropped_is_stor
     o.proxy.start()
     proxied = store_for(settings_for(make_leased_app(o.env, name="proxied")))
     try:
-        proxied.register("job-1", task="t", args="[]", kwargs="{}", options="{}")
-        claimed = proxied.claim("job-1", owner="me", duration=30, task="t", args="[]", kwargs="{}")
+        sent = job_message("job-1", "t")
+        proxied.register(sent)
+        claimed = proxied.claim(sent, owner="me", duration=30)
         token = getattr(claimed, "token", None)
         assert token == 1, claimed
 

@@ -17,8 +17,10 @@ import pytest
 import sqlalchemy as sa
 
 from celery_leases.config import DEFAULTS, validate
+from celery_leases.message import Message
 from celery_leases.rows import Refused
 from celery_leases.store import Store
+from tests.messages import job_message
 from tests.services import celery_env
 from tests.workers import REPO_ROOT, Spawner
 
@@ -120,18 +122,21 @@ def sqlite_settings(tmp_path: Path, filesystem_broker: dict[str, Any]) -> dict[s
 
 def record(store: Store, *, task: str = "cli.count", n: int = 5) -> str:
     job_id = str(uuid.uuid4())
-    store.register(
-        job_id, task=task, args=json.dumps([n]), kwargs=json.dumps({"pause": 0.0}), options="{}"
-    )
+    store.register(job_message(job_id, task, args=[n], kwargs={"pause": 0.0}))
     return job_id
 
 
 def claim(store: Store, job_id: str, owner: str = "celery@w1/100") -> int:
-    claimed = store.claim(
-        job_id, owner=owner, duration=300.0, task="cli.count", args="[5]", kwargs="{}"
-    )
+    claimed = store.claim(recorded(store, job_id), owner=owner, duration=300.0)
     assert not isinstance(claimed, Refused)
     return claimed.token
+
+
+def recorded(store: Store, job_id: str) -> Message:
+    """The job's recorded message: what a worker receives for it."""
+    job = store.get(job_id)
+    assert job is not None
+    return job.message
 
 
 def seed(store: Store) -> dict[str, str]:
@@ -278,7 +283,7 @@ def test_colours_and_screen_clearing_only_on_a_terminal(cli: Cli, store: Store) 
 
 def test_an_id_prefix_must_match_exactly_one_job(cli: Cli, store: Store) -> None:
     for job_id in ("nightly-report-1", "nightly-report-2"):
-        store.register(job_id, task="cli.count", args="[1]", kwargs="{}", options="{}")
+        store.register(job_message(job_id, "cli.count", args=[1]))
 
     shown = cli.ok("show", "nightly-report-2")
     ambiguous = cli("show", "nightly")
@@ -332,9 +337,7 @@ def test_cancel_of_a_queued_job_makes_its_message_be_dropped(cli: Cli, store: St
     assert "cancelled: its message is dropped when a worker receives it" in output
     job = store.get(ids["queued"])
     assert job is not None and job.state == "cancelled"
-    outcome = store.claim(
-        ids["queued"], owner="w/1", duration=30.0, task="cli.other", args="[]", kwargs="{}"
-    )
+    outcome = store.claim(recorded(store, ids["queued"]), owner="w/1", duration=30.0)
     assert outcome == Refused("cancelled", None, None)
 
 

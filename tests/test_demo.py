@@ -24,6 +24,7 @@ from celery import Celery, _state
 from celery_leases import LeasedTask, LeaseLost
 from celery_leases.lease import Lease, current
 from celery_leases.rows import Claimed
+from tests.messages import job_message
 from tests.services import private_redis_url, require
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -156,11 +157,11 @@ def test_a_stale_attempt_can_neither_store_a_page_nor_move_the_cursor(
         sink.create(engine, table)
         # Given a job whose first attempt's lease expired and was claimed again by a second one
         job_id = f"job-{uuid.uuid4().hex}"
-        store.register(job_id, task=sync.name, args="[]", kwargs="{}", options="{}")
-        claim = {"duration": 30.0, "task": sync.name, "args": "[]", "kwargs": "{}"}
-        stale = attempt(job_id, store.claim(job_id, owner="w1/1", **claim), "w1/1")
+        sent = job_message(job_id, sync.name)
+        store.register(sent)
+        stale = attempt(job_id, store.claim(sent, owner="w1/1", duration=30.0), "w1/1")
         assert store.release(job_id)
-        fresh = attempt(job_id, store.claim(job_id, owner="w2/2", **claim), "w2/2")
+        fresh = attempt(job_id, store.claim(sent, owner="w2/2", duration=30.0), "w2/2")
         assert fresh.token > stale.token
 
         # When the first (stale) attempt stores a page with its checkpoint

@@ -17,6 +17,7 @@ from celery_leases.config import settings_for
 from celery_leases.lease import Lease, current
 from celery_leases.rows import Claimed
 from celery_leases.store import Store, store_for
+from tests.messages import job_message
 
 accounts = sa.Table(
     "fencing_accounts",
@@ -50,11 +51,12 @@ def app(database_url: str, table_name: str) -> Iterator[Celery]:
 
 def two_attempts(store: Store) -> tuple[Claimed, Claimed]:
     """Attempt 1 claims, pauses past its lease; attempt 2 claims the expired job."""
-    store.register("job", task="t", args="[]", kwargs="{}", options="{}")
-    first = store.claim("job", owner="a/1", duration=30, task="t", args="[]", kwargs="{}")
+    sent = job_message("job", "t")
+    store.register(sent)
+    first = store.claim(sent, owner="a/1", duration=30)
     assert isinstance(first, Claimed)
     store.release("job")
-    second = store.claim("job", owner="b/2", duration=30, task="t", args="[]", kwargs="{}")
+    second = store.claim(sent, owner="b/2", duration=30)
     assert isinstance(second, Claimed)
     return first, second
 

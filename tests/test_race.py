@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from celery_leases.config import DEFAULTS, validate
 from celery_leases.rows import Claimed
 from celery_leases.store import Store
+from tests.messages import job_message
 
 PROCESSES = 16
 ROUNDS = 20
@@ -39,12 +40,9 @@ def claimant(
             barrier.wait(BARRIER_TIMEOUT)
             try:
                 outcome = store.claim(
-                    job_id,
+                    job_message(job_id, "tests.race", recorded=False),
                     owner=f"racer/{multiprocessing.current_process().pid}",
                     duration=30.0,
-                    task="tests.race",
-                    args="[]",
-                    kwargs="{}",
                 )
             except Exception as exc:
                 results.put((round_, "error", repr(exc)))
@@ -115,10 +113,9 @@ def test_sixteen_processes_claiming_an_expired_job_at_once_have_exactly_one_winn
     store: Store, database_url: str
 ) -> None:
     # Given a job whose holder's lease expired
-    store.register("contested", task="tests.race", args="[]", kwargs="{}", options="{}")
-    first = store.claim(
-        "contested", owner="crashed/1", duration=30.0, task="tests.race", args="[]", kwargs="{}"
-    )
+    sent = job_message("contested", "tests.race", recorded=False)
+    store.register(sent)
+    first = store.claim(sent, owner="crashed/1", duration=30.0)
     assert isinstance(first, Claimed)
     race = Race(store, database_url, ["contested"] * ROUNDS)
     try:

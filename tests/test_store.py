@@ -12,9 +12,11 @@ import sqlalchemy as sa
 
 from celery_leases.config import DEFAULTS, validate
 from celery_leases.errors import InvalidJobState, JobNotFound
+from celery_leases.message import Message
 from celery_leases.rows import Claimed, Reaped, Refused
 from celery_leases.statements import GAVE_UP_MAX_ATTEMPTS, GAVE_UP_NO_PROGRESS
 from celery_leases.store import Store
+from tests.messages import job_message
 
 OWNER = "worker-a/1"
 
@@ -27,14 +29,28 @@ def store(database_url: str, table_name: str) -> Iterator[Store]:
     store.engine.dispose()
 
 
-def register(store: Store, job_id: str, *, task: str = "tests.job", args: str = "[1]") -> bool:
-    return store.register(job_id, task=task, args=args, kwargs="{}", options="{}")
+_messages: dict[str, Message] = {}
+
+
+@pytest.fixture(autouse=True)
+def _new_messages() -> None:
+    _messages.clear()
+
+
+def message(job_id: str, task: str = "tests.job", args: Any = (1,)) -> Message:
+    """The one message of ``job_id`` in this test: the same version at its register and its
+    claims, as a client's publish and the worker's delivery of it."""
+    if job_id not in _messages:
+        _messages[job_id] = job_message(job_id, task, args=args)
+    return _messages[job_id]
+
+
+def register(store: Store, job_id: str, *, task: str = "tests.job", args: Any = (1,)) -> bool:
+    return store.register(message(job_id, task, args)) == "new"
 
 
 def claim(store: Store, job_id: str, *, owner: str = OWNER, duration: float = 30.0) -> Any:
-    return store.claim(
-        job_id, owner=owner, duration=duration, task="tests.job", args="[1]", kwargs="{}"
-    )
+    return store.claim(message(job_id), owner=owner, duration=duration)
 
 
 def claimed(store: Store, job_id: str, **options: Any) -> Claimed:
@@ -65,8 +81,8 @@ def ids(jobs: list[Any]) -> list[str]:
 
 
 def test_registering_a_job_twice_keeps_the_first_record(store: Store) -> None:
-    assert register(store, "j1", args="[1]") is True
-    assert register(store, "j1", args="[2]") is False
+    assert register(store, "j1", args=[1]) is True
+    assert store.register(job_message("j1", args=[2])) == "queued"
 
     job = store.get("j1")
     assert job is not None
@@ -133,7 +149,7 @@ def test_a_stale_token_can_neither_renew_nor_checkpoint_nor_end_the_job(store: S
     assert store.checkpoint("j1", stale.token, '"stale"') == (False, None)
     assert store.finish("j1", stale.token, result='"stale"') is False
     assert store.fail("j1", stale.token, error="stale") is False
-    assert store.hand_back("j1", stale.token, reap_in=0.0) is False
+    assert store.hand_back("j1", stale.token, reap_in=0.0) is None
 
     # And the job is still attempt 2's
     job = store.get("j1")
@@ -190,7 +206,7 @@ def test_a_released_job_is_queued_again_and_claimable_with_its_checkpoint(store:
     lease = claimed(store, "j1")
     store.checkpoint("j1", lease.token, "[3]")
 
-    assert store.hand_back("j1", lease.token, reap_in=None) is True
+    assert store.hand_back("j1", lease.token, reap_in=None) == "queued"
 
     job = store.get("j1")
     assert job is not None

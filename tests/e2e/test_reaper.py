@@ -177,9 +177,7 @@ def test_two_reapers_at_once_republish_an_expired_job_once(
     s = scenario(celery_settings, lease_seconds=2.0)
     jobs = [s.send("e2e.units", 2, 0.05) for _ in range(5)]
     for job_id in jobs:
-        claimed = s.store.claim(
-            job_id, owner="dead@host/1", duration=2.0, task="e2e.units", args="[]", kwargs="{}"
-        )
+        claimed = s.store.claim(s.job(job_id).message, owner="dead@host/1", duration=2.0)
         assert getattr(claimed, "token", None) == 1, claimed
         assert s.store.release(job_id)
     queued_before = queue_length(s)

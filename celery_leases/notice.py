@@ -1,0 +1,86 @@
+"""Telling Celery how a job ended when no attempt did: given up, cancelled while queued, expired.
+
+A job that ends inside an attempt gets its Celery state from Celery's own trace. One that ends
+outside any (the reaper gives up on it, an operator cancels it while it waits, its message
+expired) is marked in its row (``notify``), and :func:`announce` then stores the state Celery
+would have stored, through the same result-backend calls Celery's worker makes: FAILURE fires
+the errbacks, fails the rest of a chain and counts the chord part; REVOKED counts the chord
+part. :meth:`Store.take_notices` hands each such job to one caller only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import states
+from celery.app.task import Context
+
+from .errors import GaveUp
+from .message import EMBED
+from .rows import Job
+
+logger = logging.getLogger("celery_leases")
+
+
+def request_of(job: Job) -> Context:
+    """The request context a worker would build from the job's message."""
+    message = job.message
+    found: dict[str, Any] = dict(message.headers)
+    found.update({k: message.embed.get(k) for k in EMBED})
+    found.update(
+        args=message.args,
+        kwargs=message.kwargs,
+        reply_to=message.properties.get("reply_to"),
+        correlation_id=message.properties.get("correlation_id") or job.id,
+        delivery_info={
+            "exchange": message.exchange,
+            "routing_key": message.routing_key,
+            "priority": message.properties.get("priority"),
+        },
+    )
+    return Context(found)
+
+
+def announce(app: Any, job: Job) -> bool:
+    """Store the Celery state ``job.notify`` for ``job`` in ``app``'s result backend; False
+    when the backend refused (logged)."""
+    request = request_of(job)
+    backend = app.backend
+    store_result = not request.ignore_result
+    try:
+        if job.notify == states.REVOKED:
+            backend.mark_as_revoked(
+                job.id, job.error or "revoked", request=request, store_result=store_result
+            )
+        else:
+            backend.mark_as_failure(
+                job.id,
+                GaveUp(f"job {job.id}: {job.error}"),
+                request=request,
+                store_result=store_result,
+                call_errbacks=True,
+            )
+    except Exception as exc:  # a backend that is down or disabled: the row is the truth
+        logger.error("celery-leases: could not store %s of job %s: %r", job.notify, job.id, exc)
+        return False
+    logger.info(
+        "celery-leases: job %s (%s) stored as %s: %s", job.id, job.task, job.notify, job.error
+    )
+    return True
+
+
+def announce_pending(app: Any, store: Any, *, batch: int, max_batches: int = 10) -> list[str]:
+    """Announce the jobs whose end the result backend has not been told; the ids told. One
+    the backend refused keeps its mark for the next reaper pass."""
+    told: list[str] = []
+    for _ in range(max_batches):
+        jobs = store.take_notices(batch=batch)
+        for job in jobs:
+            if announce(app, job):
+                told.append(job.id)
+            else:
+                store.notify_again(job.id, job.notify)
+        if len(jobs) < batch:
+            break
+    return told
