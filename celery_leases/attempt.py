@@ -304,7 +304,10 @@ def checkpoint(
             f"the previous checkpoint is kept"
         )
     done_total = _progress(progress)
-    stop_point(lease)  # asked to stop since the last checkpoint: write nothing more
+    if lease.stop_seen:
+        # The last checkpoint (in a transaction of the caller's) was told to stop, and the task
+        # went on without calling stop_point(): stop before writing into this transaction.
+        stop_point(lease)
     if lease.lost:
         raise LeaseLost(f"job {lease.job_id}: this attempt lost its lease; stop")
     stop = None
@@ -339,10 +342,14 @@ def checkpoint(
     lease.checkpoint = json.loads(text)
     checkpoint_saved.send(sender=task, lease=lease, progress=done_total)
     lease.stop_requested = stop or lease.stop_requested
+    if lease.stop_requested is None:
+        return
+    # A checkpoint is a completed unit: it is saved first, then the attempt stops. Inside the
+    # caller's transaction a raise would roll the checkpoint back: there the stop is raised by
+    # stop_point() after the commit, or before the next checkpoint writes.
+    lease.stop_seen = True
     if connection is None:
         stop_point(lease)
-    # Inside the caller's transaction a raise would roll the checkpoint back: the stop is
-    # raised by stop_point() after the commit, or before the next checkpoint writes.
 
 
 def stop_point(lease: Lease) -> None:

@@ -35,6 +35,8 @@ class Lease:
     lost: bool = False
     #: ``cancel`` or ``preempt`` when the job was asked to stop at its next checkpoint.
     stop_requested: str | None = None
+    #: A checkpoint already saw the stop request (it raises at the next one at the latest).
+    stop_seen: bool = False
     released: bool = False
     detached: bool = False
     stall_reported: bool = False

@@ -22,6 +22,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from celery.app.amqp import task_message
+from kombu import Exchange
 from kombu.utils import json as kombu_json
 
 from .errors import ArgumentsError, ConfigurationError
@@ -56,6 +57,9 @@ class Message:
     properties: dict[str, Any] = field(default_factory=dict)
     exchange: str | None = None
     routing_key: str | None = None
+    #: The exchange's type (``topic``, ``fanout``, ...) when it is not the default exchange:
+    #: re-sending declares it, as kombu's Redis transport routes by the type a channel knows.
+    exchange_type: str | None = None
 
     # -- what it says --------------------------------------------------------------------------
 
@@ -124,8 +128,9 @@ class Message:
         properties: dict[str, Any],
         exchange: str | None,
         routing_key: str | None,
+        declare: Any = None,
     ) -> Message:
-        """The message as ``before_task_publish`` sees it, just before the client sends it."""
+        """The message as Celery hands it to the producer, just before it is sent."""
         if not isinstance(body, tuple | list) or len(body) != 3:
             raise ConfigurationError(
                 "celery-leases needs Celery's task message protocol 2 (task_protocol = 2)"
@@ -136,9 +141,10 @@ class Message:
             args=list(args),
             kwargs=dict(kwargs),
             embed={k: v for k, v in (embed or {}).items() if v is not None},
-            properties={k: properties[k] for k in PROPERTIES if properties.get(k) is not None},
+            properties=_kept(properties),
             exchange=exchange,
             routing_key=routing_key,
+            exchange_type=_type_of(exchange, declare or ()),
         )
 
     @classmethod
@@ -159,7 +165,7 @@ class Message:
             args=list(args),
             kwargs=dict(kwargs),
             embed={k: found[k] for k in EMBED if found.get(k) is not None},
-            properties={k: v for k, v in properties.items() if v is not None},
+            properties=_kept(properties),
             exchange=info.get("exchange"),
             routing_key=info.get("routing_key"),
         )
@@ -185,7 +191,10 @@ class Message:
         if sent.exchange == "" and sent.routing_key:
             route["queue"] = sent.routing_key  # the default exchange: the key is the queue
         else:
+            kind = sent.exchange_type or _type_of(sent.exchange, app.amqp.queues.values())
             route |= {"exchange": sent.exchange, "routing_key": sent.routing_key}
+            if sent.exchange and kind:
+                route |= {"exchange_type": kind, "declare": [Exchange(sent.exchange, kind)]}
         body = (sent.args, sent.kwargs, {k: sent.embed.get(k) for k in EMBED})
         with app.producer_or_acquire(producer) as publisher:
             app.amqp.send_task_message(
@@ -206,6 +215,7 @@ class Message:
             "properties": self.properties,
             "exchange": self.exchange,
             "routing_key": self.routing_key,
+            "exchange_type": self.exchange_type,
         }
         try:
             return str(
@@ -232,7 +242,29 @@ class Message:
             properties=document.get("properties") or {},
             exchange=document.get("exchange"),
             routing_key=document.get("routing_key"),
+            exchange_type=document.get("exchange_type"),
         )
+
+
+def _kept(properties: dict[str, Any]) -> dict[str, Any]:
+    """The properties worth keeping. A priority is kept even when None: kombu would otherwise
+    send its default, 0, where the message had none."""
+    return {
+        k: properties[k]
+        for k in PROPERTIES
+        if properties.get(k) is not None or (k == "priority" and k in properties)
+    }
+
+
+def _type_of(exchange: str | None, entities: Any) -> str | None:
+    """The type of ``exchange`` as one of ``entities`` (queues or exchanges) declares it."""
+    if not exchange:
+        return None
+    for entity in entities:
+        found = getattr(entity, "exchange", entity)
+        if getattr(found, "name", None) == exchange and getattr(found, "type", None):
+            return str(found.type)
+    return None
 
 
 def _moment(value: Any) -> datetime | None:
@@ -280,6 +312,7 @@ class RecordingProducer:
                     properties=options,
                     exchange=exchange,
                     routing_key=routing_key,
+                    declare=options.get("declare"),
                 )
             )
         headers.update(self.recorded.headers)

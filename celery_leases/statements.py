@@ -231,38 +231,37 @@ class Statements:
             )
         )
         self.state_of = sa.select(t.c.state).where(t.c.id == param("id"))
+        # A worker's main process saw the pool process holding the lease die.
+        owned = sa.and_(t.c.id == param("id"), t.c.owner == param("owner"), held)
+        hand_back_owned = sa.update(t).where(owned).ordered_values(*handed_back)
+        self.hand_back_owned = (
+            hand_back_owned.returning(t.c.state, t.c.message) if self.returning else hand_back_owned
+        )
+        self.state_and_message = sa.select(t.c.state, t.c.message).where(t.c.id == param("id"))
 
         # -- operators ------------------------------------------------------------------------
         by_id = t.c.id == param("id")
         no_live_lease = sa.or_(
             t.c.state == QUEUED, sa.and_(t.c.state == RUNNING, t.c.expires_at <= now)
         )
+        # Ended outside any attempt; ``notify``: the Celery state the reaper then stores.
+        ended_outside = {
+            "owner": None,
+            "expires_at": None,
+            "stop_requested": None,
+            "error": param("error"),
+            "notify": param("notify"),
+            "finished_at": now,
+        }
         self.give_up = (
-            sa.update(t)
-            .where(by_id, no_live_lease)
-            .values(
-                state=FAILED,
-                owner=None,
-                expires_at=None,
-                error=param("error"),
-                notify=param("notify"),
-                finished_at=now,
-            )
+            sa.update(t).where(by_id, no_live_lease).values(ended_outside | {"state": FAILED})
         )
         # What Celery decided in a worker's main process (a revoke, an expiry, a hard time
         # limit): the result backend already says so, whatever attempt holds the job.
         self.end_live = (
             sa.update(t)
             .where(by_id, t.c.state.in_(LIVE_STATES))
-            .values(
-                state=param("state"),
-                owner=None,
-                expires_at=None,
-                stop_requested=None,
-                error=param("error"),
-                notify=param("notify"),
-                finished_at=now,
-            )
+            .values(ended_outside | {"state": param("state")})
         )
         self.forget = sa.delete(t).where(by_id, t.c.state == QUEUED, t.c.token == 0)
         self.cancel_queued = (

@@ -305,6 +305,24 @@ class Store:
 
         return self._run(run, single=True)  # type: ignore[no-any-return]
 
+    def hand_back_owned(
+        self, job_id: str, owner: str, *, reap_in: float
+    ) -> tuple[str | None, str | None]:
+        """Hand back the lease ``owner`` (a dead process) holds on the job: (state after it,
+        the message text to send again); (None, None) when ``owner`` holds no lease on it."""
+        params = {"b_id": job_id, "b_owner": owner, "b_reap_in": reap_in}
+
+        def run(c: Connection) -> tuple[str | None, str | None]:
+            if self.db.returning:
+                row = c.execute(self.sql.hand_back_owned, params).first()
+            elif c.execute(self.sql.hand_back_owned, params).rowcount == 1:
+                row = c.execute(self.sql.state_and_message, params).first()
+            else:
+                row = None
+            return (None, None) if row is None else (str(row[0]), row[1])
+
+        return self._run(run, single=True)  # type: ignore[no-any-return]
+
     def hand_back_retry(
         self, job_id: str, token: int, message: Message, *, reap_in: float
     ) -> str | None:

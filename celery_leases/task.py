@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import Task
+from celery import Task, current_task
 from sqlalchemy.engine import Connection
 
 from . import attempt, message
 from .config import Settings, settings_for
-from .errors import Cancelled, LeaseError, LeaseLost
+from .errors import Cancelled, LeaseError, LeaseLost, StoreUnavailable
 from .lease import Lease, current, holding
 from .schema import CANCELLED
 from .store import Store, store_for
@@ -25,6 +25,9 @@ class LeasedTask(Task):  # type: ignore[misc]
     ``lease_renew_interval``, ``lease_stall_timeout`` (seconds), ``lease_max_checkpoint_bytes``
     and ``lease_kill_stalled`` override the app's ``leases_*`` settings for one task.
     """
+
+    #: The worker's main process resumes the job at once when its pool process dies.
+    Request = "celery_leases.request:LeasedRequest"
 
     @property
     def retry_on_worker_lost(self) -> bool:
@@ -147,6 +150,23 @@ class _Recorder:
         self.registered: str | None = None
 
     def record(self, published: message.Message) -> message.Message:
+        try:
+            return self._record(published)
+        except StoreUnavailable as exc:
+            if not current_task or current_task.request.called_directly:
+                raise  # a client outside any task: nothing is published, the caller decides
+            # Inside a task (a chain's next step, a chord body, a callback, a retry), failing
+            # would break the workflow: the message goes out unrecorded, and its claim records
+            # it, as for a message sent by name.
+            _log.warning(
+                "job %s: leases database unreachable, published without being recorded "
+                "(its claim records it): %s",
+                published.id,
+                exc,
+            )
+            return published
+
+    def _record(self, published: message.Message) -> message.Message:
         recorded = published.new_version()
         countdown = max(recorded.eta_in() or 0.0, 0.0)
         held = _held(recorded.id)

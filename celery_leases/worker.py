@@ -101,7 +101,7 @@ def record_revoke(
     if not _is_leased(sender) or not job_id:
         return
     how = "expired" if expired else "terminated" if terminated else "revoked"
-    _end(sender, job_id, REVOKED, f"{how} in Celery ({getattr(request, 'hostname', None)})")
+    end_job(sender, job_id, REVOKED, f"{how} in Celery ({getattr(request, 'hostname', None)})")
 
 
 @task_failure.connect(weak=False)  # type: ignore[untyped-decorator]
@@ -114,10 +114,11 @@ def record_failure_in_main_process(
     if not _is_leased(sender) or not task_id or _in_pool_process():
         return
     text = "".join(traceback.format_exception_only(type(exception), exception)).strip()
-    _end(sender, task_id, FAILED, f"failed in the worker's main process: {text}")
+    end_job(sender, task_id, FAILED, f"failed in the worker's main process: {text}")
 
 
-def _end(task: Any, job_id: str, state: str, error: str) -> None:
+def end_job(task: Any, job_id: str, state: str, error: str) -> None:
+    """End a live job of ``task`` as Celery decided it (``Store.end_live``), logging it."""
     try:
         ended = store_for(task.lease_settings).end_live(job_id, state=state, error=error)
     except LeaseError as exc:

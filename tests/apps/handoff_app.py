@@ -3,6 +3,8 @@
 - ``e2e.stuck(count, unit_seconds, stuck_after)``: like ``e2e.units``, but its first attempt
   hangs in ``time.sleep(3600)`` after committing unit ``stuck_after`` (a deadlock, a socket
   without timeout); later attempts run to the end.
+- ``e2e.saved_units(count, unit_seconds)``: units committed one by one, each followed by a
+  plain ``self.checkpoint()`` (not in the unit's transaction).
 - ``e2e.hold(seconds)``: holds its lease ``seconds`` without a checkpoint (the keeper alone keeps
   it alive), then returns its token.
 """
@@ -44,6 +46,28 @@ def add_handoff_tasks(app: Celery) -> Celery:
             self.stop_point()
             if lease.attempt == 1 and unit == stuck_after:
                 time.sleep(3600)
+        return count
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="e2e.saved_units")
+    def saved_units(self: Task, count: int, unit_seconds: float) -> int:
+        """Like ``e2e.units``, but each unit commits its log row first and then checkpoints
+        on its own (no transaction of the task's): a unit whose checkpoint is not saved is
+        done again by the next attempt."""
+        lease = self.lease
+        run = uuid.uuid4().hex
+        for unit in range((lease.checkpoint or {}).get("next", 0), count):
+            row = log.start(
+                lease.job_id,
+                unit,
+                run=run,
+                token=lease.token,
+                attempt=lease.attempt,
+                host=self.request.hostname or "",
+            )
+            time.sleep(unit_seconds)
+            with log.engine.begin() as connection:
+                log.end(connection, row)
+            self.checkpoint({"next": unit + 1})
         return count
 
     @app.task(base=LeasedTask, bind=True, shared=False, name="e2e.flaky", max_retries=3)

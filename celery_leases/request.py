@@ -1,0 +1,103 @@
+"""LeasedRequest: a leased job's request in the worker's main process.
+
+- When the pool process running the job dies (SIGKILL, the OOM killer, a segfault), the main
+  process sees it at once and knows its pid: it hands that process's lease back and sends the
+  job's recorded message again, so another pool process resumes it from its checkpoint without
+  waiting for the lease to expire. The result backend is left as it was: a client in
+  ``AsyncResult.get()`` keeps waiting for the real end.
+- ``revoke(terminate=True)`` ends the job ``revoked`` in the table before the pool process is
+  signalled, so the process's hand-back on its way out cannot put it back in the queue.
+- A hard time limit is reported by billiard twice (the job's error callback, then its timeout
+  callback), and Celery 5.7 stores the failure and fires the errbacks for each: the second
+  report is skipped, so the errbacks fire once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from billiard.einfo import ExceptionWithTraceback
+from billiard.exceptions import TimeLimitExceeded
+from celery.exceptions import WorkerLostError
+from celery.worker.request import Request
+from celery.worker.state import task_ready
+
+from .errors import LeaseError
+from .message import Message
+from .schema import QUEUED, REVOKED
+from .store import store_for
+from .worker import end_job
+
+logger = logging.getLogger("celery_leases")
+
+
+class LeasedRequest(Request):  # type: ignore[misc]
+    """Celery's Request, resuming a leased job at once when its pool process dies."""
+
+    _time_limit_reported = False
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> Any:
+        if isinstance(_unwrapped(exc_info.exception), TimeLimitExceeded):
+            self._time_limit_reported = True
+        if self._lost(exc_info.exception) and self._resume_at_once():
+            task_ready(self)
+            if self.task.acks_late:
+                self.acknowledge()
+            return None
+        return super().on_failure(
+            exc_info, send_failed_event=send_failed_event, return_ok=return_ok
+        )
+
+    def on_timeout(self, soft: bool, timeout: float) -> Any:
+        if not soft and self._time_limit_reported:
+            return None  # on_failure stored FAILURE and fired the errbacks already
+        return super().on_timeout(soft, timeout)
+
+    def terminate(self, pool: Any, signal: Any = None) -> Any:
+        if self.time_start:
+            end_job(self.task, self.id, REVOKED, f"terminated in Celery ({self.hostname})")
+        return super().terminate(pool, signal)
+
+    def _lost(self, exc: Any) -> bool:
+        exc = _unwrapped(exc)
+        if isinstance(exc, SystemExit | KeyboardInterrupt):
+            # The process died of a signal we did not send (a revoke's terminate is ours).
+            return not (self._already_cancelled or self._already_revoked)
+        return isinstance(exc, WorkerLostError)
+
+    def _resume_at_once(self) -> bool:
+        """Hand back the dead process's lease and send the job again; False when that process
+        held no lease on it (it had ended the job, or lost it), so Celery decides as usual."""
+        task = self.task
+        if self.worker_pid is None or (task.acks_late and task.reject_on_worker_lost):
+            return False  # never started, or the broker delivers it again itself
+        settings = task.lease_settings
+        owner = f"{self.hostname}/{self.worker_pid}"
+        try:
+            state, text = store_for(settings).hand_back_owned(
+                self.id, owner, reap_in=settings.reap_grace
+            )
+        except LeaseError as exc:
+            logger.warning("celery-leases: job %s: pool process lost, %s", self.id, exc)
+            return False
+        if state is None:
+            return False
+        if state == QUEUED and text is not None:
+            try:
+                Message.loads(text).send(task.app)
+            except Exception as exc:  # the reaper sends it after leases_reap_grace
+                logger.error("celery-leases: job %s: could not send it again: %r", self.id, exc)
+        logger.warning(
+            "celery-leases: job %s: pool process %s died; %s",
+            self.id,
+            self.worker_pid,
+            "sent again to resume from its checkpoint" if state == QUEUED else f"now {state}",
+        )
+        return True
+
+
+def _unwrapped(exc: Any) -> Any:
+    return exc.exc if isinstance(exc, ExceptionWithTraceback) else exc
