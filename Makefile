@@ -36,4 +36,4 @@ bench: venv
 CHAOS_ARGS ?= --jobs 500 --units 20 --unit-seconds 0.5 --workers 3 --faults 120 \
 	--broker redis --database postgres --restart-database --restart-broker
 chaos: venv
-	$(BIN)/python -m tests.chaos.driver $(CHAOS_ARGS)
+	$(BIN)/python -m tests.support.chaos.driver $(CHAOS_ARGS)

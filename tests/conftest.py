@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from tests.services import delete_rabbitmq_entities, private_redis_url, require
-from tests.workers import CeleryProcess, Spawner
+from tests.support.service import delete_rabbitmq_entities, private_redis_url, require
+from tests.support.worker import CeleryProcess, Spawner
 
 # Seconds a teardown DROP TABLE waits for locks. A lock still held then means the test leaked
 # an open transaction (an engine it did not dispose of, a worker still alive).
@@ -123,7 +123,7 @@ def _control_exchange(queue_name: str) -> str:
 def celery_settings(broker_url: str, queue_name: str) -> dict[str, Any]:
     """Celery settings for a test on ``broker_url``: its own queue and its own remote-control
     exchange (so ``inspect``/``control`` never reach another test run's workers). Pass them
-    to subprocesses with ``tests.services.celery_env``."""
+    to subprocesses with ``tests.support.service.celery_env``."""
     return {
         "broker_url": broker_url,
         "task_default_queue": queue_name,

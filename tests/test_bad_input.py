@@ -27,12 +27,12 @@ from celery import Celery
 from celery_leases import Job, StoreUnavailable, get_job
 from celery_leases.config import settings_for
 from celery_leases.store import Store, store_for
-from tests.apps.chaos_app import ReconnectingUnitLog, add_chaos_tasks, chaos_log_for
-from tests.apps.leased_app import app_env
-from tests.apps.leased_app import make_app as make_leased_app
-from tests.apps.unit_log import Unit
-from tests.e2e_support import FINISHED, check_unit_log, close_app, kill_all, wait_for
-from tests.workers import Beat, Spawner, Worker
+from tests.support.apps.chaos_app import ReconnectingUnitLog, add_chaos_tasks, chaos_log_for
+from tests.support.apps.leased_app import app_env
+from tests.support.apps.leased_app import make_app as make_leased_app
+from tests.support.scenario import FINISHED, check_unit_log, close_app, kill_all, wait_for
+from tests.support.unit_log import Unit
+from tests.support.worker import Beat, Spawner, Worker
 
 pytestmark = [
     pytest.mark.e2e,
@@ -41,7 +41,7 @@ pytestmark = [
     pytest.mark.parametrize("broker_url", ["redis"], indirect=True),
 ]
 
-CHAOS_APP = "tests.apps.chaos_app"
+CHAOS_APP = "tests.support.apps.chaos_app"
 #: Given to the workers in their database URL; it must never show up in a log.
 PASSWORD = "secret-pw-7"
 

@@ -19,16 +19,17 @@ import sqlalchemy as sa
 from celery_leases.config import DEFAULTS, validate
 from celery_leases.rows import Refused
 from celery_leases.store import Store
-from tests.services import celery_env
-from tests.workers import REPO_ROOT, Spawner
+from tests.support.service import celery_env
+from tests.support.worker import REPO_ROOT, Spawner
 
-APP = "tests.apps.cli_app"
+APP = "tests.support.apps.cli_app"
 #: Seconds without a checkpoint after which the test app's running jobs count as stalled.
 STALL_TIMEOUT = 300.0
 
 
 class Cli:
-    """Runs ``python -m celery -A tests.apps.cli_app leases ...`` with the test's settings."""
+    """Runs ``python -m celery -A tests.support.apps.cli_app leases ...`` with the test's
+    settings."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ("APP", "CELERY_APP", "NO_COLOR")}

@@ -24,7 +24,7 @@ from celery import Celery, _state
 from celery_leases import LeasedTask, LeaseLost
 from celery_leases.lease import Lease, current
 from celery_leases.rows import Claimed
-from tests.services import private_redis_url, require
+from tests.support.service import private_redis_url, require
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO = [sys.executable, "-m", "examples.webhook_sync.demo"]

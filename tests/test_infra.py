@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from tests import services
-from tests.services import celery_client, celery_env
-from tests.workers import Spawner, pid_exists
+from tests.support import service as services
+from tests.support.service import celery_client, celery_env
+from tests.support.worker import Spawner, pid_exists
 
-PLAIN_APP = "tests.apps.plain_app"
+PLAIN_APP = "tests.support.apps.plain_app"
 
 
 def wait_until_gone(pids: list[int], timeout: float = 5) -> list[int]:

@@ -120,7 +120,8 @@ def celery_env(settings: dict[str, Any]) -> dict[str, str]:
 
 
 def config_from_env() -> dict[str, Any]:
-    """The Celery settings a test passed with :func:`celery_env` (for app modules under tests/)."""
+    """The Celery settings a test passed with :func:`celery_env` (for the app modules in
+    tests/support/apps/)."""
     settings: dict[str, Any] = json.loads(os.environ.get("TEST_CELERY_CONFIG", "{}"))
     if "TEST_BROKER_URL" in os.environ:
         settings["broker_url"] = os.environ["TEST_BROKER_URL"]
