@@ -6,6 +6,8 @@
   ``celery_settings`` (both of those plus a private remote-control exchange), and
   ``filesystem_broker`` (settings for kombu's ``filesystem://`` transport, no server needed).
 - ``spawn``: start real ``celery worker`` / ``celery beat`` subprocesses, all killed at teardown.
+- ``sqlite_settings``: settings of the ``celery leases`` command on a fresh SQLite file and the
+  ``filesystem://`` broker (``tests.support.cli``).
 
 An unreachable PostgreSQL, MariaDB, Redis or RabbitMQ skips the test, or fails it when CI=true.
 """
@@ -20,6 +22,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from tests.support.cli import leases_settings
 from tests.support.service import delete_rabbitmq_entities, private_redis_url, require
 from tests.support.worker import CeleryProcess, Spawner
 
@@ -155,6 +158,14 @@ def filesystem_broker(tmp_path: Path) -> dict[str, Any]:
         },
         "broker_connection_retry_on_startup": True,
     }
+
+
+# -- the leases CLI ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sqlite_settings(tmp_path: Path, filesystem_broker: dict[str, Any]) -> dict[str, Any]:
+    return leases_settings(f"sqlite:///{tmp_path}/leases.sqlite3", "leases_cli", filesystem_broker)
 
 
 # -- processes -----------------------------------------------------------------------------------

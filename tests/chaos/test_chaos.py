@@ -20,7 +20,7 @@ from tests.support.chaos.driver import Chaos, Config, Report, new_seed
 from tests.support.service import in_ci
 from tests.support.worker import Spawner
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.chaos, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 SHORT = Config(jobs=40, units=10, unit_seconds=0.6, workers=3, concurrency=2, faults=15)
 

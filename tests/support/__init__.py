@@ -6,6 +6,7 @@
   ``Spawner``).
 - ``scenario``: the end-to-end scenario of workers running ``apps.leased_app``, and the checks
   its unit log must pass.
+- ``cli``: the ``celery leases`` command run as a subprocess, and jobs made for it.
 - ``unit_log``: the table the test tasks write one row per unit of work to.
 - ``apps``: the Celery apps the workers run (``celery -A tests.support.apps.<name>``).
 - ``chaos``: the chaos driver (``python -m tests.support.chaos.driver``), its faults and checks.
