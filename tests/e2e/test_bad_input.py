@@ -30,7 +30,8 @@ from celery_leases.store import Store, store_for
 from tests.support.apps.chaos_app import ReconnectingUnitLog, add_chaos_tasks, chaos_log_for
 from tests.support.apps.leased_app import app_env
 from tests.support.apps.leased_app import make_app as make_leased_app
-from tests.support.scenario import FINISHED, check_unit_log, close_app, kill_all, wait_for
+from tests.support.scenario import FINISHED, check_unit_log, kill_all, wait_for
+from tests.support.service import close_app
 from tests.support.unit_log import Unit
 from tests.support.worker import Beat, Spawner, Worker
 

@@ -21,6 +21,7 @@ from celery_leases import Job, get_job
 from celery_leases.config import settings_for
 from celery_leases.store import Store, store_for
 from tests.support.apps.leased_app import app_env, make_app, unit_log_for
+from tests.support.service import close_app
 from tests.support.unit_log import Unit, UnitLog
 from tests.support.worker import Beat, CeleryProcess, Spawner, Worker, pid_exists
 
@@ -191,22 +192,6 @@ def kill_all(spawner: Spawner) -> None:
         if process.process is not None:
             with contextlib.suppress(Exception):
                 process.wait(timeout=5)
-
-
-def close_app(app: Celery) -> None:
-    """Close ``app`` and the broker connections it published with. ``app.close()`` alone
-    leaves them open: kombu keeps producer pools in a process-wide registry keyed by URL."""
-    from kombu import pools
-    from kombu.utils.collections import eqhash
-
-    key = eqhash(app.connection_for_write())
-    for group in (pools.producers, pools.connections):
-        pool = dict.pop(group, key, None)
-        if pool is not None:
-            pool.force_close_all()
-    if app._pool is not None:
-        app.pool.force_close_all()
-    app.close()
 
 
 # -- unit log checks -------------------------------------------------------------------------

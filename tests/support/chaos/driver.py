@@ -55,7 +55,8 @@ from tests.support.chaos.check import (
     JobRow,
     check_all,
 )
-from tests.support.scenario import close_app, freeze, kill_all, start_all, thaw
+from tests.support.scenario import freeze, kill_all, start_all, thaw
+from tests.support.service import close_app
 from tests.support.worker import Beat, Spawner, Worker
 
 CHAOS_APP = "tests.support.apps.chaos_app"
