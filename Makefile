@@ -29,16 +29,14 @@ lint: venv
 demo: venv
 	$(BIN)/python -m examples.webhook_sync.demo $(DEMO_ARGS)
 
-# BENCH_ARGS=--quick for the short form (~8 min); see docs/benchmarks.md.
-BENCH_ARGS ?=
 bench: venv
-	$(BIN)/python -m bench.run_all $(BENCH_ARGS)
+	$(BIN)/python -m bench.run_all
 
 # The long form by hand (~15-20 min on 2 cores); the short form runs in `make test`.
 CHAOS_ARGS ?= --jobs 500 --units 20 --unit-seconds 0.5 --workers 3 --faults 120 \
 	--broker redis --database postgres --restart-database --restart-broker
 chaos: venv
-	$(BIN)/python -m tests.chaos.driver $(CHAOS_ARGS)
+	$(BIN)/python -m tests.support.chaos.driver $(CHAOS_ARGS)
 
 # Celery's own integration suite with LeasedTask as the default task class, compared test by
 # test with Celery's Task (../shared/celery-suite); ~20-45 min, not in CI.

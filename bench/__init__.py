@@ -1,7 +1,6 @@
-"""Benchmarks of celery-leases, each next to plain Celery or the raw SQL, measured in the same run.
+"""Benchmarks of celery-leases, each next to plain Celery or a raw-driver baseline, in one run.
 
-Every script is plain Python, runs on its own as ``python -m bench.<name> [--quick]``, prints a
-table and writes ``bench/results/<name>.json``; ``python -m bench.run_all [--quick]`` runs them
-all in order. Nothing here asserts on time: the figures are read, not checked.
-Shared helpers (services, statistics, tables, results) live in ``bench.common``.
+``python -m bench.<name> [--quick]`` prints its rows as a table and writes them to
+``bench/results/<name>.json``; ``python -m bench.run_all`` runs them all. Nothing asserts on
+time. See docs/benchmarks.md.
 """

@@ -1,110 +1,55 @@
-"""Dispatch cost: ``apply_async`` latency of a LeasedTask vs a plain task (Redis, PostgreSQL).
+"""Dispatch cost: ``apply_async`` of a LeasedTask (INSERT, then publish) vs a plain task.
 
-A LeasedTask records its job (one ``INSERT ... ON CONFLICT DO NOTHING``, committed) before it
-publishes; a plain task only publishes. Both are called as an application would, one
-``apply_async`` at a time (the producer comes from Celery's pool), alternating in blocks so
-drift on a noisy machine hits both alike. No worker runs; the queue is dropped afterwards.
+Redis broker, PostgreSQL store, no worker; alternating blocks, medians and p90 in ms.
 
     python -m bench.dispatch [--quick]
 """
 
 from __future__ import annotations
 
-import uuid
+import functools
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from bench.common import (
-    POSTGRES_URL,
-    StatementCounter,
-    arguments,
-    drop_tables,
-    interleaved,
-    print_table,
-    private_redis,
-    scratch_name,
-    summary,
-    write_result,
-)
+from bench.common import interleaved, median_ms, p90_ms, parser, report, row, scratch, steady
 from bench.worker_app import make_app
-from celery_leases.store import store_for
+from tests.support.scenario import close_app
+from tests.support.service import POSTGRES_URL, private_redis_url
+
+
+def send(task: Any, i: int) -> None:
+    task.apply_async()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = arguments(__doc__.splitlines()[0], argv)
-    calls = 500 if args.quick else 2000
-    block = 50 if args.quick else 100
-    table = scratch_name("dispatch")
-    queue = f"bench_q_{uuid.uuid4().hex[:8]}"
-    data: dict[str, Any] = {"calls": calls, "block": block}
-    with private_redis() as redis_url:
+    args = parser(__doc__).parse_args(argv)
+    calls, block = (500, 50) if args.quick else (2000, 100)
+    with private_redis_url() as broker, scratch(POSTGRES_URL, "dispatch") as table:
         app = make_app(
-            {
-                "broker_url": redis_url,
-                "task_default_queue": queue,
-                "leases_database_url": POSTGRES_URL,
-                "leases_table": table,
-            },
-            name="bench-dispatch",
+            {"broker_url": broker, "leases_database_url": POSTGRES_URL, "leases_table": table}
         )
-        leased, plain = app.tasks["bench.leased_noop"], app.tasks["bench.plain_noop"]
+        tasks = {name: app.tasks[f"bench.{name}_noop"] for name in ("plain", "leased")}
         try:
-            # Warm up both paths: broker connection, engine, schema check, compiled statements.
-            for _ in range(20):
-                leased.apply_async()
-                plain.apply_async()
-            store = store_for(leased.lease_settings)
-            counter = StatementCounter(store.engine)
-            leased.apply_async()
-            data["statements_per_dispatch"] = counter.counts()
-            data["sql"] = [sql for sql, _ in counter.last]
-            counter.close()
+            for _ in range(20):  # connections, schema check, compiled statements
+                for task in tasks.values():
+                    task.apply_async()
             times = interleaved(
-                {"plain": lambda i: plain.apply_async(), "leased": lambda i: leased.apply_async()},
+                {name: steady(functools.partial(send, task)) for name, task in tasks.items()},
                 calls=calls,
                 block=block,
             )
         finally:
-            app.pool.force_close_all()
-            app.close()
-            drop_tables(POSTGRES_URL, table)
-    data["plain"] = summary(times["plain"])
-    data["leased"] = summary(times["leased"])
-    report(data)
-    write_result("dispatch", data, quick=args.quick)
-
-
-def report(data: dict[str, Any]) -> None:
-    p, q = data["plain"], data["leased"]
-    rows = [
-        ["plain", p["median_ms"], p["p90_ms"], p["p99_ms"], p["mean_ms"], 1.0],
-        [
-            "leased",
-            q["median_ms"],
-            q["p90_ms"],
-            q["p99_ms"],
-            q["mean_ms"],
-            q["median_ms"] / p["median_ms"],
-        ],
-        [
-            "difference",
-            q["median_ms"] - p["median_ms"],
-            q["p90_ms"] - p["p90_ms"],
-            q["p99_ms"] - p["p99_ms"],
-            q["mean_ms"] - p["mean_ms"],
-            float("nan"),
-        ],
-    ]
-    print_table(
-        f"apply_async latency, Redis broker, PostgreSQL store ({data['calls']} calls each, ms)",
-        ["task", "median", "p90", "p99", "mean", "median / plain"],
-        rows,
-    )
-    c = data["statements_per_dispatch"]
-    print(
-        f"\nper leased dispatch: {c['statements']} statement(s), {c['checkouts']} checkout "
-        f"(pre-ping), {c['commits']} commit"
-    )
+            close_app(app)
+    plain = median_ms(times["plain"])
+    rows = []
+    for name, seconds in times.items():
+        median = median_ms(seconds)
+        mean = statistics.fmean(seconds) * 1000
+        values = (name, median, p90_ms(seconds), mean, median / plain, median - plain)
+        rows.append(row("task median_ms p90_ms mean_ms median/plain added_ms", *values))
+    title = f"apply_async, Redis broker, PostgreSQL store ({calls} calls each, ms)"
+    report("dispatch", rows, quick=args.quick, title=title, block=block)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,12 @@
-"""Per-operation cost against the physical limit: claim, renew tick, checkpoint, finish.
+"""Per-operation cost of the store against a raw baseline on the same pooled connection.
 
-For PostgreSQL, MariaDB and SQLite, each worker operation of the store is timed as the library
-calls it (``Store.claim`` etc., SQLAlchemy included) next to, on the same connection:
-
-- ``raw UPDATE``: a plain single-row ``UPDATE <table> SET renewed_at = ? WHERE id = ?`` then
-  ``COMMIT`` through the DBAPI cursor: the physical limit of one durable write.
-- ``same SQL``: the exact statement(s) the store sent (captured), replayed through the DBAPI
-  cursor, then ``COMMIT``: what the database itself charges for the operation's SQL.
-- ``no pre-ping``: the store with ``pool_pre_ping=False`` (a diagnostic: one round trip less).
-
-Variants alternate in blocks (rotating order) so drift on a noisy machine hits all of them.
-Also: statements, connection checkouts and commits per operation (SQLAlchemy events), a time
-breakdown of each operation on PostgreSQL (ping, execute, commit, Python), and checkpoint cost
-by state size.
+Claim, renew (one lease), checkpoint (100 B, 10 KB, 1 MB) and finish, timed as the library
+calls them, alternate in blocks with the same work sent through the same DBAPI connection:
+on PostgreSQL and SQLite, where the store runs each as one statement in autocommit, ONE
+single-row autocommit UPDATE; on MariaDB, where it runs a transaction, as many single-row
+statements (UPDATE, then SELECTs by primary key) and a COMMIT. Statements and commit are read
+from SQLAlchemy's events; round trips are counted at the driver. Medians and p90 in ms.
+This module is the one place in bench/ that calls the Store ("store calls" below).
 
     python -m bench.operations [--quick]
 """
@@ -20,693 +14,255 @@ by state size.
 from __future__ import annotations
 
 import contextlib
-import cProfile
-import io
-import pstats
-import time
+import os
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import sqlalchemy as sa
 
 from bench.common import (
-    MARIADB_URL,
-    POSTGRES_URL,
-    StatementCounter,
-    arguments,
-    drop_tables,
-    print_table,
-    reachable,
-    scratch_name,
-    settings,
-    sqlite_url,
-    summary,
-    write_result,
+    available,
+    interleaved,
+    median_ms,
+    p90_ms,
+    parser,
+    report,
+    row,
+    scratch,
+    steady,
 )
-from celery_leases.schema import QUEUED, SCHEMA_VERSION
-from celery_leases.store import Claimed, Store
+from celery_leases.config import DEFAULTS, validate
+from celery_leases.store import Store
+from tests.support.message import job_message
 
-OWNER = "bench@host/1"
-DURATION = 30.0
-OPERATIONS = ("claim", "renew", "checkpoint", "finish")
+Call = Callable[[int], Any]
+Statements = Callable[[int], list[tuple[str, tuple[Any, ...]]]]
+
+# -- store calls: the only place in bench/ that calls the Store ----------------------------
+
+OWNER, TASK = "bench@host/1", "bench.noop"
+
+
+def open_store(url: str, table: str, **settings: Any) -> Store:
+    """A Store of its own for ``table`` in ``url``, schema created; ``settings`` override."""
+    store = Store(validate(DEFAULTS | {"database_url": url, "table": table} | settings))
+    store.ensure_schema()
+    return store
+
+
+def engine(store: Store) -> sa.engine.Engine:
+    return store.engine
+
+
+_messages: dict[str, Any] = {}
+
+
+def register(store: Store, job_id: str) -> None:
+    """Record a job the way a client publishing it would (a protocol-2 message)."""
+    _messages[job_id] = job_message(job_id, TASK)
+    store.register(_messages[job_id])
+
+
+def claim(store: Store, job_id: str) -> int:
+    """Claim a registered job, delivered as recorded, for the store's lease duration; the
+    fencing token."""
+    outcome = store.claim(_messages[job_id], owner=OWNER, duration=store.settings.duration)
+    token = getattr(outcome, "token", None)
+    if token is None:
+        raise RuntimeError(f"claim of {job_id} refused: {outcome}")
+    return int(token)
+
+
+def renew(store: Store, leases: list[tuple[str, int]]) -> None:
+    """One renew tick of ``leases`` (job id, token), every one still held."""
+    if len(store.renew(leases).held) != len(leases):
+        raise RuntimeError("a renewed lease was lost")
+
+
+def checkpoint(store: Store, job_id: str, token: int, state: str) -> None:
+    if not store.checkpoint(job_id, token, state)[0]:
+        raise RuntimeError(f"checkpoint of {job_id} refused")
+
+
+def finish(store: Store, job_id: str, token: int) -> None:
+    if not store.finish(job_id, token, result="null"):
+        raise RuntimeError(f"finish of {job_id} refused")
+
+
+# -- the measurement ----------------------------------------------------------------------
+
+#: The baseline's rows: one for checkpoints (its text grows as the library's does), one for
+#: the rest (SQLite rewrites a whole record, so a 1 MB checkpoint would weigh on later UPDATEs).
+RAW_ROWS = ("raw-row", "raw-checkpoint")
 SIZES = {"100 B": 100, "10 KB": 10 * 1024, "1 MB": 1024 * 1024 - 64}
+COLUMNS = "database operation calls library_ms raw_ms library/raw library_p90_ms raw_p90_ms"
+COLUMNS += " round_trips_library round_trips_raw"
 
 
 def state_text(size: int) -> str:
-    """A JSON checkpoint of about ``size`` bytes (hex text: little for a compressor to gain)."""
-    head = '{"cursor":"'
-    body = (bytes(range(256)) * (size // 256 + 1)).hex()[: max(size - len(head) - 2, 1)]
-    return head + body + '"}'
+    """A JSON checkpoint of ``size`` bytes (random hex: little for compression to gain)."""
+    return '{"cursor":"' + os.urandom(size // 2).hex()[: size - 13] + '"}'
 
 
-class Backend:
-    """One database under test: a scratch table, the stores, and raw access to a connection."""
-
-    def __init__(self, name: str, url: str, calls: int) -> None:
-        self.name = name
-        self.url = url
-        self.calls = calls
-        self.table = scratch_name("ops")
-        self.store = Store(settings(url, self.table))
-        self.store.ensure_schema()
-        self.nopreping = Store(settings(url, self.table, engine_options={"pool_pre_ping": False}))
-        self.nopreping._schema_ready = True
-        self.t = self.store.table
-        self.tokens: dict[str, int] = {}
-        self._restore: Callable[[], None] | None = None
-        self._insert_queued(["raw-row", *self._ids("lib"), *self._ids("raw"), *self._ids("npp")])
-        self._insert_queued([f"hold-{kind}" for kind in ("lib", "raw", "npp")])
-        analyze(self)
-        for kind in ("lib", "raw", "npp"):
-            claimed = self.store.claim(
-                f"hold-{kind}",
-                owner=OWNER,
-                duration=DURATION,
-                task="bench.noop",
-                args="[]",
-                kwargs="{}",
-            )
-            assert isinstance(claimed, Claimed)
-            self.tokens[f"hold-{kind}"] = claimed.token
-
-    def _ids(self, kind: str) -> list[str]:
-        return [f"{kind}-{i}" for i in range(self.calls + 50)]
-
-    def _insert_queued(self, ids: Sequence[str]) -> None:
-        rows = [
-            {
-                "id": i,
-                "task": "bench.noop",
-                "args": "[]",
-                "kwargs": "{}",
-                "options": "{}",
-                "state": QUEUED,
-                "token": 0,
-                "attempts": 0,
-                "stalled_attempts": 0,
-                "created_at": time.time(),
-                "schema_version": SCHEMA_VERSION,
-            }
-            for i in ids
-        ]
-        with self.store.engine.begin() as connection:
-            for start in range(0, len(rows), 1000):
-                connection.execute(sa.insert(self.t), rows[start : start + 1000])
-
-    # -- raw access ------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def raw(self) -> Iterator[Any]:
-        """The store's pooled DBAPI connection, checked out for one block of raw calls.
-
-        With nothing else checked out, the store's next operation gets this same connection.
-        """
-        fairy = self.store.engine.raw_connection()
-        try:
-            yield fairy
-        finally:
-            if self._restore is not None:
-                self._restore()
-                self._restore = None
-            fairy.close()
-
-    def autocommit(self, fairy: Any) -> None:
-        """Put the raw connection in autocommit mode until the end of the block."""
-        conn = fairy.driver_connection
-        if self.name == "postgresql":
-            conn.autocommit = True
-            self._restore = lambda: setattr(conn, "autocommit", False)
-        elif self.name == "mariadb":
-            conn.autocommit(True)
-            self._restore = lambda: conn.autocommit(False)
-        else:
-            before = conn.isolation_level
-            conn.isolation_level = None
-            self._restore = lambda: setattr(conn, "isolation_level", before)
-
-    def placeholder(self) -> str:
-        return "?" if self.name == "sqlite" else "%s"
-
-    def raw_update_sql(self) -> str:
-        p = self.placeholder()
-        return f"UPDATE {self.table} SET renewed_at = {p} WHERE id = {p}"
-
-    def close(self) -> None:
-        self.store.engine.dispose()
-        self.nopreping.engine.dispose()
-        drop_tables(self.url, self.table)
+def pooled(store: Store) -> Any:
+    """The one DBAPI connection in the store's pool (every call here is sequential)."""
+    fairy = engine(store).raw_connection()
+    conn = fairy.driver_connection
+    fairy.close()
+    pool: Any = engine(store).pool
+    if pool.checkedin() != 1:
+        raise RuntimeError("the store's pool holds more than one connection")
+    return conn
 
 
-def capture(store: Store, call: Callable[[], Any]) -> tuple[list[tuple[str, Any]], dict[str, int]]:
-    """The statements (SQL, DBAPI parameters) one call sends, and what it counted."""
-    counter = StatementCounter(store.engine)
-    try:
-        call()
-        return list(counter.last), counter.counts()
-    finally:
-        counter.close()
+@contextlib.contextmanager
+def raw(store: Store, db: str, conn: Any, sent: Statements, commit: bool) -> Iterator[Call]:
+    """``conn``, checked out of the store's pool for one block, and a call that sends
+    ``sent(i)`` through its cursor, then COMMIT if the store commits."""
+    fairy = engine(store).raw_connection()
+    if fairy.driver_connection is not conn:
+        fairy.close()
+        raise RuntimeError("the raw baseline must run on the store's own connection")
+    switch = {"postgresql": ("autocommit", True, False), "sqlite": ("isolation_level", None, "")}
+    name, on, off = switch.get(db, ("", None, None))
+    if name:  # the store's one-statement operations run in autocommit here
+        setattr(conn, name, on)
 
-
-def replace_value(params: Any, old: Any, new: Any) -> Any:
-    if isinstance(params, dict):
-        return {k: (new if v == old else v) for k, v in params.items()}
-    return type(params)(new if v == old else v for v in params)
-
-
-def replay(fairy: Any, statements: list[tuple[str, Any]], fetch: bool = True) -> None:
-    cursor = fairy.cursor()
-    try:
-        for sql, params in statements:
+    def call(i: int) -> None:
+        cursor = fairy.cursor()
+        for sql, params in sent(i):
             cursor.execute(sql, params)
-            if fetch and cursor.description is not None:
+            if cursor.description is not None:
                 cursor.fetchall()
-    finally:
         cursor.close()
-    fairy.commit()
-
-
-def measure_operations(b: Backend, *, block: int) -> dict[str, Any]:
-    """Time each operation next to the raw UPDATE and the same SQL, interleaved in blocks."""
-    store, npp, calls = b.store, b.nopreping, b.calls
-    raw_sql = b.raw_update_sql()
-    results: dict[str, Any] = {}
-    held: dict[str, Any] = {}
-
-    def raw_update(fairy: Any) -> Callable[[int], None]:
-        def call(i: int) -> None:
-            cursor = fairy.cursor()
-            cursor.execute(raw_sql, (float(i), "raw-row"))
-            cursor.close()
+        if commit:
             fairy.commit()
 
-        return call
-
-    def raw_autocommit(fairy: Any) -> Callable[[int], None]:
-        # The same UPDATE in one round trip: no BEGIN, the server commits it (durably).
-        b.autocommit(fairy)
-
-        def call(i: int) -> None:
-            cursor = fairy.cursor()
-            cursor.execute(raw_sql, (float(i), "raw-row"))
-            cursor.close()
-
-        return call
-
-    def claim_call(s: Store, kind: str) -> Callable[[int], Any]:
-        return lambda i: s.claim(
-            f"{kind}-{i}", owner=OWNER, duration=DURATION, task="bench.noop", args="[]", kwargs="{}"
-        )
-
-    # What each operation sends, captured on spare jobs (also the statements per operation).
-    spare = b.calls + 10
-    sent: dict[str, list[tuple[str, Any]]] = {}
-    counts: dict[str, dict[str, int]] = {}
-    sent["claim"], counts["claim"] = capture(store, lambda: claim_call(store, "lib")(spare))
-    hold = ("hold-lib", b.tokens["hold-lib"])
-    sent["renew"], counts["renew"] = capture(store, lambda: store.renew([hold]))
-    small = state_text(SIZES["100 B"])
-    sent["checkpoint"], counts["checkpoint"] = capture(
-        store, lambda: store.checkpoint(hold[0], hold[1], small)
-    )
-    sent["finish"], counts["finish"] = capture(
-        store, lambda: store.finish(f"lib-{spare}", 1, result="null")
-    )
-    proto_claim_id = f"lib-{spare}"
-    proto_finish_id = f"lib-{spare}"
-
-    def same_sql(op: str) -> Callable[[Any], Callable[[int], None]]:
-        def make(fairy: Any) -> Callable[[int], None]:
-            statements = sent[op]
-
-            def call(i: int) -> None:
-                if op in ("claim", "finish"):
-                    old = proto_claim_id if op == "claim" else proto_finish_id
-                    todo = [(sql, replace_value(p, old, f"raw-{i}")) for sql, p in statements]
-                elif op in ("renew", "checkpoint"):
-                    # The same lease as the library's, under another job: the raw row held.
-                    todo = [
-                        (
-                            sql,
-                            replace_value(
-                                replace_value(p, "hold-lib", "hold-raw"),
-                                b.tokens["hold-lib"],
-                                b.tokens["hold-raw"],
-                            ),
-                        )
-                        for sql, p in statements
-                    ]
-                replay(fairy, todo)
-
-            return call
-
-        return make
-
-    def measure(op: str, library: Callable[[int], Any], nopre: Callable[[int], Any]) -> None:
-        times = interleaved_with_raw(
-            b,
-            {"library": library, "no pre-ping": nopre},
-            {"raw UPDATE": raw_update, "same SQL": same_sql(op), "raw autocommit": raw_autocommit},
-            calls=calls,
-            block=block,
-        )
-        results[op] = {name: summary(values) for name, values in times.items()}
-
-    measure("claim", claim_call(store, "lib"), claim_call(npp, "npp"))
-    # The statistics are from before the claims (all jobs queued): the plans a burst of work
-    # after a quiet spell gets. Then fresh statistics, as autovacuum would take, for the rest.
-    held["plans_stale_statistics"] = plans(b, {op: sent[op] for op in OPERATIONS})
-    analyze(b)
-    held["plans"] = plans(b, {op: sent[op] for op in OPERATIONS})
-    hold_npp = ("hold-npp", b.tokens["hold-npp"])
-    measure("renew", lambda i: store.renew([hold]), lambda i: npp.renew([hold_npp]))
-    measure(
-        "checkpoint",
-        lambda i: store.checkpoint(hold[0], hold[1], small),
-        lambda i: npp.checkpoint(hold_npp[0], hold_npp[1], small),
-    )
-    measure(
-        "finish",
-        lambda i: store.finish(f"lib-{i}", 1, result="null"),
-        lambda i: npp.finish(f"npp-{i}", 1, result="null"),
-    )
-    held["statements"] = counts
-    held["sql"] = {op: [sql for sql, _ in statements] for op, statements in sent.items()}
-    return {"timings": results, **held}
-
-
-def analyze(b: Backend) -> None:
-    """Refresh the planner's statistics of the table (not on SQLite, which has none by
-    default and where few applications run ANALYZE)."""
-    if b.name == "sqlite":
-        return
-    with b.store.engine.begin() as connection:
-        word = "ANALYZE" if b.name == "postgresql" else "ANALYZE TABLE"
-        connection.execute(sa.text(f"{word} {b.table}"))
-
-
-def plans(b: Backend, sent: dict[str, list[tuple[str, Any]]]) -> dict[str, Any]:
-    """The plan of each operation's statements, and the indexes they use.
-
-    PostgreSQL: ``EXPLAIN (ANALYZE, BUFFERS)`` in a transaction rolled back; MariaDB:
-    ``EXPLAIN``; SQLite: ``EXPLAIN QUERY PLAN``.
-    """
-    prefix = {
-        "postgresql": "EXPLAIN (ANALYZE, BUFFERS) ",
-        "mariadb": "EXPLAIN ",
-        "sqlite": "EXPLAIN QUERY PLAN ",
-    }[b.name]
-    out: dict[str, Any] = {}
-    with b.raw() as fairy:
-        for op, statements in sent.items():
-            lines: list[str] = []
-            chosen: list[str] = []  # what the plan uses (MariaDB: the "key" column only)
-            for sql, params in statements:
-                cursor = fairy.cursor()
-                cursor.execute(prefix + sql, params)
-                for row in cursor.fetchall():
-                    lines.append(" ".join(str(v) for v in row))
-                    chosen.append(str(row[5]) if b.name == "mariadb" else lines[-1])
-                cursor.close()
-                fairy.rollback()
-            out[op] = {
-                "plan": lines,
-                "uses_expiry_index": any(f"ix_{b.table}_expiry" in c for c in chosen),
-                "buffers": _buffers(lines),
-            }
-    return out
-
-
-def _buffers(lines: list[str]) -> int | None:
-    """Shared buffers the top node of a PostgreSQL plan touched (None elsewhere)."""
-    for line in lines:
-        if "Buffers: shared" in line:
-            total = 0
-            for part in line.split("Buffers: shared", 1)[1].split():
-                name, _, number = part.partition("=")
-                if number.isdigit() and name in ("hit", "read", "dirtied", "written"):
-                    total += int(number) if name in ("hit", "read") else 0
-            return total
-    return None
-
-
-def interleaved_with_raw(
-    b: Backend,
-    library_variants: dict[str, Callable[[int], Any]],
-    raw_variants: dict[str, Callable[[Any], Callable[[int], None]]],
-    *,
-    calls: int,
-    block: int,
-) -> dict[str, list[float]]:
-    """Like ``bench.common.interleaved``, but the raw variants run each block on the store's
-    own pooled connection, checked out for the block (not timed) and returned after it."""
-    names = [*library_variants, *raw_variants]
-    times: dict[str, list[float]] = {name: [] for name in names}
-    cpu: dict[str, list[float]] = {name: [] for name in names}
-    clock, cpu_clock = time.perf_counter, time.thread_time
-    done = 0
-    round_number = 0
-    while done < calls:
-        size = min(block, calls - done)
-        shift = round_number % len(names)
-        for name in names[shift:] + names[:shift]:
-            out, cpu_out = times[name], cpu[name]
-            with contextlib.ExitStack() as stack:
-                if name in raw_variants:
-                    fairy = stack.enter_context(b.raw())
-                    call = raw_variants[name](fairy)
-                else:
-                    call = library_variants[name]
-                for i in range(done, done + size):
-                    cpu_started = cpu_clock()
-                    started = clock()
-                    call(i)
-                    out.append(clock() - started)
-                    cpu_out.append(cpu_clock() - cpu_started)
-        done += size
-        round_number += 1
-    for name in names:
-        times[f"{name} CPU"] = cpu[name]
-    return times
-
-
-def measure_sizes(b: Backend, *, calls_by_size: dict[str, int], block: int) -> dict[str, Any]:
-    """Checkpoint by state size: the library's call next to the same SQL and the raw UPDATE."""
-    store = b.store
-    hold = ("hold-lib", b.tokens["hold-lib"])
-    raw_hold = ("hold-raw", b.tokens["hold-raw"])
-    raw_sql = b.raw_update_sql()
-    out: dict[str, Any] = {}
-    for label, size in SIZES.items():
-        text = state_text(size)
-
-        def library(i: int, t: str = text) -> Any:
-            return store.checkpoint(hold[0], hold[1], t)
-
-        statements, _ = capture(store, lambda: library(0))
-        todo = [
-            (sql, replace_value(replace_value(p, hold[0], raw_hold[0]), hold[1], raw_hold[1]))
-            for sql, p in statements
-        ]
-
-        def raw_update(fairy: Any) -> Callable[[int], None]:
-            def call(i: int) -> None:
-                cursor = fairy.cursor()
-                cursor.execute(raw_sql, (float(i), "raw-row"))
-                cursor.close()
-                fairy.commit()
-
-            return call
-
-        def same_sql(fairy: Any, s: list[tuple[str, Any]] = todo) -> Callable[[int], None]:
-            return lambda i: replay(fairy, s)
-
-        times = interleaved_with_raw(
-            b,
-            {"library": library},
-            {"raw UPDATE": raw_update, "same SQL": same_sql},
-            calls=calls_by_size[label],
-            block=block,
-        )
-        out[label] = {"bytes": len(text), **{n: summary(v) for n, v in times.items()}}
-    return out
-
-
-def breakdown(b: Backend, *, calls: int) -> dict[str, Any]:
-    """Where one operation's time goes: pool ping, statement execution (BEGIN included on
-    psycopg), commit, and the rest (Python: building the statement, SQLAlchemy, the pool)."""
-    engine = b.store.engine
-    dialect = engine.dialect
-    spent = {"ping": 0.0, "execute": 0.0, "commit": 0.0}
-    clock = time.perf_counter
-    original_ping, original_commit = dialect.do_ping, dialect.do_commit
-
-    def timed_ping(dbapi_connection: Any) -> Any:
-        started = clock()
-        try:
-            return original_ping(dbapi_connection)
-        finally:
-            spent["ping"] += clock() - started
-
-    def timed_commit(dbapi_connection: Any) -> Any:
-        started = clock()
-        try:
-            return original_commit(dbapi_connection)
-        finally:
-            spent["commit"] += clock() - started
-
-    marks: list[float] = []
-
-    def before(*_: Any) -> None:
-        marks.append(clock())
-
-    def after(*_: Any) -> None:
-        spent["execute"] += clock() - marks.pop()
-
-    hold = ("hold-lib", b.tokens["hold-lib"])
-    small = state_text(SIZES["100 B"])
-    queued = [f"bd-{i}" for i in range(calls)]
-    b._insert_queued(queued)
-    operations: dict[str, Callable[[int], Any]] = {
-        "claim": lambda i: b.store.claim(
-            queued[i], owner=OWNER, duration=DURATION, task="bench.noop", args="[]", kwargs="{}"
-        ),
-        "renew": lambda i: b.store.renew([hold]),
-        "checkpoint": lambda i: b.store.checkpoint(hold[0], hold[1], small),
-        "finish": lambda i: b.store.finish(queued[i], 1, result="null"),
-    }
-    dialect.do_ping = timed_ping  # type: ignore[method-assign]
-    dialect.do_commit = timed_commit  # type: ignore[method-assign]
-    sa.event.listen(engine, "before_cursor_execute", before)
-    sa.event.listen(engine, "after_cursor_execute", after)
-    out: dict[str, Any] = {}
     try:
-        for op, call in operations.items():
-            for key in spent:
-                spent[key] = 0.0
-            started = clock()
-            for i in range(calls):
-                call(i)
-            total = clock() - started
-            per_call = {k: v / calls * 1000 for k, v in spent.items()}
-            per_call["python"] = total / calls * 1000 - sum(per_call.values())
-            per_call["total"] = total / calls * 1000
-            out[op] = per_call
+        yield call
     finally:
-        sa.event.remove(engine, "before_cursor_execute", before)
-        sa.event.remove(engine, "after_cursor_execute", after)
-        del dialect.do_ping, dialect.do_commit
-    return out
+        if name:
+            setattr(conn, name, off)
+        fairy.close()
 
 
-def profile_claim(b: Backend, *, calls: int) -> str:
-    """cProfile of ``calls`` claims: the top functions by own time (text)."""
-    queued = [f"pf-{i}" for i in range(calls)]
-    b._insert_queued(queued)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for job_id in queued:
-        b.store.claim(
-            job_id, owner=OWNER, duration=DURATION, task="bench.noop", args="[]", kwargs="{}"
-        )
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
-    return text.getvalue()
+def shape(store: Store, call: Callable[[], Any]) -> tuple[int, bool]:
+    """How many statements ``call`` sends and whether it commits (SQLAlchemy's events)."""
+    seen: list[str] = []
+    listeners = [
+        (e, lambda *_, e=e, **__: seen.append(e)) for e in ("before_cursor_execute", "commit")
+    ]
+    for event, listener in listeners:
+        sa.event.listen(engine(store), event, listener)
+    try:
+        call()
+    finally:
+        for event, listener in listeners:
+            sa.event.remove(engine(store), event, listener)
+    return seen.count("before_cursor_execute"), "commit" in seen
+
+
+def round_trips(db: str, conn: Any, call: Callable[[], Any]) -> int:
+    """Round trips ``call`` makes on ``conn``, counted at the driver: ReadyForQuery messages
+    in libpq's trace, PyMySQL's commands, statements SQLite's trace callback sees."""
+    if db == "postgresql":
+        with tempfile.TemporaryFile("w+") as trace:
+            conn.pgconn.trace(os.dup(trace.fileno()))  # libpq keeps a FILE on the descriptor
+            try:
+                call()
+            finally:
+                conn.pgconn.untrace()
+            trace.seek(0)
+            return sum("ReadyForQuery" in line for line in trace)
+    seen: list[Any] = []
+    with contextlib.ExitStack() as undo:
+        if db == "sqlite":
+            conn.set_trace_callback(seen.append)
+            undo.callback(conn.set_trace_callback, None)
+        else:
+            cls = type(conn)
+            original = cls._execute_command
+
+            def spy(self: Any, command: int, sql: Any) -> Any:
+                seen.append(command)
+                return original(self, command, sql)
+
+            cls._execute_command = spy
+            undo.callback(setattr, cls, "_execute_command", original)
+        call()
+    return len(seen)
+
+
+def measure(db: str, url: str, *, calls: int, block: int, big_calls: int) -> list[dict[str, Any]]:
+    """One row per operation on the database at ``url`` (``db``: its name)."""
+    rows = []
+    with scratch(url, "ops") as table:
+        store = open_store(url, table)
+        ids = [f"job-{i}" for i in range(calls + 2)]  # the last two: shape and round trips
+        for job_id in [*ids, "held", *RAW_ROWS]:
+            register(store, job_id)
+        held = ("held", claim(store, "held"))
+        for job_id in RAW_ROWS:
+            claim(store, job_id)
+        conn = pooled(store)
+        p = "?" if db == "sqlite" else "%s"
+
+        def compare(name: str, library: Call, state: str | None = None) -> None:
+            statements, commit = shape(store, lambda: library(calls))
+            raw_row = RAW_ROWS[state is not None]
+            sets = f"renewed_at = {p}" + ("" if state is None else f", checkpoint = {p}")
+            update = f"UPDATE {table} SET {sets} WHERE id = {p}"
+            select = (f"SELECT token FROM {table} WHERE id = {p}", (raw_row,))
+
+            def sent(i: int) -> list[tuple[str, tuple[Any, ...]]]:
+                values = (float(i),) if state is None else (float(i), state)
+                return [(update, (*values, raw_row)), *[select] * (statements - 1)]
+
+            def baseline() -> contextlib.AbstractContextManager[Call]:
+                return raw(store, db, conn, sent, commit)
+
+            library_trips = round_trips(db, conn, lambda: library(calls + 1))
+            with baseline() as call:
+                raw_trips = round_trips(db, conn, lambda: call(calls + 1))
+            n = big_calls if state and len(state) > 100_000 else calls
+            times = interleaved(
+                {"library": steady(library), "raw": baseline}, calls=n, block=min(block, n // 4)
+            )
+            lib, base = median_ms(times["library"]), median_ms(times["raw"])
+            print(f"  {db} {name}: {lib:.3f} vs {base:.3f} ms", flush=True)
+            p90 = p90_ms(times["library"]), p90_ms(times["raw"])
+            values = (db, name, n, lib, base, lib / base, *p90, library_trips, raw_trips)
+            rows.append(row(COLUMNS, *values))
+
+        tokens: dict[int, int] = {}
+        compare("claim", lambda i: tokens.__setitem__(i, claim(store, ids[i])))
+        compare("renew", lambda i: renew(store, [held]))
+        for label, size in SIZES.items():
+            text = state_text(size)
+
+            def write(i: int, text: str = text) -> None:
+                checkpoint(store, *held, text)
+
+            compare(f"checkpoint {label}", write, text)
+        compare("finish", lambda i: finish(store, ids[i], tokens[i]))
+        engine(store).dispose()
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = arguments(__doc__.splitlines()[0], argv)
-    calls = 200 if args.quick else 1000
-    block = 25 if args.quick else 50
-    calls_by_size = (
-        {"100 B": 200, "10 KB": 200, "1 MB": 20}
-        if args.quick
-        else {"100 B": 1000, "10 KB": 1000, "1 MB": 200}
-    )
-    backends = {"postgresql": POSTGRES_URL, "mariadb": MARIADB_URL, "sqlite": sqlite_url("ops")}
-    data: dict[str, Any] = {
-        "calls": calls,
-        "block": block,
-        "sizes_calls": calls_by_size,
-        "backends": {},
-    }
-    for name, url in backends.items():
-        problem = reachable(url)
-        if problem:
-            print(f"{name}: skipped ({problem})")
-            data["backends"][name] = {"skipped": problem}
-            continue
-        print(f"{name}: {calls} calls per variant and operation...", flush=True)
-        b = Backend(name, url, calls)
-        try:
-            result = measure_operations(b, block=block)
-            result["checkpoint_sizes"] = measure_sizes(b, calls_by_size=calls_by_size, block=block)
-            result["breakdown_ms"] = breakdown(b, calls=min(calls, 300))
-            if name == "postgresql":
-                result["claim_profile"] = profile_claim(b, calls=min(calls, 300))
-        finally:
-            b.close()
-        data["backends"][name] = result
-    report(data)
-    write_result("operations", data, quick=args.quick)
-
-
-def report(data: dict[str, Any]) -> None:
-    rows = []
-    for name, result in data["backends"].items():
-        if "skipped" in result:
-            continue
-        for op in OPERATIONS:
-            t = result["timings"][op]
-            raw = t["raw UPDATE"]["median_ms"]
-            lib = t["library"]["median_ms"]
-            rows.append(
-                [
-                    name,
-                    op,
-                    lib,
-                    t["no pre-ping"]["median_ms"],
-                    t["same SQL"]["median_ms"],
-                    raw,
-                    t["raw autocommit"]["median_ms"],
-                    lib / raw,
-                    t["same SQL"]["median_ms"] / raw,
-                    t["library"]["p99_ms"],
-                    t["library CPU"]["mean_ms"],
-                    t["raw UPDATE CPU"]["mean_ms"],
-                ]
-            )
-    print_table(
-        "Per-operation median latency (ms) vs a raw single-row UPDATE + COMMIT, same connection",
-        [
-            "database",
-            "operation",
-            "library",
-            "no pre-ping",
-            "same SQL raw",
-            "raw UPDATE",
-            "raw autocommit UPDATE",
-            "library / raw",
-            "same SQL / raw",
-            "library p99",
-            "library CPU (mean)",
-            "raw UPDATE CPU (mean)",
-        ],
-        rows,
-    )
-    rows = []
-    for name, result in data["backends"].items():
-        if "skipped" in result:
-            continue
-        for op in OPERATIONS:
-            c = result["statements"][op]
-            rows.append(
-                [name, op, c["statements"], c["checkouts"], c["commits"], c["cache_misses"]]
-            )
-    print_table(
-        "Statements per operation (SQLAlchemy before_cursor_execute; one checkout = one pre-ping)",
-        [
-            "database",
-            "operation",
-            "statements",
-            "checkouts (pings)",
-            "commits",
-            "compile-cache misses (1st call)",
-        ],
-        rows,
-    )
-    rows = []
-    for name, result in data["backends"].items():
-        if "skipped" in result:
-            continue
-        for label, s in result["checkpoint_sizes"].items():
-            raw = s["raw UPDATE"]["median_ms"]
-            rows.append(
-                [
-                    name,
-                    label,
-                    s["library"]["median_ms"],
-                    s["same SQL"]["median_ms"],
-                    raw,
-                    s["library"]["median_ms"] / raw,
-                    s["library"]["median_ms"] / s["same SQL"]["median_ms"],
-                ]
-            )
-    print_table(
-        "Checkpoint by state size: median ms",
-        [
-            "database",
-            "state",
-            "library",
-            "same SQL raw",
-            "raw UPDATE (tiny)",
-            "library / raw",
-            "library / same SQL",
-        ],
-        rows,
-    )
-    rows = []
-    for name, result in data["backends"].items():
-        if "skipped" in result:
-            continue
-        for op, parts in result["breakdown_ms"].items():
-            rows.append(
-                [
-                    name,
-                    op,
-                    parts["ping"],
-                    parts["execute"],
-                    parts["commit"],
-                    parts["python"],
-                    parts["total"],
-                ]
-            )
-    print_table(
-        "Where the library's time goes, ms per call (sequential run, events attached)",
-        [
-            "database",
-            "operation",
-            "pre-ping",
-            "execute (incl. BEGIN)",
-            "commit",
-            "Python (SQLAlchemy, store)",
-            "total",
-        ],
-        rows,
-    )
-    rows = []
-    for name, result in data["backends"].items():
-        if "skipped" in result:
-            continue
-        for op in ("claim", "renew", "checkpoint", "finish"):
-            stale, fresh = result["plans_stale_statistics"][op], result["plans"][op]
-            rows.append(
-                [
-                    name,
-                    op,
-                    stale["uses_expiry_index"],
-                    stale["buffers"] or "-",
-                    fresh["uses_expiry_index"],
-                    fresh["buffers"] or "-",
-                ]
-            )
-    print_table(
-        "Plans: does a write by primary key walk the (state, expires_at) index instead? "
-        "(statistics from before the claims / fresh)",
-        [
-            "database",
-            "operation",
-            "expiry index, stale statistics",
-            "buffers",
-            "expiry index, fresh statistics",
-            "buffers",
-        ],
-        rows,
-    )
-    pg = data["backends"].get("postgresql", {})
-    if "claim_profile" in pg:
-        print("\nPostgreSQL claim, cProfile top functions by own time:\n")
-        print("\n".join(pg["claim_profile"].splitlines()[:40]))
+    args = parser(__doc__).parse_args(argv)
+    calls, block, big = (200, 25, 20) if args.quick else (1000, 50, 100)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-operations-") as folder:
+        sqlite = f"sqlite:///{folder}/leases.sqlite3"
+        urls = {"postgresql": available("postgres"), "mariadb": available("mariadb")}
+        for db, url in (urls | {"sqlite": sqlite}).items():
+            if url:
+                print(f"{db}: {calls} calls per operation and side (1 MB: {big})...", flush=True)
+                rows += measure(db, url, calls=calls, block=block, big_calls=big)
+    title = "Store operations vs the raw baseline on the same connection (median ms)"
+    report("operations", rows, quick=args.quick, title=title, block=block)
 
 
 if __name__ == "__main__":

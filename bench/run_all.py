@@ -1,53 +1,48 @@
 """Run every benchmark in order, each in its own process: ``python -m bench.run_all [--quick]``.
 
-dispatch, throughput, operations, renewals, recovery (when ``bench/recovery.py`` exists),
-scale, memory.
-Each prints its tables and writes ``bench/results/<name>.json``; a failing one is run once
-more (the services are shared), then reported, and the others still run. ``--quick`` is
-passed on (a short run, under ~5 minutes in all); ``--skip NAME`` leaves one out.
+A failing one is run once more (the services are shared), then reported; ``--skip NAME``
+leaves one out.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
-from bench.common import BENCH_DIR, machine, print_table, run_module
+from bench.common import parser, report, row
 
-ORDER = ("dispatch", "throughput", "operations", "renewals", "recovery", "scale", "memory")
+ORDER = ("operations", "dispatch", "throughput", "recovery", "scale", "memory")
+
+
+def run(name: str, *, quick: bool) -> int:
+    """``python -m bench.<name> [--quick]`` in a process of its own; its exit status."""
+    command = [sys.executable, "-m", f"bench.{name}", *(["--quick"] if quick else [])]
+    print(f"\n===== {' '.join(command[1:])} =====", flush=True)
+    return subprocess.run(command, cwd=Path(__file__).resolve().parent.parent).returncode
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a short run of each benchmark")
-    parser.add_argument(
-        "--skip", action="append", default=[], choices=ORDER, help="leave one out (repeatable)"
-    )
-    args = parser.parse_args(argv)
-    print("machine:", json.dumps(machine(), default=str), flush=True)
+    options = parser(__doc__)
+    options.add_argument("--skip", action="append", default=[], choices=ORDER, help="leave out")
+    args = options.parse_args(argv)
     rows = []
-    failed = 0
     for name in ORDER:
-        if name in args.skip or not (BENCH_DIR / f"{name}.py").exists():
-            rows.append([name, "skipped" if name in args.skip else "absent", float("nan")])
+        if name in args.skip:
+            rows.append({"benchmark": name, "status": "skipped"})
             continue
-        print(f"\n{'=' * 30} bench.{name}{' --quick' if args.quick else ''} {'=' * 30}", flush=True)
         started = time.monotonic()
-        status = run_module(name, quick=args.quick)
-        note = "ok"
+        tries, status = 1, run(name, quick=args.quick)
         if status != 0:
-            # The services are shared (a chaos run may be restarting them): one more try.
-            print(f"bench.{name} failed ({status}); running it once more", flush=True)
-            status = run_module(name, quick=args.quick)
-            note = "ok (2nd try)"
-        seconds = time.monotonic() - started
-        failed += status != 0
-        rows.append([name, note if status == 0 else f"failed ({status})", seconds])
-    print_table("bench.run_all", ["benchmark", "status", "seconds"], rows)
-    return 1 if failed else 0
+            tries, status = 2, run(name, quick=args.quick)
+        outcome = "ok" if status == 0 else f"failed ({status})"
+        rows.append(
+            row("benchmark status tries seconds", name, outcome, tries, time.monotonic() - started)
+        )
+    report("run_all", rows, quick=args.quick, title="bench.run_all")
+    return 0 if all(r["status"] in ("ok", "skipped") for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -1,11 +1,8 @@
 """Worker throughput: LeasedTask vs a plain task, no-op and 10 ms tasks, Redis and RabbitMQ.
 
-One real ``celery worker`` (prefork, 2 pool processes, default prefetch, log level WARNING) per
-run; the leases table is on PostgreSQL. The tasks are published first, then the worker starts:
-throughput is (tasks - 1) / (last completion - first completion), counted in Redis from each
-task's ``task_postrun`` (see ``bench.worker_app``), so worker start-up and publishing are out.
-Leased and plain runs alternate; each figure is the median of the repeats. The leased runs also
-count the SQL statements the pool processes sent, by kind, per task.
+One ``celery worker -P prefork -c 2`` per run (PostgreSQL store) starts after the tasks are
+published; rate = (tasks - 1) / (last - first completion). ``added_ms`` = (1/leased -
+1/plain) x 2 processes: what a leased task adds in its pool process.
 
     python -m bench.throughput [--quick]
 """
@@ -13,240 +10,94 @@ count the SQL statements the pool processes sent, by kind, per task.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import statistics
 import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
-from bench.common import (
-    POSTGRES_URL,
-    RABBITMQ_URL,
-    arguments,
-    bench_worker,
-    delete_rabbitmq,
-    drop_tables,
-    print_table,
-    private_redis,
-    scratch_name,
-    wait_done,
-    write_result,
-)
-from bench.worker_app import make_app
+from bench.common import available, parser, report, row, scratch
+from bench.worker_app import make_app, publish, start_worker, wait_done
+from tests.support.scenario import close_app
+from tests.support.service import POSTGRES_URL, delete_rabbitmq_entities, private_redis_url
+from tests.support.worker import Spawner
 
 CONCURRENCY = 2
-SLEEP_SECONDS = 0.010
+KINDS = {"no-op": ("noop", ()), "10 ms": ("sleep", (0.010,))}
+COLUMNS = "broker task plain_per_s leased_per_s leased/plain added_ms runs"
 
 
-@contextmanager
-def broker(name: str, queue: str) -> Iterator[tuple[str, str]]:
-    """(broker URL, counter Redis URL) for ``name`` (redis | rabbitmq); cleaned up after."""
-    with private_redis() as redis_url:
-        if name == "redis":
-            yield redis_url, redis_url
-            return
+def measure(
+    broker: str, url: str | None, table: str, *, counts: dict[str, int], repeats: int
+) -> list[dict[str, Any]]:
+    """One row per kind of task on ``broker`` (``url``; None: the private Redis database)."""
+    queue = f"bench_q_{uuid.uuid4().hex[:8]}"
+    rows = []
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-throughput-") as logs,
+        private_redis_url() as counter,
+    ):
+        spawner = Spawner(logs)
+        config = {
+            "broker_url": url or counter,
+            "task_default_queue": queue,
+            "control_exchange": f"{queue}_control",
+            "leases_database_url": POSTGRES_URL,
+            "leases_table": table,
+        }
+        app = make_app(config, name="bench-client")
+
+        def rate(task: str, args: tuple[Any, ...], count: int) -> float:
+            """Tasks per second of a fresh worker running ``count`` tasks sent beforehand."""
+            run = f"bench:{uuid.uuid4().hex[:8]}"
+            with contextlib.suppress(Exception):
+                app.control.purge()  # what a failed run left queued
+            publish(app, task, count, args)
+            worker = start_worker(
+                spawner, config, counter_url=counter, run=run, concurrency=CONCURRENCY
+            )
+            try:
+                first, last = wait_done(counter, run, count, worker=worker, timeout=60 + count / 20)
+            finally:
+                worker.stop(timeout=15)
+            return (count - 1) / (last - first)
+
         try:
-            yield RABBITMQ_URL, redis_url
+            for kind, (body, args) in KINDS.items():
+                rates: dict[str, list[float]] = {"leased": [], "plain": []}
+                for repeat in range(repeats):
+                    for variant in sorted(rates, reverse=repeat % 2 == 1):
+                        rates[variant].append(
+                            round(rate(f"bench.{variant}_{body}", args, counts[kind]), 1)
+                        )
+                        print(f"{broker} {kind} {variant}: {rates[variant][-1]:.0f}/s", flush=True)
+                plain, leased = (statistics.median(rates[v]) for v in ("plain", "leased"))
+                added = (1 / leased - 1 / plain) * 1000 * CONCURRENCY
+                values = (broker, kind, plain, leased, leased / plain, added, rates)
+                rows.append(row(COLUMNS, *values))
         finally:
-            delete_rabbitmq(queue)
-
-
-def publish(app: Any, task_name: str, count: int, args: tuple[Any, ...]) -> float:
-    """Publish ``count`` messages of ``task_name`` on one producer; the seconds it took."""
-    task = app.tasks[task_name]
-    started = time.perf_counter()
-    with app.producer_or_acquire() as producer:
-        for _ in range(count):
-            task.apply_async(args, producer=producer)
-    return time.perf_counter() - started
-
-
-def one_run(
-    app: Any,
-    config: dict[str, Any],
-    counter_url: str,
-    task_name: str,
-    count: int,
-    args: tuple[Any, ...],
-    log_dir: str,
-) -> dict[str, Any]:
-    """Publish ``count`` tasks with ``app``, then let a fresh worker run them all."""
-    run = f"bench:{uuid.uuid4().hex[:8]}"
-    purge(app)
-    publish_seconds = publish(app, task_name, count, args)
-    worker = bench_worker(
-        config, counter_url=counter_url, run=run, concurrency=CONCURRENCY, log_dir=log_dir
-    )
-    try:
-        done = wait_done(counter_url, run, count, worker=worker, timeout=60 + count / 20)
-    finally:
-        worker.stop(timeout=15)
-    elapsed = done["last"] - done["first"]
-    return {
-        "tasks": count,
-        "seconds": elapsed,
-        "tasks_per_s": (count - 1) / elapsed if elapsed > 0 else float("nan"),
-        "publish_seconds": publish_seconds,
-        "sql": done["sql"],
-    }
-
-
-def with_retries(run: Callable[..., dict[str, Any]], *args: Any, tries: int = 3) -> dict[str, Any]:
-    """``run(*args)``, again after a failure (a shared Redis or RabbitMQ restarted under us)."""
-    for attempt in range(1, tries + 1):
-        try:
-            return run(*args)
-        except Exception as exc:
-            if attempt == tries:
-                raise
-            print(f"run failed ({exc!r:.200}); again in 5 s", flush=True)
-            time.sleep(5)
-    raise AssertionError("unreachable")
-
-
-def purge(app: Any) -> None:
-    """Drop what a failed run left in the queue."""
-    with contextlib.suppress(Exception):
-        app.control.purge()
+            close_app(app)
+            spawner.stop_all()
+            if url:
+                pidbox = f"{queue}_control.pidbox"
+                delete_rabbitmq_entities(
+                    url, queues=[queue], exchanges=[queue, pidbox, f"reply.{pidbox}"]
+                )
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = arguments(__doc__.splitlines()[0], argv)
+    args = parser(__doc__).parse_args(argv)
     repeats = 1 if args.quick else 3
-    kinds: dict[str, dict[str, Any]] = {
-        "no-op": {"count": 500 if args.quick else 2000, "args": ()},
-        "10 ms": {"count": 200 if args.quick else 500, "args": (SLEEP_SECONDS,)},
-    }
-    task_names = {
-        ("no-op", "plain"): "bench.plain_noop",
-        ("no-op", "leased"): "bench.leased_noop",
-        ("10 ms", "plain"): "bench.plain_sleep",
-        ("10 ms", "leased"): "bench.leased_sleep",
-    }
-    table = scratch_name("tput")
-    log_dir = tempfile.mkdtemp(prefix="bench-throughput-")
-    print(f"worker logs in {log_dir}")
-    runs: list[dict[str, Any]] = []
-    try:
-        for broker_name in ("redis", "rabbitmq"):
-            queue = f"bench_q_{uuid.uuid4().hex[:8]}"
-            with broker(broker_name, queue) as (broker_url, counter_url):
-                config = {
-                    "broker_url": broker_url,
-                    "task_default_queue": queue,
-                    "control_exchange": f"{queue}_control",
-                    "leases_database_url": POSTGRES_URL,
-                    "leases_table": table,
-                }
-                # One client app per broker: kombu's connection pools are global per URL.
-                app = make_app(config, name="bench-client")
-                try:
-                    for repeat in range(repeats):
-                        for kind, spec in kinds.items():
-                            variants = ["plain", "leased"]
-                            if repeat % 2:
-                                variants.reverse()
-                            for variant in variants:
-                                result = with_retries(
-                                    one_run,
-                                    app,
-                                    config,
-                                    counter_url,
-                                    task_names[kind, variant],
-                                    spec["count"],
-                                    spec["args"],
-                                    log_dir,
-                                )
-                                result.update(
-                                    broker=broker_name, kind=kind, variant=variant, repeat=repeat
-                                )
-                                runs.append(result)
-                                print(
-                                    f"{broker_name:8s} {kind:6s} {variant:6s} repeat {repeat}:"
-                                    f" {result['tasks_per_s']:7.1f} tasks/s",
-                                    flush=True,
-                                )
-                finally:
-                    app.pool.force_close_all()
-                    app.close()
-    finally:
-        drop_tables(POSTGRES_URL, table)
-    shutil.rmtree(log_dir, ignore_errors=True)  # kept when a run failed
-    summary = summarize(runs)
-    report(summary)
-    write_result(
-        "throughput",
-        {"repeats": repeats, "concurrency": CONCURRENCY, "summary": summary, "runs": runs},
-        quick=args.quick,
-    )
-
-
-def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for broker_name in ("redis", "rabbitmq"):
-        for kind in ("no-op", "10 ms"):
-            row: dict[str, Any] = {"broker": broker_name, "kind": kind}
-            for variant in ("plain", "leased"):
-                chosen = [
-                    r
-                    for r in runs
-                    if (r["broker"], r["kind"], r["variant"]) == (broker_name, kind, variant)
-                ]
-                if not chosen:
-                    continue
-                rates = [r["tasks_per_s"] for r in chosen]
-                row[variant] = statistics.median(rates)
-                row[f"{variant}_runs"] = rates
-                if variant == "leased":
-                    tasks = sum(r["tasks"] for r in chosen)
-                    kinds: dict[str, int] = {}
-                    for r in chosen:
-                        for k, v in r["sql"].items():
-                            kinds[k] = kinds.get(k, 0) + v
-                    row["sql_per_task"] = {k: v / tasks for k, v in sorted(kinds.items())}
-            if "plain" in row and "leased" in row:
-                row["ratio"] = row["leased"] / row["plain"]
-                row["ms_per_task_added"] = (1 / row["leased"] - 1 / row["plain"]) * 1000
-            out.append(row)
-    return out
-
-
-def report(summary: list[dict[str, Any]]) -> None:
+    counts = {"no-op": 500, "10 ms": 200} if args.quick else {"no-op": 2000, "10 ms": 500}
     rows = []
-    for r in summary:
-        if "ratio" not in r:
-            continue
-        sql = r.get("sql_per_task", {})
-        statements = sum(v for k, v in sql.items() if k != "checkout")
-        rows.append(
-            [
-                r["broker"],
-                r["kind"],
-                r["plain"],
-                r["leased"],
-                r["ratio"],
-                r["ms_per_task_added"] * 2,  # 2 pool processes: per-process cost of one task
-                statements,
-                ", ".join(f"{k} {v:.2f}" for k, v in sql.items()),
-            ]
-        )
-    print_table(
-        f"Throughput, one prefork worker with {CONCURRENCY} pool processes (median tasks/s)",
-        [
-            "broker",
-            "task",
-            "plain",
-            "leased",
-            "leased / plain",
-            "added ms per task per process",
-            "SQL statements / task",
-            "by kind (per task)",
-        ],
-        rows,
-    )
+    with scratch(POSTGRES_URL, "throughput") as table:
+        rows += measure("redis", None, table, counts=counts, repeats=repeats)
+        rabbitmq = available("rabbitmq")
+        if rabbitmq:
+            rows += measure("rabbitmq", rabbitmq, table, counts=counts, repeats=repeats)
+    title = f"Throughput of one prefork worker -c {CONCURRENCY} (median tasks/s)"
+    report("throughput", rows, quick=args.quick, title=title, tasks=counts, repeats=repeats)
 
 
 if __name__ == "__main__":

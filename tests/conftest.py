@@ -6,6 +6,8 @@
   ``celery_settings`` (both of those plus a private remote-control exchange), and
   ``filesystem_broker`` (settings for kombu's ``filesystem://`` transport, no server needed).
 - ``spawn``: start real ``celery worker`` / ``celery beat`` subprocesses, all killed at teardown.
+- ``sqlite_settings``: settings of the ``celery leases`` command on a fresh SQLite file and the
+  ``filesystem://`` broker (``tests.support.cli``).
 
 An unreachable PostgreSQL, MariaDB, Redis or RabbitMQ skips the test, or fails it when CI=true.
 """
@@ -20,8 +22,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from tests.services import delete_rabbitmq_entities, private_redis_url, require
-from tests.workers import CeleryProcess, Spawner
+from tests.support.cli import leases_settings
+from tests.support.service import delete_rabbitmq_entities, private_redis_url, require
+from tests.support.worker import CeleryProcess, Spawner
 
 # Seconds a teardown DROP TABLE waits for locks. A lock still held then means the test leaked
 # an open transaction (an engine it did not dispose of, a worker still alive).
@@ -123,7 +126,7 @@ def _control_exchange(queue_name: str) -> str:
 def celery_settings(broker_url: str, queue_name: str) -> dict[str, Any]:
     """Celery settings for a test on ``broker_url``: its own queue and its own remote-control
     exchange (so ``inspect``/``control`` never reach another test run's workers). Pass them
-    to subprocesses with ``tests.services.celery_env``."""
+    to subprocesses with ``tests.support.service.celery_env``."""
     return {
         "broker_url": broker_url,
         "task_default_queue": queue_name,
@@ -155,6 +158,14 @@ def filesystem_broker(tmp_path: Path) -> dict[str, Any]:
         },
         "broker_connection_retry_on_startup": True,
     }
+
+
+# -- the leases CLI ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sqlite_settings(tmp_path: Path, filesystem_broker: dict[str, Any]) -> dict[str, Any]:
+    return leases_settings(f"sqlite:///{tmp_path}/leases.sqlite3", "leases_cli", filesystem_broker)
 
 
 # -- processes -----------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """The short chaos form (issue 7): 40 jobs x 10 units on 3 prefork workers, ~15 faults.
 
-Each test runs ``tests/chaos/driver.py`` against real services and fails when an invariant
+Each test runs ``tests/support/chaos/driver.py`` against real services and fails when an invariant
 does not hold. The seed is printed (``pytest -s``) and is in the failure message; replay one
 with ``CHAOS_SEED=<seed> pytest tests/chaos -m chaos -k <test>``, or run the long form with
-``python -m tests.chaos.driver --help``. The PostgreSQL + Redis test restarts both local
+``python -m tests.support.chaos.driver --help``. The PostgreSQL + Redis test restarts both local
 servers mid-run (set ``CHAOS_SERVICE_RESTARTS=0`` to leave them alone on a shared machine).
 """
 
@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from tests.chaos import faults
-from tests.chaos.driver import Chaos, Config, Report, new_seed
-from tests.services import in_ci
-from tests.workers import Spawner
+from tests.support.chaos import fault as faults
+from tests.support.chaos.driver import Chaos, Config, Report, new_seed
+from tests.support.service import in_ci
+from tests.support.worker import Spawner
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.chaos, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 SHORT = Config(jobs=40, units=10, unit_seconds=0.6, workers=3, concurrency=2, faults=15)
 

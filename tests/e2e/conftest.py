@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_support import Scenario, kill_all
-from tests.services import private_redis_url
-from tests.workers import Spawner
+from tests.support.scenario import Scenario, kill_all
+from tests.support.service import private_redis_url
+from tests.support.worker import Spawner
 
 
 @pytest.fixture

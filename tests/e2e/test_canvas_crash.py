@@ -1,6 +1,6 @@
 """A crash-resumed leased job is the same Celery job inside real canvases.
 
-Each test starts real ``celery worker`` processes of ``tests.apps.canvas_app`` (a PostgreSQL
+Each test starts real ``celery worker`` processes of ``tests.support.apps.canvas_app`` (a PostgreSQL
 leases table, a Redis result backend, a 2 s lease renewed every 0.5 s, ``celery beat`` reaping
 every second) and launches eight workflows at once, so that all ten of their leased tasks run on
 one worker (``-c 12``) when the crash comes:
@@ -47,17 +47,17 @@ from celery.result import AsyncResult, GroupResult
 
 from celery_leases import Job, get_job
 from celery_leases import message as message_module
-from tests.apps.canvas_app import (
+from tests.support.apps.canvas_app import (
     LIBRARY_HEADERS,
     TOPIC_ENV,
     Records,
     add_canvas_tasks,
     records_for,
 )
-from tests.e2e_support import Scenario, check_unit_log, kill_all, runs_of, start_all, wait_for
-from tests.services import delete_rabbitmq_entities
-from tests.test_bad_input import TcpProxy
-from tests.workers import Beat, Worker
+from tests.support.proxy import TcpProxy
+from tests.support.scenario import Scenario, check_unit_log, kill_all, runs_of, start_all, wait_for
+from tests.support.service import delete_rabbitmq_entities
+from tests.support.worker import Beat, Worker
 
 pytestmark = [
     pytest.mark.e2e,
@@ -65,7 +65,7 @@ pytestmark = [
     pytest.mark.parametrize("database_url", ["postgres"], indirect=True),
 ]
 
-CANVAS_APP = "tests.apps.canvas_app"
+CANVAS_APP = "tests.support.apps.canvas_app"
 MakeScenario = Callable[..., Scenario]
 
 UNITS = 16

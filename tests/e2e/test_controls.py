@@ -43,20 +43,20 @@ from celery_leases import ArgumentsError, GaveUp, Job, get_job
 from celery_leases.config import settings_for
 from celery_leases.statements import GAVE_UP_NO_PROGRESS
 from celery_leases.store import Store, store_for
-from tests.apps.control_app import PARTIAL_ENV, add_control_tasks, call_log_for
-from tests.apps.leased_app import app_env, unit_log_for
-from tests.apps.leased_app import make_app as make_leased_app
-from tests.apps.unit_log import Unit
 from tests.conftest import _drop_tables
-from tests.e2e_support import Run, close_app, kill_all, runs_of, start_all, wait_for
-from tests.services import delete_rabbitmq_entities, private_redis_url, require
-from tests.workers import REPO_ROOT, Beat, Spawner, Worker
+from tests.support.apps.control_app import PARTIAL_ENV, add_control_tasks, call_log_for
+from tests.support.apps.leased_app import app_env, unit_log_for
+from tests.support.apps.leased_app import make_app as make_leased_app
+from tests.support.scenario import Run, close_app, kill_all, runs_of, start_all, wait_for
+from tests.support.service import delete_rabbitmq_entities, private_redis_url, require
+from tests.support.unit_log import Unit
+from tests.support.worker import REPO_ROOT, Beat, Spawner, Worker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 T = TypeVar("T")
 
-CONTROL_APP = "tests.apps.control_app"
+CONTROL_APP = "tests.support.apps.control_app"
 FINISHED = ("done", "failed", "cancelled", "revoked", "replaced")
 #: Seconds to watch a job after it ended: six reaper passes, and more than a lease.
 SETTLE = 3.0

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_support import Scenario, check_unit_log, wait_for
+from tests.support.scenario import Scenario, check_unit_log, wait_for
 
 pytestmark = [
     pytest.mark.e2e,

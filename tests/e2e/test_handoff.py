@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.apps.handoff_app import add_handoff_tasks
-from tests.e2e_support import Scenario, check_unit_log, runs_of, start_all, wait_for
+from tests.support.apps.handoff_app import add_handoff_tasks
+from tests.support.scenario import Scenario, check_unit_log, runs_of, start_all, wait_for
 
 pytestmark = [
     pytest.mark.e2e,
@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.parametrize("broker_url", ["redis"], indirect=True),
 ]
 
-HANDOFF_APP = "tests.apps.handoff_app"
+HANDOFF_APP = "tests.support.apps.handoff_app"
 MakeScenario = Callable[..., Scenario]
 
 

@@ -19,8 +19,8 @@ import pytest
 import celery_leases
 from celery_leases import Job
 from celery_leases.statements import GAVE_UP_NO_PROGRESS
-from tests.apps.unit_log import Unit
-from tests.e2e_support import Run, Scenario, check_unit_log, freeze, thaw
+from tests.support.scenario import Run, Scenario, check_unit_log, freeze, thaw
+from tests.support.unit_log import Unit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

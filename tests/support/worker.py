@@ -1,11 +1,11 @@
 """Real ``celery worker`` and ``celery beat`` subprocesses for end-to-end tests.
 
-    worker = Worker("tests.apps.plain_app", env=celery_env(settings), log_dir=tmp_path)
+    worker = Worker("tests.support.apps.plain_app", env=celery_env(settings), log_dir=tmp_path)
     with worker.start():
         ...  # send tasks; worker.children(); worker.signal(signal.SIGSTOP); worker.kill()
 
-In tests prefer the ``spawn`` fixture (conftest.py): it passes ``log_dir``, kills every process
-it made at teardown, and shows the end of each log when the test fails.
+In tests prefer the ``spawn`` fixture (tests/conftest.py): it passes ``log_dir``, kills every
+process it made at teardown, and shows the end of each log when the test fails.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = TESTS_DIR.parent
 
 # Every process started here and not yet reaped: killed at interpreter exit as a last resort.

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from celery_leases.config import DEFAULTS, validate
 from celery_leases.rows import Claimed
 from celery_leases.store import Store
-from tests.messages import job_message
+from tests.support.message import job_message
 
 PROCESSES = 16
 ROUNDS = 20

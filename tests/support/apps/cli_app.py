@@ -1,7 +1,7 @@
-"""A celery-leases app for the ``celery -A tests.apps.cli_app leases ...`` tests.
+"""A celery-leases app for the ``celery -A tests.support.apps.cli_app leases ...`` tests.
 
 Settings (``leases_database_url``, ``leases_table``, broker) come from ``TEST_CELERY_CONFIG``
-(see ``tests.services.celery_env``); without them the broker is ``memory://``.
+(see ``tests.support.service.celery_env``); without them the broker is ``memory://``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 from celery import Celery
 
 from celery_leases import LeasedTask
-from tests.services import config_from_env
+from tests.support.service import config_from_env
 
 app = Celery("cli_app")
 app.conf.update({"broker_url": "memory://", **config_from_env()})

@@ -1,4 +1,4 @@
-"""``tests.apps.leased_app`` plus the tasks of the Celery-controls tests, configured from env.
+"""``leased_app`` plus the tasks of the Celery-controls tests, configured from env.
 
 Configured like ``leased_app`` (see its ``app_env``), plus:
 
@@ -45,9 +45,9 @@ from sqlalchemy.engine import Engine
 import celery_leases
 from celery_leases import LeasedTask
 from celery_leases.schema import db_now
-from tests.apps.leased_app import _atomic_filesystem_put, settings_from_env, unit_log_for
-from tests.apps.leased_app import make_app as make_leased_app
-from tests.apps.unit_log import UnitLog
+from tests.support.apps.leased_app import _atomic_filesystem_put, settings_from_env, unit_log_for
+from tests.support.apps.leased_app import make_app as make_leased_app
+from tests.support.unit_log import UnitLog
 
 PARTIAL_ENV = "CONTROLS_PARTIAL"
 #: Seconds ``controls.retry_after_cancel`` waits to be asked to stop before it retries anyway.

@@ -1,7 +1,7 @@
 """A plain Celery app (no celery-leases) for testing the test infrastructure itself.
 
 The broker comes from ``TEST_BROKER_URL``, other settings from ``TEST_CELERY_CONFIG``
-(see ``tests.services.celery_env``).
+(see ``tests.support.service.celery_env``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 from celery import Celery
 
-from tests.services import config_from_env
+from tests.support.service import config_from_env
 
 app = Celery("plain_app")
 app.conf.update(config_from_env())

@@ -57,7 +57,8 @@ REDIS_START = [
     "--logfile",
     "/var/log/redis/ci.log",
 ]
-#: Keys of other test runs kept across a Redis restart (``tests.services.private_redis_url``).
+#: Keys of other test runs kept across a Redis restart
+#: (``tests.support.service.private_redis_url``).
 REDIS_KEEP_PATTERN = "celery-leases-tests:*"
 
 

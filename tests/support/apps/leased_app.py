@@ -1,6 +1,6 @@
 """A celery-leases app for the end-to-end tests and ``bench/recovery.py``, configured from env.
 
-Run it as ``celery -A tests.apps.leased_app worker`` (or ``beat``) with these variables set
+Run it as ``celery -A tests.support.apps.leased_app worker`` (or ``beat``) with these variables set
 (build them with :func:`app_env`):
 
 =============================  ================================================================
@@ -17,10 +17,10 @@ Run it as ``celery -A tests.apps.leased_app worker`` (or ``beat``) with these va
 ``E2E_QUEUE``                  ``task_default_queue`` (and a private remote-control exchange)
 ``E2E_REAPER_EVERY``           seconds between reaper passes, via ``schedule_reaper`` (unset: none)
 ``E2E_MAX_NO_PROGRESS``        ``leases_max_attempts_without_progress``
-``TEST_CELERY_CONFIG``         JSON of any other Celery settings (``tests.services.celery_env``)
+``TEST_CELERY_CONFIG``         JSON of any other Celery settings (``service.celery_env``)
 =============================  ================================================================
 
-Tasks (all write the unit log, see ``tests/apps/unit_log.py``):
+Tasks (all write the unit log, see ``tests/support/unit_log.py``):
 
 - ``e2e.units(count, unit_seconds)``: ``count`` units of ``unit_seconds`` each; after each unit
   it checkpoints ``{"next": unit + 1}`` in the transaction that commits the unit's log row, and
@@ -45,7 +45,7 @@ from celery import Celery, Task
 
 import celery_leases
 from celery_leases import LeasedTask
-from tests.apps.unit_log import UnitLog
+from tests.support.unit_log import UnitLog
 
 #: How each ``app_env`` keyword maps to its variable.
 ENV_NAMES = {

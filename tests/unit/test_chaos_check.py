@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.apps.unit_log import Unit
-from tests.chaos.checks import (
+from tests.support.chaos.check import (
     AT_LEAST_ONCE,
     EXACTLY_ONCE,
     CheckpointRow,
@@ -13,6 +12,7 @@ from tests.chaos.checks import (
     JobRow,
     check_all,
 )
+from tests.support.unit_log import Unit
 
 UNITS = 4
 BACKWARDS = "no checkpoint ever moved backwards"

@@ -16,7 +16,7 @@ from celery_leases.message import Message
 from celery_leases.rows import Claimed, Reaped, Refused
 from celery_leases.statements import GAVE_UP_MAX_ATTEMPTS, GAVE_UP_NO_PROGRESS
 from celery_leases.store import Store
-from tests.messages import job_message
+from tests.support.message import job_message
 
 OWNER = "worker-a/1"
 

@@ -1,4 +1,4 @@
-"""``tests.apps.leased_app`` plus the tasks of the hand-off tests (issue 6), configured from env.
+"""``tests.support.apps.leased_app`` plus the hand-off tests' tasks (issue 6), configured from env.
 
 - ``e2e.stuck(count, unit_seconds, stuck_after)``: like ``e2e.units``, but its first attempt
   hangs in ``time.sleep(3600)`` after committing unit ``stuck_after`` (a deadlock, a socket
@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from celery import Celery, Task
 
 from celery_leases import LeasedTask
-from tests.apps.leased_app import make_app as make_leased_app
-from tests.apps.leased_app import unit_log_for
+from tests.support.apps.leased_app import make_app as make_leased_app
+from tests.support.apps.leased_app import unit_log_for
 
 
 def add_handoff_tasks(app: Celery) -> Celery:

@@ -120,7 +120,8 @@ def celery_env(settings: dict[str, Any]) -> dict[str, str]:
 
 
 def config_from_env() -> dict[str, Any]:
-    """The Celery settings a test passed with :func:`celery_env` (for app modules under tests/)."""
+    """The Celery settings a test passed with :func:`celery_env` (for the app modules in
+    tests/support/apps/)."""
     settings: dict[str, Any] = json.loads(os.environ.get("TEST_CELERY_CONFIG", "{}"))
     if "TEST_BROKER_URL" in os.environ:
         settings["broker_url"] = os.environ["TEST_BROKER_URL"]
@@ -186,7 +187,8 @@ def delete_rabbitmq_entities(url: str, *, queues: Iterable[str], exchanges: Iter
 def celery_client(settings: dict[str, Any]) -> Iterator[Celery]:
     """A Celery app for the test process to send tasks and read results with, configured with
     ``settings``; every connection it opened is closed on exit (``Celery.close()`` alone leaves
-    the result consumer's open, a ResourceWarning)."""
+    the result consumer's open, a ResourceWarning), and its pools leave kombu's registry (see
+    :func:`close_app`)."""
     from celery import Celery
 
     app = Celery("test-client", set_as_current=False)
@@ -199,5 +201,20 @@ def celery_client(settings: dict[str, Any]) -> Iterator[Celery]:
             # rpc:// raises AttributeError when it never started consuming.
             with contextlib.suppress(AttributeError):
                 consumer.stop()
+        close_app(app)
+
+
+def close_app(app: Celery) -> None:
+    """Close ``app`` and the broker connections it published with. ``app.close()`` alone
+    leaves them open: kombu keeps producer pools in a process-wide registry keyed by URL."""
+    from kombu import pools
+    from kombu.utils.collections import eqhash
+
+    key = eqhash(app.connection_for_write())
+    for group in (pools.producers, pools.connections):
+        pool = dict.pop(group, key, None)
+        if pool is not None:
+            pool.force_close_all()
+    if app._pool is not None:
         app.pool.force_close_all()
-        app.close()
+    app.close()

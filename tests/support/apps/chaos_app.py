@@ -1,8 +1,9 @@
-"""``tests.apps.leased_app`` plus the two tasks of the chaos driver (``tests/chaos/driver.py``).
+"""``tests.support.apps.leased_app`` plus the two tasks of the chaos driver
+(``tests/support/chaos/driver.py``).
 
 Configured from the environment like ``leased_app`` (see its ``app_env``). Both tasks run
 ``count`` units of ``unit_seconds``, write one unit-log row per unit (``<table>_units``,
-``tests/apps/unit_log.py``) and resume from ``{"next": unit}``:
+``tests/support/unit_log.py``) and resume from ``{"next": unit}``:
 
 - ``chaos.exactly_once(count, unit_seconds, tail_seconds=0)``: the unit row is committed in
   the transaction of its checkpoint (``self.checkpoint(..., connection=conn)``);
@@ -34,8 +35,8 @@ from sqlalchemy.engine import Engine
 
 import celery_leases
 from celery_leases import LeasedTask, StoreUnavailable
-from tests.apps.leased_app import make_app as make_leased_app
-from tests.apps.unit_log import UnitLog, _sqlite_on_connect
+from tests.support.apps.leased_app import make_app as make_leased_app
+from tests.support.unit_log import UnitLog, _sqlite_on_connect
 
 #: Errors of the task's own database writes that a retry from the checkpoint cures.
 TRANSIENT = (sa.exc.OperationalError, sa.exc.InterfaceError, StoreUnavailable)

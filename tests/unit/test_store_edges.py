@@ -14,8 +14,8 @@ from celery_leases.config import DEFAULTS, settings_for, validate
 from celery_leases.rows import Claimed
 from celery_leases.schema import MAX_ID_LENGTH
 from celery_leases.store import Store, store_for
-from tests.e2e_support import close_app
-from tests.messages import job_message
+from tests.support.message import job_message
+from tests.support.scenario import close_app
 
 OWNER = "worker-a/1"
 TOO_LONG = "L" * (MAX_ID_LENGTH + 1)

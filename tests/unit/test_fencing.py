@@ -17,7 +17,7 @@ from celery_leases.config import settings_for
 from celery_leases.lease import Lease, current
 from celery_leases.rows import Claimed
 from celery_leases.store import Store, store_for
-from tests.messages import job_message
+from tests.support.message import job_message
 
 accounts = sa.Table(
     "fencing_accounts",

@@ -1,4 +1,4 @@
-"""``tests.apps.leased_app`` plus the tasks of the canvas crash tests, configured from env.
+"""``tests.support.apps.leased_app`` plus the tasks of the canvas crash tests, configured from env.
 
 Configured like ``leased_app`` (see its ``app_env``; set ``result_backend``, a Redis URL: the
 records below live there too), plus:
@@ -44,9 +44,9 @@ from celery import Celery, Task, chain
 from kombu import Exchange, Queue
 
 from celery_leases import LeasedTask
-from tests.apps.leased_app import make_app as make_leased_app
-from tests.apps.leased_app import unit_log_for
-from tests.apps.unit_log import UnitLog
+from tests.support.apps.leased_app import make_app as make_leased_app
+from tests.support.apps.leased_app import unit_log_for
+from tests.support.unit_log import UnitLog
 
 TOPIC_ENV = "CANVAS_TOPIC"
 #: The routing key the topic queue is bound with.

@@ -1,14 +1,14 @@
 """Chaos driver: real ``celery worker`` (prefork) and ``celery beat`` processes on real services,
 N jobs of M units, seeded random faults while they run, and the invariants checked at the end.
 
-    python -m tests.chaos.driver --jobs 500 --units 20 --workers 3 --faults 100 --seed 7 \\
+    python -m tests.support.chaos.driver --jobs 500 --units 20 --workers 3 --faults 100 --seed 7 \\
         --broker redis --database postgres --restart-database --restart-broker
 
 ``--broker`` is ``redis`` (a Redis database no test uses), ``rabbitmq``, ``filesystem`` (the
 embedded broker) or a URL; ``--database`` is ``postgres``, ``sqlite`` or a URL. Half the jobs
 run ``chaos.exactly_once`` (unit row and checkpoint in one transaction), half
 ``chaos.at_least_once`` (unit row committed, then the checkpoint): see
-``tests/apps/chaos_app.py``. The seed is printed first; the same seed replays the same jobs,
+``tests/support/apps/chaos_app.py``. The seed is printed first; the same seed replays the same jobs,
 fault plan (kinds, moments by progress, targets, freeze lengths). Exits 1 if an invariant
 failed.
 """
@@ -37,16 +37,16 @@ import sqlalchemy as sa
 from celery_leases import LeaseError
 from celery_leases.config import settings_for
 from celery_leases.store import store_for
-from tests.apps.chaos_app import (
+from tests.support.apps.chaos_app import (
     add_chaos_tasks,
     chaos_log_for,
     install_checkpoint_log,
     remove_checkpoint_log,
 )
-from tests.apps.leased_app import app_env
-from tests.apps.leased_app import make_app as make_leased_app
-from tests.chaos import faults as F
-from tests.chaos.checks import (
+from tests.support.apps.leased_app import app_env
+from tests.support.apps.leased_app import make_app as make_leased_app
+from tests.support.chaos import fault as F
+from tests.support.chaos.check import (
     AT_LEAST_ONCE,
     EXACTLY_ONCE,
     Check,
@@ -55,10 +55,11 @@ from tests.chaos.checks import (
     JobRow,
     check_all,
 )
-from tests.e2e_support import close_app, freeze, kill_all, start_all, thaw
-from tests.workers import Beat, Spawner, Worker
+from tests.support.scenario import freeze, kill_all, start_all, thaw
+from tests.support.service import close_app
+from tests.support.worker import Beat, Spawner, Worker
 
-CHAOS_APP = "tests.apps.chaos_app"
+CHAOS_APP = "tests.support.apps.chaos_app"
 TASK_OF_MODE = {EXACTLY_ONCE: "chaos.exactly_once", AT_LEAST_ONCE: "chaos.at_least_once"}
 
 #: Log lines counted in every worker and beat log at the end, as figures.
@@ -520,7 +521,7 @@ def new_seed() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tests.chaos.driver", description=__doc__.splitlines()[0]
+        prog="python -m tests.support.chaos.driver", description=__doc__.splitlines()[0]
     )
     d = Config()
     parser.add_argument("--jobs", type=int, default=500)
@@ -610,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_restartable(config: Config, *, database_url: str, broker: str) -> list[str]:
     """Why the service restarts asked for cannot be done here (empty when they can)."""
-    from tests.services import REDIS_URL
+    from tests.support.service import REDIS_URL
 
     problems = []
     if "restart_database" in config.kinds and not F.can_restart_postgres(database_url):
@@ -624,7 +625,7 @@ def check_restartable(config: Config, *, database_url: str, broker: str) -> list
 
 
 def _database_url(name: str, log_dir: Path) -> str:
-    from tests.services import POSTGRES_URL
+    from tests.support.service import POSTGRES_URL
 
     if name == "postgres":
         return POSTGRES_URL
@@ -635,7 +636,7 @@ def _database_url(name: str, log_dir: Path) -> str:
 
 @contextlib.contextmanager
 def _broker_settings(name: str, log_dir: Path) -> Iterator[dict[str, Any]]:
-    from tests.services import RABBITMQ_URL, delete_rabbitmq_entities, private_redis_url
+    from tests.support.service import RABBITMQ_URL, delete_rabbitmq_entities, private_redis_url
 
     queue = f"leases_q_{uuid.uuid4().hex[:8]}"
     settings: dict[str, Any] = {

@@ -1,21 +1,17 @@
 """Bad input against real workers (issue 7): a leases database that is down at worker start, at
 claim, during renewal and at finish, and a job whose task no worker knows.
 
-The database outages go through a TCP proxy in this process (``TcpProxy``) in front of the
-shared PostgreSQL: the workers' ``leases_database_url`` points at the proxy, the test reads
+The database outages go through a TCP proxy in this process (``tests.support.proxy``) in front
+of the shared PostgreSQL: the workers' ``leases_database_url`` points at the proxy, the test reads
 the table directly. Stopping the proxy refuses new connections and cuts the open ones, like a
 database going down, without touching the server other tests use.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import re
-import socket
-import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,13 +23,15 @@ from celery import Celery
 from celery_leases import Job, StoreUnavailable, get_job
 from celery_leases.config import settings_for
 from celery_leases.store import Store, store_for
-from tests.apps.chaos_app import ReconnectingUnitLog, add_chaos_tasks, chaos_log_for
-from tests.apps.leased_app import app_env
-from tests.apps.leased_app import make_app as make_leased_app
-from tests.apps.unit_log import Unit
-from tests.e2e_support import FINISHED, check_unit_log, close_app, kill_all, wait_for
-from tests.messages import job_message
-from tests.workers import Beat, Spawner, Worker
+from tests.support.apps.chaos_app import ReconnectingUnitLog, add_chaos_tasks, chaos_log_for
+from tests.support.apps.leased_app import app_env
+from tests.support.apps.leased_app import make_app as make_leased_app
+from tests.support.message import job_message
+from tests.support.proxy import TcpProxy
+from tests.support.scenario import FINISHED, check_unit_log, kill_all, wait_for
+from tests.support.service import close_app
+from tests.support.unit_log import Unit
+from tests.support.worker import Beat, Spawner, Worker
 
 pytestmark = [
     pytest.mark.e2e,
@@ -42,75 +40,9 @@ pytestmark = [
     pytest.mark.parametrize("broker_url", ["redis"], indirect=True),
 ]
 
-CHAOS_APP = "tests.apps.chaos_app"
+CHAOS_APP = "tests.support.apps.chaos_app"
 #: Given to the workers in their database URL; it must never show up in a log.
 PASSWORD = "secret-pw-7"
-
-
-class TcpProxy:
-    """A TCP forwarder on 127.0.0.1 to ``target`` that can be stopped (every connection is
-    refused or cut) and started again on the same port."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.target = (host, port)
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        self._server: asyncio.Server | None = None
-        self._streams: set[asyncio.StreamWriter] = set()
-
-    def _call(self, coroutine: Coroutine[Any, Any, None]) -> None:
-        asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(10)
-
-    def start(self) -> None:
-        self._call(self._start())
-
-    def stop(self) -> None:
-        self._call(self._stop())
-
-    def close(self) -> None:
-        self.stop()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
-
-    async def _start(self) -> None:
-        if self._server is None:
-            self._server = await asyncio.start_server(
-                self._forward, "127.0.0.1", self.port, reuse_address=True
-            )
-
-    async def _stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        for stream in list(self._streams):
-            stream.transport.abort()
-        while self._streams:
-            await asyncio.sleep(0.01)
-
-    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._streams.add(writer)
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
-            writer.transport.abort()
-            self._streams.discard(writer)
-            return
-        self._streams.add(up_writer)
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
-        self._streams -= {writer, up_writer}
-
-    @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        writer.transport.abort()
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Helpers for the end-to-end tests (and ``bench/recovery.py``): a scenario of real workers
-running ``tests/apps/leased_app.py``, and the checks the unit log must pass.
+running ``tests/support/apps/leased_app.py``, and the checks the unit log must pass.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from celery import Celery
 from celery_leases import Job, get_job
 from celery_leases.config import settings_for
 from celery_leases.store import Store, store_for
-from tests.apps.leased_app import app_env, make_app, unit_log_for
-from tests.apps.unit_log import Unit, UnitLog
-from tests.workers import Beat, CeleryProcess, Spawner, Worker, pid_exists
+from tests.support.apps.leased_app import app_env, make_app, unit_log_for
+from tests.support.service import close_app
+from tests.support.unit_log import Unit, UnitLog
+from tests.support.worker import Beat, CeleryProcess, Spawner, Worker, pid_exists
 
-LEASED_APP = "tests.apps.leased_app"
+LEASED_APP = "tests.support.apps.leased_app"
 FINISHED = ("done", "failed", "cancelled")
 
 T = TypeVar("T")
@@ -65,7 +66,7 @@ def thaw(process: CeleryProcess) -> None:
 
 @dataclass
 class Scenario:
-    """Workers of ``tests.apps.leased_app`` sharing one environment, a client app configured
+    """Workers of ``tests.support.apps.leased_app`` sharing one environment, a client app configured
     the same way in this process, and the unit log."""
 
     spawn: Spawner
@@ -191,22 +192,6 @@ def kill_all(spawner: Spawner) -> None:
         if process.process is not None:
             with contextlib.suppress(Exception):
                 process.wait(timeout=5)
-
-
-def close_app(app: Celery) -> None:
-    """Close ``app`` and the broker connections it published with. ``app.close()`` alone
-    leaves them open: kombu keeps producer pools in a process-wide registry keyed by URL."""
-    from kombu import pools
-    from kombu.utils.collections import eqhash
-
-    key = eqhash(app.connection_for_write())
-    for group in (pools.producers, pools.connections):
-        pool = dict.pop(group, key, None)
-        if pool is not None:
-            pool.force_close_all()
-    if app._pool is not None:
-        app.pool.force_close_all()
-    app.close()
 
 
 # -- unit log checks -------------------------------------------------------------------------

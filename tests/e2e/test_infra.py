@@ -1,4 +1,4 @@
-"""The test infrastructure itself: real workers, real brokers, service checks."""
+"""The test infrastructure itself: real workers and beat on real brokers."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
-from tests import services
-from tests.services import celery_client, celery_env
-from tests.workers import Spawner, pid_exists
+from tests.support.service import celery_client, celery_env
+from tests.support.worker import Spawner, pid_exists
 
-PLAIN_APP = "tests.apps.plain_app"
+pytestmark = pytest.mark.e2e
+
+PLAIN_APP = "tests.support.apps.plain_app"
 
 
 def wait_until_gone(pids: list[int], timeout: float = 5) -> list[int]:
@@ -53,14 +54,3 @@ def test_a_worker_and_beat_run_on_the_filesystem_broker(
     worker.wait_for_log(r"Task plain\.add\[\S+\] succeeded in \S+: 42", timeout=10)
     assert "Scheduler: Sending due task add (plain.add)" in beat.log_text()
     assert beat.schedule_path.parent == worker.log_path.parent
-
-
-def test_an_unreachable_service_skips_the_test_or_fails_it_in_ci(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setitem(services.URLS, "redis", "redis://127.0.0.1:9/0")
-    monkeypatch.setattr(services, "_checked", {})
-    for ci, outcome in (("false", pytest.skip.Exception), ("true", pytest.fail.Exception)):
-        monkeypatch.setenv("CI", ci)
-        with pytest.raises(outcome, match=r"redis unreachable at redis://127\.0\.0\.1:9/0: "):
-            services.require("redis")

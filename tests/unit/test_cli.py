@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import pty
 import subprocess
-import sys
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,80 +11,18 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from celery_leases.config import DEFAULTS, validate
-from celery_leases.message import Message
 from celery_leases.rows import Refused
 from celery_leases.store import Store
-from tests.messages import job_message
-from tests.services import celery_env
-from tests.workers import REPO_ROOT, Spawner
-
-APP = "tests.apps.cli_app"
-#: Seconds without a checkpoint after which the test app's running jobs count as stalled.
-STALL_TIMEOUT = 300.0
-
-
-class Cli:
-    """Runs ``python -m celery -A tests.apps.cli_app leases ...`` with the test's settings."""
-
-    def __init__(self, settings: dict[str, Any]) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in ("APP", "CELERY_APP", "NO_COLOR")}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        env["COLUMNS"] = "100"
-        env.update(celery_env(settings))
-        self.env = env
-
-    def command(self, args: tuple[str, ...], app: str | None) -> list[str]:
-        return [sys.executable, "-m", "celery", *(["-A", app] if app else []), "leases", *args]
-
-    def __call__(self, *args: str, app: str | None = APP) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            self.command(args, app),
-            cwd=REPO_ROOT,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-
-    def on_a_terminal(self, *args: str) -> str:
-        """What the command writes to stdout when stdout is a terminal (a pseudo-terminal)."""
-        main, child = pty.openpty()
-        try:
-            process = subprocess.Popen(
-                self.command(args, APP), cwd=REPO_ROOT, env=self.env, stdout=child
-            )
-        finally:
-            os.close(child)
-        chunks = []
-        try:
-            while data := os.read(main, 65536):
-                chunks.append(data)
-        except OSError:  # Linux: EIO once the child closed the terminal
-            pass
-        finally:
-            os.close(main)
-        assert process.wait(timeout=60) == 0
-        return b"".join(chunks).decode()
-
-    def ok(self, *args: str) -> str:
-        result = self(*args)
-        assert result.returncode == 0, f"{args} exited {result.returncode}: {result.stderr}"
-        return result.stdout
-
-
-def leases_settings(url: str, table: str, broker: dict[str, Any]) -> dict[str, Any]:
-    return {
-        **broker,
-        "leases_database_url": url,
-        "leases_table": table,
-        "leases_stall_timeout": STALL_TIMEOUT,
-    }
-
-
-def store_of(settings: dict[str, Any]) -> Store:
-    raw = {**DEFAULTS, **{k.removeprefix("leases_"): v for k, v in settings.items()}}
-    return Store(validate({k: raw[k] for k in DEFAULTS}))
+from tests.support.cli import (
+    STALL_TIMEOUT,
+    Cli,
+    claim,
+    leases_settings,
+    record,
+    recorded,
+    store_of,
+)
+from tests.support.message import job_message
 
 
 @pytest.fixture
@@ -112,31 +45,7 @@ def cli(settings: dict[str, Any]) -> Cli:
     return Cli(settings)
 
 
-@pytest.fixture
-def sqlite_settings(tmp_path: Path, filesystem_broker: dict[str, Any]) -> dict[str, Any]:
-    return leases_settings(f"sqlite:///{tmp_path}/leases.sqlite3", "leases_cli", filesystem_broker)
-
-
 # -- jobs in every state, made through the store --------------------------------------------------
-
-
-def record(store: Store, *, task: str = "cli.count", n: int = 5) -> str:
-    job_id = str(uuid.uuid4())
-    store.register(job_message(job_id, task, args=[n], kwargs={"pause": 0.0}))
-    return job_id
-
-
-def claim(store: Store, job_id: str, owner: str = "celery@w1/100") -> int:
-    claimed = store.claim(recorded(store, job_id), owner=owner, duration=300.0)
-    assert not isinstance(claimed, Refused)
-    return claimed.token
-
-
-def recorded(store: Store, job_id: str) -> Message:
-    """The job's recorded message: what a worker receives for it."""
-    job = store.get(job_id)
-    assert job is not None
-    return job.message
 
 
 def seed(store: Store) -> dict[str, str]:
@@ -468,34 +377,3 @@ def test_without_an_app_the_command_says_one_is_needed(sqlite_settings: dict[str
 
     line = assert_one_error_line(result, 2)
     assert "celery leases needs your Celery app: celery -A proj leases list" in line
-
-
-# -- with a real worker ---------------------------------------------------------------------------
-
-
-@pytest.mark.e2e
-def test_a_retried_failed_job_resumes_from_its_checkpoint_in_a_worker(
-    spawn: Spawner, sqlite_settings: dict[str, Any]
-) -> None:
-    # Given a job that failed after saving the checkpoint of step 3 of 5
-    store = store_of(sqlite_settings)
-    try:
-        job_id = record(store)
-        token = claim(store, job_id)
-        store.checkpoint(job_id, token, json.dumps({"i": 3, "sum": 3}), progress=(3, 5))
-        store.fail(job_id, token, error="RuntimeError: disk full")
-        spawn.worker(APP, env=celery_env(sqlite_settings), pool="solo")
-
-        # When an operator retries it
-        Cli(sqlite_settings).ok("retry", job_id)
-
-        # Then a worker runs it again from step 3
-        deadline = time.monotonic() + 30
-        while (job := store.get(job_id)) is not None and job.state != "done":
-            assert time.monotonic() < deadline, job
-            time.sleep(0.1)
-        assert job is not None
-        assert job.result == {"started_from": 3, "i": 5, "sum": 10}
-        assert (job.attempts, job.progress_done, job.progress_total) == (2, 5, 5)
-    finally:
-        store.engine.dispose()
