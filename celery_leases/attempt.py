@@ -7,7 +7,6 @@ is the fenced write behind ``LeasedTask.checkpoint``.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import socket
@@ -18,12 +17,10 @@ from typing import Any, NoReturn, TypeVar
 
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_task_logger
-from sqlalchemy.engine import Connection
 
 from . import metrics, rows
 from .errors import (
     Cancelled,
-    CheckpointError,
     CorruptJob,
     LeaseError,
     LeaseLost,
@@ -35,7 +32,6 @@ from .lease import Lease, holding
 from .message import DB_RETRY_HEADER, Message
 from .rows import Refused
 from .schema import CANCELLED, QUEUED
-from .signals import checkpoint_saved
 from .store import Store, store_for
 
 logger = get_task_logger("celery_leases")
@@ -279,87 +275,6 @@ class Attempt:
             logger.error("job %s: could not store REVOKED: %r", request.id, exc)
 
 
-def checkpoint(
-    task: Any,
-    lease: Lease,
-    state: Any,
-    *,
-    progress: Any = None,
-    connection: Connection | None = None,
-) -> None:
-    """Save ``state`` for ``lease``'s job, fenced by its token (``LeasedTask.checkpoint``)."""
-    settings = task.lease_settings
-    try:
-        text = rows.dumps(state)
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(
-            f"checkpoint of job {lease.job_id} is not JSON-serializable ({exc}); "
-            f"the previous checkpoint is kept"
-        ) from exc
-    size = len(text.encode())
-    if size > settings.max_checkpoint_bytes:
-        raise CheckpointError(
-            f"checkpoint of job {lease.job_id} is {size} bytes, over "
-            f"leases_max_checkpoint_bytes ({settings.max_checkpoint_bytes}); "
-            f"the previous checkpoint is kept"
-        )
-    done_total = _progress(progress)
-    if lease.stop_seen:
-        # The last checkpoint (in a transaction of the caller's) was told to stop, and the task
-        # went on without calling stop_point(): stop before writing into this transaction.
-        stop_point(lease)
-    if lease.lost:
-        raise LeaseLost(f"job {lease.job_id}: this attempt lost its lease; stop")
-    stop = None
-    if not lease.detached:  # a direct call keeps its checkpoints in memory only
-        started = time.monotonic()
-        store = store_for(settings)
-        if connection is not None:
-            saved, stop = store.checkpoint(
-                lease.job_id, lease.token, text, progress=done_total, connection=connection
-            )
-        else:
-            saved, stop = until_deadline(
-                lease,
-                lambda: store.checkpoint(lease.job_id, lease.token, text, progress=done_total),
-                waiting=f"checkpoint of job {lease.job_id} waits for the database",
-                lost=True,
-            )
-        metrics.checkpoint_seconds(time.monotonic() - started)
-        if not saved:
-            lease.lost = True
-            metrics.count("leases_lost")
-            logger.warning(
-                "lease lost on job %s (token %s): another attempt holds it; checkpoint not saved",
-                lease.job_id,
-                lease.token,
-            )
-            raise LeaseLost(f"job {lease.job_id}: another attempt holds the lease; stop")
-        lease.deadline = started + lease.duration
-        lease.last_progress = time.monotonic()
-        if done_total is not None:
-            _report_progress(task, *done_total)
-    lease.checkpoint = json.loads(text)
-    checkpoint_saved.send(sender=task, lease=lease, progress=done_total)
-    lease.stop_requested = stop or lease.stop_requested
-    if lease.stop_requested is None:
-        return
-    # A checkpoint is a completed unit: it is saved first, then the attempt stops. Inside the
-    # caller's transaction a raise would roll the checkpoint back: there the stop is raised by
-    # stop_point() after the commit, or before the next checkpoint writes.
-    lease.stop_seen = True
-    if connection is None:
-        stop_point(lease)
-
-
-def stop_point(lease: Lease) -> None:
-    """Raise :class:`Cancelled` or :class:`Preempted` if ``lease``'s job was asked to stop."""
-    if lease.stop_requested == "cancel":
-        raise Cancelled(f"job {lease.job_id} was cancelled; stopped at its checkpoint")
-    if lease.stop_requested == "preempt":
-        raise Preempted(f"job {lease.job_id} handed back at its checkpoint (shutdown)")
-
-
 def until_deadline(
     lease: Lease,
     operation: Callable[[], T],
@@ -389,30 +304,6 @@ def until_deadline(
             logger.warning("%s: %s", waiting, exc)
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
-
-
-def _report_progress(task: Any, done: int, total: int | None) -> None:
-    if task.ignore_result or task.request.called_directly:
-        return
-    try:
-        task.update_state(state="PROGRESS", meta={"done": done, "total": total})
-    except Exception as exc:  # a result backend that cannot store states is not fatal
-        logger.debug("could not store PROGRESS of %s: %r", task.request.id, exc)
-
-
-def _progress(progress: Any) -> tuple[int, int | None] | None:
-    if progress is None:
-        return None
-    if isinstance(progress, int) and not isinstance(progress, bool):
-        return (progress, None)
-    if (
-        isinstance(progress, tuple | list)
-        and len(progress) == 2
-        and isinstance(progress[0], int)
-        and (progress[1] is None or isinstance(progress[1], int))
-    ):
-        return (int(progress[0]), None if progress[1] is None else int(progress[1]))
-    raise CheckpointError(f"progress must be done or (done, total) integers, not {progress!r}")
 
 
 def _refusal_text(refused: Refused) -> str:

@@ -93,7 +93,7 @@ class Settings:
     )
     table: str = setting("celery_leases_jobs", identifier, "table name (letters, digits, `_`)")
     engine_options: dict[str, Any] = setting(
-        None, optional(mapping), "extra `create_engine()` keyword arguments"
+        None, optional(mapping), "extra `create_engine()` keyword arguments (None: none)"
     )
     duration: float = setting(
         30.0,
@@ -133,7 +133,9 @@ class Settings:
     )
     max_attempts: int | None = setting(None, optional(count), "hard cap on attempts (claims)")
     retention: float = setting(
-        7 * 24 * 3600.0, seconds, "seconds finished jobs are kept before the reaper deletes them"
+        7 * 24 * 3600.0,
+        seconds,
+        "seconds finished jobs are kept before the reaper deletes them (7 days)",
     )
     stall_timeout: float | None = setting(
         None,
@@ -222,4 +224,21 @@ def redact(url: Any) -> str:
     return f"{scheme}://{user}:***@{host}{mark}{query}"
 
 
-__all__ = ["DEFAULTS", "TASK_OPTIONS", "Settings", "redact", "settings_for", "validate"]
+def markdown_table() -> str:
+    """The settings as the README's Markdown table (a test keeps the README in step)."""
+    lines = ["| setting | task option | default | meaning |", "|---|---|---|---|"]
+    for f in fields(Settings):
+        option = f"`lease_{f.name}`" if f.metadata["per_task"] else ""
+        lines.append(f"| `leases_{f.name}` | {option} | `{f.default!r}` | {f.metadata['doc']} |")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "DEFAULTS",
+    "TASK_OPTIONS",
+    "Settings",
+    "markdown_table",
+    "redact",
+    "settings_for",
+    "validate",
+]

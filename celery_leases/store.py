@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -21,21 +21,19 @@ from . import rows
 from .config import Settings, settings_for
 from .database import Database
 from .errors import (
-    ArgumentsError,
     ConfigurationError,
     CorruptJob,
     InvalidJobState,
     JobNotFound,
     LeaseError,
 )
+from .identity import Facts, checked_id, same_job, takes_over
 from .message import Message
 from .rows import Claimed, Job, Reaped, Refused, Renewal
 from .schema import (
     CANCELLED,
     FAILED,
-    FINISHED_STATES,
     LIVE_STATES,
-    MAX_ID_LENGTH,
     RUNNING,
     SCHEMA_VERSION,
     jobs_table,
@@ -119,8 +117,9 @@ class Store:
         queued_timeout: float | None = None,
     ) -> str:
         """Record the job of a message about to be published: ``new``, ``taken over`` (a new
-        job reusing the id of one that ended, see :func:`takes_over`), or the state of the job
-        that keeps the id (this message will be dropped at its claim)."""
+        job reusing the id of one that ended, or a replacement: :func:`takes_over`), or the
+        state of the live job that keeps the id (this message is a copy, dropped at its
+        claim)."""
         text = message.dumps()
         job_id = checked_id(message.id)
         expires_in = None if queued_timeout is None else (countdown or 0.0) + queued_timeout
@@ -135,7 +134,7 @@ class Store:
             facts = self._facts(job_id)
             if facts is None:
                 continue  # deleted in between
-            if not takes_over(message, facts):
+            if not takes_over(message, facts, published=True):
                 return facts.state
             seen = {"b_seen_token": facts.token, "b_seen_state": facts.state}
             if self._count(self.sql.take_over, params | seen) == 1:
@@ -213,7 +212,7 @@ class Store:
             return None if token is None else Claimed(token, 1, None, None, created=True)
         if facts.state not in LIVE_STATES:
             return Refused(facts.state, facts.owner, facts.expires_in)
-        if _same_job(delivery, facts):
+        if same_job(delivery, facts):
             return self._claim_with(self.sql.claim_job, params)  # recorded without a version
         return Refused("stale", facts.owner, facts.expires_in)
 
@@ -538,45 +537,6 @@ class Store:
             if done < batch:
                 break
         return purged
-
-
-class Facts(NamedTuple):
-    """What a claim or a register that matched no row reads to decide."""
-
-    state: str
-    owner: str | None
-    expires_in: float | None
-    task: str
-    generation: int
-    version: str | None
-    token: int
-
-
-def _same_job(message: Message, facts: Facts) -> bool:
-    """Whether ``message`` is (a copy of) the recorded message of the job in ``facts``."""
-    if message.task != facts.task or message.generation != facts.generation:
-        return False
-    return message.version is None or facts.version is None or message.version == facts.version
-
-
-def takes_over(message: Message, facts: Facts) -> bool:
-    """Whether ``message`` is a new job reusing the id of the job in ``facts``, the way Celery
-    reuses ids: a replacement (``Task.replace``: a higher ``replaced_task_nesting``), or a
-    different task once the recorded job has ended (a chord's ``celery.accumulate``)."""
-    if message.generation != facts.generation:
-        return message.generation > facts.generation
-    return message.task != facts.task and facts.state in FINISHED_STATES
-
-
-def checked_id(job_id: str) -> str:
-    """``job_id``, or :class:`ArgumentsError` when the table cannot hold it whole."""
-    if not isinstance(job_id, str) or not job_id or len(job_id) > MAX_ID_LENGTH:
-        shown = repr(job_id) if len(str(job_id)) <= 60 else repr(str(job_id)[:57]) + "..."
-        raise ArgumentsError(
-            f"task id {shown} cannot be a celery-leases job id: it must be a string of 1 to "
-            f"{MAX_ID_LENGTH} characters (the table holds no more, and never truncates one)"
-        )
-    return job_id
 
 
 def _job_params(message: Message, text: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from typing import Any
 from celery import Task, current_task
 from sqlalchemy.engine import Connection
 
-from . import attempt, message
+from . import attempt, checkpoint, message
 from .config import Settings, settings_for
 from .errors import Cancelled, LeaseError, LeaseLost, StoreUnavailable
 from .lease import Lease, current, holding
@@ -77,7 +77,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         large (nothing is written), :class:`Cancelled` or :class:`Preempted` after saving when
         the job was asked to stop.
         """
-        attempt.checkpoint(self, self.lease, state, progress=progress, connection=connection)
+        checkpoint.save(self, self.lease, state, progress=progress, connection=connection)
 
     def stop_point(self) -> None:
         """Raise :class:`Cancelled` or :class:`Preempted` if the job was asked to stop.
@@ -85,7 +85,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         ``checkpoint()`` calls it after saving; with ``checkpoint(..., connection=conn)`` call it
         yourself once your transaction has committed, so the job stops right there.
         """
-        attempt.stop_point(self.lease)
+        checkpoint.stop_point(self.lease)
 
     def apply_async(
         self,
@@ -190,8 +190,7 @@ class _Recorder:
             self.registered = recorded.id
         elif outcome != "taken over":
             _log.warning(
-                "job %s is already %s: this message will be dropped at its claim "
-                "(celery leases retry re-runs a failed job)",
+                "job %s is %s with another message: this one is a copy, dropped at its claim",
                 recorded.id,
                 outcome,
             )

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import Celery
 
 from celery_leases import ConfigurationError, LeasedTask
-from celery_leases.config import DEFAULTS, Settings, settings_for, validate
+from celery_leases.config import DEFAULTS, Settings, markdown_table, settings_for, validate
 from celery_leases.store import Store
 
 
@@ -170,3 +171,9 @@ def test_a_tasks_invalid_lease_options_are_refused_naming_the_task() -> None:
     message = str(raised.value)
     assert message.startswith("task 'tests.tight': leases_renew_interval (20 s)")
     assert "leases_duration (10 s)" in message
+
+
+def test_the_readme_table_lists_every_setting_as_it_is_declared() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+    assert markdown_table() in readme
