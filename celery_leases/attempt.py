@@ -32,7 +32,7 @@ from .lease import Lease, holding
 from .message import DB_RETRY_HEADER, Message
 from .rows import Refused
 from .schema import CANCELLED, QUEUED
-from .store import Store, store_for
+from .store import Store
 
 logger = get_task_logger("celery_leases")
 
@@ -55,7 +55,7 @@ class Attempt:
         self.task = task
         self.request = task.request
         self.settings = task.lease_settings
-        self.store: Store = store_for(self.settings)
+        self.store: Store = task.lease_store
         self.owner = f"{self.request.hostname or socket.gethostname()}/{os.getpid()}"
 
     def run(self, args: Any, kwargs: Any) -> Any:
@@ -74,7 +74,7 @@ class Attempt:
 
     def claim(self, args: Any, kwargs: Any) -> Lease:
         request, settings = self.request, self.settings
-        delivery = Message.received(request, args, kwargs).with_headers(task=self.task.name)
+        delivery = Message.received(request, args, kwargs)
         self.delivery = delivery
         try:
             outcome = self.store.claim(delivery, owner=self.owner, duration=settings.duration)

@@ -14,7 +14,6 @@ from .attempt import until_deadline
 from .errors import Cancelled, CheckpointError, LeaseLost, Preempted
 from .lease import Lease
 from .signals import checkpoint_saved
-from .store import store_for
 
 logger = get_task_logger("celery_leases")
 
@@ -53,7 +52,7 @@ def save(
     stop = None
     if not lease.detached:  # a direct call keeps its checkpoints in memory only
         started = time.monotonic()
-        store = store_for(settings)
+        store = task.lease_store
         if connection is not None:
             saved, stop = store.checkpoint(
                 lease.job_id, lease.token, text, progress=done_total, connection=connection

@@ -38,8 +38,9 @@ def same_job(message: Message, facts: Facts) -> bool:
 def takes_over(message: Message, facts: Facts, *, published: bool = False) -> bool:
     """Whether ``message`` is a new job reusing the id of the job in ``facts``, as Celery runs
     one: a replacement (``Task.replace``: a higher ``replaced_task_nesting``), or, once the
-    recorded job has ended, a new publish (``published``: the client is sending it now) or a
-    message of another task (a chord's ``celery.accumulate``). A delivery of the same task
+    recorded job has ended, a fresh publish (``published``: a client is sending a message built
+    anew, not one Celery re-sends from a request) or a message of another task (a chord's
+    ``celery.accumulate``). A delivery of the same task
     that is not the recorded message is a copy, never a new job."""
     if message.generation != facts.generation:
         return message.generation > facts.generation

@@ -108,9 +108,18 @@ def reap_task(self: Any) -> dict[str, Any]:
     return reap(self.app).as_dict()
 
 
-def schedule_reaper(app: Any, every: float = 10.0) -> None:
+def schedule_reaper(app: Any, every: float = 10.0, *, queue: str | None = None) -> None:
     """Add ``celery_leases.reap`` to ``app``'s beat schedule every ``every`` seconds.
 
-    It keeps the user's own entries; call it after assigning ``beat_schedule`` yourself.
+    Each pass's message expires after ``max(2 * every, 10)`` seconds, so passes that waited
+    behind busy workers are dropped rather than run back to back. ``queue``: send the passes
+    to a queue of their own (serve it with a small worker, ``-Q <queue> -c 1``), where no long
+    job can delay them. It keeps the user's own entries; call it after assigning
+    ``beat_schedule`` yourself.
     """
-    app.add_periodic_task(every, app.signature("celery_leases.reap"), name="celery_leases.reap")
+    options: dict[str, Any] = {"expires": max(2 * every, 10.0)}
+    if queue is not None:
+        options["queue"] = queue
+    app.add_periodic_task(
+        every, app.signature("celery_leases.reap", options=options), name="celery_leases.reap"
+    )

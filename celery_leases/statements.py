@@ -162,7 +162,15 @@ class Statements:
             sa.tuple_(t.c.id, t.c.token).in_(sa.bindparam("b_leases", expanding=True)),
             held,
         )
-        renew = sa.update(t).where(leases).values(expires_at=now + t.c.duration, renewed_at=now)
+        renewable: Any = leases
+        if dialect == "postgresql":
+            # A row locked by an open transaction (a checkpoint in a transaction of the task's)
+            # is skipped, not waited for: one locked job must not hold up the renewal of the
+            # process's other leases. Its checkpoint renews it when that transaction commits.
+            renewable = t.c.id.in_(
+                sa.select(t.c.id).where(leases).with_for_update(skip_locked=True)
+            )
+        renew = sa.update(t).where(renewable).values(expires_at=now + t.c.duration, renewed_at=now)
         self.renew = renew.returning(t.c.id, t.c.stop_requested) if self.returning else renew
         self.renewed = sa.select(t.c.id, t.c.stop_requested).where(leases)
 
@@ -180,6 +188,27 @@ class Statements:
         self.checkpoint_progress = self._returning_stop(
             sa.update(t).where(by_token).values(saved | progress)
         )
+        # In a transaction of the task's (checkpoint(connection=...)), on PostgreSQL: the
+        # same statement also bounds how long that transaction may sit idle (the lease's
+        # length), so a worker frozen before its commit cannot hold the row's lock, and the
+        # job, for longer than its lease.
+        self.checkpoint_in_tx, self.checkpoint_progress_in_tx = (
+            self.checkpoint,
+            self.checkpoint_progress,
+        )
+        if dialect == "postgresql":
+            guard = sa.select(
+                sa.func.set_config(
+                    "idle_in_transaction_session_timeout", param("idle_ms", sa.String()), True
+                ).label("v")
+            ).cte("leases_idle_guard")
+            guarded = sa.and_(by_token, sa.exists(sa.select(guard.c.v)))
+            self.checkpoint_in_tx = self._returning_stop(
+                sa.update(t).where(guarded).values(saved).add_cte(guard)
+            )
+            self.checkpoint_progress_in_tx = self._returning_stop(
+                sa.update(t).where(guarded).values(saved | progress).add_cte(guard)
+            )
         ended = {"owner": None, "expires_at": None, "stop_requested": None, "finished_at": now}
         # Idempotent for the token that ended it: a retry after a commit whose reply was lost
         # (the connection dropped) finds its own outcome and reports success.
@@ -231,8 +260,19 @@ class Statements:
             )
         )
         self.state_of = sa.select(t.c.state).where(t.c.id == param("id"))
-        # A worker's main process saw the pool process holding the lease die.
-        owned = sa.and_(t.c.id == param("id"), t.c.owner == param("owner"), held)
+        # A worker's main process saw the pool process holding the lease die. Only an attempt
+        # that saved a checkpoint, under leases_max_attempts: one that died before any (a job
+        # that kills its process) is left to the reaper, which counts it towards giving up.
+        owned = sa.and_(
+            t.c.id == param("id"),
+            t.c.owner == param("owner"),
+            held,
+            t.c.checkpoint_at >= t.c.claimed_at,
+            sa.or_(
+                param("max_attempts", sa.Integer()).is_(None),
+                t.c.attempts < param("max_attempts", sa.Integer()),
+            ),
+        )
         hand_back_owned = sa.update(t).where(owned).ordered_values(*handed_back)
         self.hand_back_owned = (
             hand_back_owned.returning(t.c.state, t.c.message) if self.returning else hand_back_owned

@@ -115,11 +115,14 @@ class Store:
         *,
         countdown: float | None = None,
         queued_timeout: float | None = None,
+        fresh: bool = True,
     ) -> str:
         """Record the job of a message about to be published: ``new``, ``taken over`` (a new
         job reusing the id of one that ended, or a replacement: :func:`takes_over`), or the
-        state of the live job that keeps the id (this message is a copy, dropped at its
-        claim)."""
+        state of the job that keeps the id (this message is a copy, dropped at its claim).
+
+        ``fresh``: the message was built anew (not from a recorded one, as Celery's re-sends
+        of a request are: a retry after a lost pool process carries the job's version)."""
         text = message.dumps()
         job_id = checked_id(message.id)
         expires_in = None if queued_timeout is None else (countdown or 0.0) + queued_timeout
@@ -134,7 +137,7 @@ class Store:
             facts = self._facts(job_id)
             if facts is None:
                 continue  # deleted in between
-            if not takes_over(message, facts, published=True):
+            if not takes_over(message, facts, published=fresh):
                 return facts.state
             seen = {"b_seen_token": facts.token, "b_seen_state": facts.state}
             if self._count(self.sql.take_over, params | seen) == 1:
@@ -229,6 +232,9 @@ class Store:
         def run(c: Connection) -> Renewal:
             if self.db.returning:
                 kept = c.execute(self.sql.renew, params).all()
+                if len(kept) < len(leases) and self.dialect == "postgresql":
+                    # Skipped rows (locked) that are still held count as held.
+                    kept = c.execute(self.sql.renewed, params).all()
             else:
                 c.execute(self.sql.renew, params)
                 kept = c.execute(self.sql.renewed, params).all()
@@ -253,9 +259,14 @@ class Store:
         transaction, so the caller's own writes and the checkpoint commit or roll back together.
         """
         params: dict[str, Any] = {"b_id": job_id, "b_token": token, "b_checkpoint": state}
-        stmt = self.sql.checkpoint
+        if connection is None:
+            stmt = self.sql.checkpoint if progress is None else self.sql.checkpoint_progress
+        else:
+            stmt = self.sql.checkpoint_in_tx
+            if progress is not None:
+                stmt = self.sql.checkpoint_progress_in_tx
+            params["b_idle_ms"] = str(int(self.settings.duration * 1000))
         if progress is not None:
-            stmt = self.sql.checkpoint_progress
             params["b_done"], params["b_total"] = progress
 
         def run(c: Connection) -> tuple[bool, str | None]:
@@ -308,8 +319,15 @@ class Store:
         self, job_id: str, owner: str, *, reap_in: float
     ) -> tuple[str | None, str | None]:
         """Hand back the lease ``owner`` (a dead process) holds on the job: (state after it,
-        the message text to send again); (None, None) when ``owner`` holds no lease on it."""
-        params = {"b_id": job_id, "b_owner": owner, "b_reap_in": reap_in}
+        the message text to send again); (None, None) when ``owner`` holds no lease on it, or
+        its attempt saved no checkpoint, or the job reached leases_max_attempts (the reaper
+        decides then)."""
+        params = {
+            "b_id": job_id,
+            "b_owner": owner,
+            "b_reap_in": reap_in,
+            "b_max_attempts": self.settings.max_attempts,
+        }
 
         def run(c: Connection) -> tuple[str | None, str | None]:
             if self.db.returning:

@@ -33,10 +33,11 @@ class LeasedTask(Task):  # type: ignore[misc]
     def retry_on_worker_lost(self) -> bool:
         """Celery >= 5.7: when a pool process dies, record RETRY instead of FAILURE.
 
-        The job resumes from its checkpoint through the reaper, so a client blocked in
-        ``AsyncResult(id).get()`` keeps waiting for the final result rather than getting
-        ``WorkerLostError``. Not with ``acks_late`` + ``reject_on_worker_lost``, where the
-        broker delivers the message again itself.
+        Celery's own handling, for a death ``LeasedRequest`` does not resume at once (an
+        attempt that saved no checkpoint yet, or past ``leases_max_attempts``): the reaper then
+        resumes or gives up on the job, and a client blocked in ``AsyncResult(id).get()``
+        waits for that rather than getting ``WorkerLostError``. Not with ``acks_late`` +
+        ``reject_on_worker_lost``, where the broker delivers the message again itself.
         """
         return not (self.acks_late and self.reject_on_worker_lost)
 
@@ -52,7 +53,11 @@ class LeasedTask(Task):  # type: ignore[misc]
 
     @property
     def lease_store(self) -> Store:
-        return store_for(self.lease_settings)
+        """The store of this task's leases database (one per process and database)."""
+        cached: Store | None = self.__dict__.get("_lease_store")
+        if cached is None:
+            cached = self.__dict__["_lease_store"] = store_for(self.lease_settings)
+        return cached
 
     @property
     def lease(self) -> Lease:
@@ -146,7 +151,7 @@ class _Recorder:
     def __init__(self, task: LeasedTask) -> None:
         self.task = task
         self.settings = task.lease_settings
-        self.store = store_for(self.settings)
+        self.store = task.lease_store
         self.registered: str | None = None
 
     def record(self, published: message.Message) -> message.Message:
@@ -167,6 +172,9 @@ class _Recorder:
             return published
 
     def _record(self, published: message.Message) -> message.Message:
+        # A message Celery built from a recorded one (a retry, a re-send after a lost pool
+        # process) carries that one's version; a fresh publish has none.
+        fresh = published.version is None
         recorded = published.new_version()
         countdown = max(recorded.eta_in() or 0.0, 0.0)
         held = _held(recorded.id)
@@ -184,7 +192,10 @@ class _Recorder:
                 raise Cancelled(f"job {held.job_id} was cancelled; not retried")
             return recorded
         outcome = self.store.register(
-            recorded, countdown=countdown or None, queued_timeout=self.settings.queued_timeout
+            recorded,
+            countdown=countdown or None,
+            queued_timeout=self.settings.queued_timeout,
+            fresh=fresh,
         )
         if outcome == "new":
             self.registered = recorded.id
