@@ -16,14 +16,27 @@ database error (the server restarting, a dropped connection) retries the task th
 would (``autoretry_for``): the lease is handed back and the next attempt resumes from the
 stored checkpoint. The engines use ``pool_pre_ping``, so a restarted server costs no error.
 
+The callbacks a chaos job is sent with record each call in ``<table>_callbacks``
+(:class:`CallbackLog`):
+
+- ``chaos.on_done(result, job_id)`` (``link``): a leased task that records ``link`` with the
+  result in the transaction of its only checkpoint, so each dispatch of it is recorded
+  exactly once, whatever happens to its own attempts;
+- ``chaos.errback(request, exc, traceback)`` (``link_error``): Celery calls it in the process
+  that stores the job's FAILURE; it records ``errback`` with the error.
+
 :func:`install_checkpoint_log` adds a trigger that copies every checkpoint write on the jobs
 table into ``<table>_checkpoints`` in the same transaction, so the chaos checks see every
-checkpoint ever committed, in commit order (PostgreSQL and SQLite).
+checkpoint ever committed, in commit order; :func:`install_state_log` adds one that copies
+every change of a job's state or token (every claim, hand-back, re-publish and end) into
+``<table>_states`` (PostgreSQL and SQLite).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -35,12 +48,15 @@ from sqlalchemy.engine import Engine
 
 import celery_leases
 from celery_leases import LeasedTask, StoreUnavailable
+from celery_leases.schema import db_now
 from tests.support.apps.leased_app import make_app as make_leased_app
 from tests.support.unit_log import UnitLog, _sqlite_on_connect
 
 #: Errors of the task's own database writes that a retry from the checkpoint cures.
 TRANSIENT = (sa.exc.OperationalError, sa.exc.InterfaceError, StoreUnavailable)
 TASKS = ("chaos.exactly_once", "chaos.at_least_once")
+#: Seconds ``chaos.errback`` keeps trying to record its call while the database is down.
+ERRBACK_PATIENCE = 30.0
 
 
 class ReconnectingUnitLog(UnitLog):
@@ -77,8 +93,84 @@ def chaos_log_for(app: Celery) -> ReconnectingUnitLog:
     return log
 
 
+class CallbackLog:
+    """The table ``name`` in the database at ``url``: one row per callback call (``link`` or
+    ``errback``) about a job. Times are epoch seconds from the database clock."""
+
+    def __init__(self, url: str, name: str) -> None:
+        self.url = url
+        self.table = callbacks_table(name)
+        self._engine: Engine | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None or self._pid != os.getpid():
+            with self._lock:
+                if self._engine is None or self._pid != os.getpid():
+                    if self._engine is not None:
+                        self._engine.dispose(close=False)
+                    options: dict[str, Any] = {"pool_pre_ping": True}
+                    if self.url.startswith("sqlite"):
+                        options["connect_args"] = {"timeout": 30}
+                    self._engine = sa.create_engine(self.url, **options)
+                    if self.url.startswith("sqlite"):
+                        sa.event.listen(self._engine, "connect", _sqlite_on_connect)
+                    self._pid = os.getpid()
+        return self._engine
+
+    def create(self) -> CallbackLog:
+        self.table.create(self.engine, checkfirst=True)
+        return self
+
+    def dispose(self) -> None:
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
+
+    def add(self, connection: sa.Connection, kind: str, job_id: str, detail: str) -> None:
+        """Record one call, in the caller's transaction."""
+        values = {"kind": kind, "job_id": job_id, "detail": detail, "pid": os.getpid()}
+        connection.execute(sa.insert(self.table).values(values | {"at": db_now()}))
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """Every call as (job id, kind, detail), in insertion order."""
+        t = self.table
+        stmt = sa.select(t.c.job_id, t.c.kind, t.c.detail).order_by(t.c.id)
+        with self.engine.connect() as connection:
+            return [(r[0], r[1], r[2]) for r in connection.execute(stmt).all()]
+
+
+def callbacks_table(name: str) -> sa.Table:
+    return sa.Table(
+        name,
+        sa.MetaData(),
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("job_id", sa.String(155), nullable=False, index=True),
+        sa.Column("kind", sa.String(16), nullable=False),
+        sa.Column("detail", sa.Text, nullable=False),
+        sa.Column("pid", sa.Integer, nullable=False),
+        sa.Column("at", sa.Double, nullable=False),
+    )
+
+
+def callback_log_for(app: Celery) -> CallbackLog:
+    """The callback log of ``app`` (table ``<leases_table>_callbacks``)."""
+    found: CallbackLog | None = app.__dict__.get("_chaos_callback_log")
+    if found is None:
+        conf = app.conf
+        found = CallbackLog(
+            conf.get("leases_database_url", celery_leases.DEFAULTS["database_url"]),
+            f"{conf.get('leases_table', celery_leases.DEFAULTS['table'])}_callbacks",
+        )
+        app.__dict__["_chaos_callback_log"] = found
+    return found
+
+
 def add_chaos_tasks(app: Celery) -> Celery:
     log = chaos_log_for(app)
+    callbacks = callback_log_for(app)
     options: dict[str, Any] = {
         "base": LeasedTask,
         "bind": True,
@@ -127,6 +219,28 @@ def add_chaos_tasks(app: Celery) -> Celery:
             self.checkpoint({"next": unit + 1})
         time.sleep(tail_seconds)
         return count
+
+    @app.task(name="chaos.on_done", **options)  # type: ignore[untyped-decorator]
+    def on_done(self: Task, result: Any, job_id: str) -> str:
+        if not (self.lease.checkpoint or {}).get("recorded"):
+            with callbacks.engine.begin() as connection:
+                callbacks.add(connection, "link", job_id, json.dumps(result))
+                self.checkpoint({"recorded": True}, connection=connection)
+        return job_id
+
+    @app.task(name="chaos.errback", shared=False)  # type: ignore[untyped-decorator]
+    def errback(request: Any, exc: BaseException, traceback: Any) -> None:
+        detail = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+        deadline = time.monotonic() + ERRBACK_PATIENCE
+        while True:
+            try:
+                with callbacks.engine.begin() as connection:
+                    callbacks.add(connection, "errback", request.id, detail)
+                return
+            except TRANSIENT:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     return app
 
@@ -197,6 +311,78 @@ def remove_checkpoint_log(engine: Engine, jobs_table: str) -> None:
             connection.execute(sa.text(f"DROP FUNCTION IF EXISTS {trigger}() CASCADE"))
         elif engine.dialect.name == "sqlite":
             connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger}"))
+
+
+# -- state log -------------------------------------------------------------------------------
+
+
+def states_table(jobs_table: str) -> sa.Table:
+    return sa.Table(
+        f"{jobs_table}_states",
+        sa.MetaData(),
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("job_id", sa.String(155), nullable=False, index=True),
+        sa.Column("token", sa.BigInteger, nullable=False),
+        sa.Column("state", sa.String(16), nullable=False),
+        sa.Column("at", sa.Double, nullable=False),
+    )
+
+
+def install_state_log(engine: Engine, jobs_table: str) -> sa.Table:
+    """Create ``<jobs_table>_states`` and triggers that add a row (job, token, state, database
+    time in epoch seconds) for every job inserted and every update that changes a job's state
+    or token: every claim, hand-back, re-publish and end, in commit order per job."""
+    log = states_table(jobs_table)
+    log.create(engine, checkfirst=True)
+    trigger = f"{jobs_table}_st"
+    values = f"INSERT INTO {log.name} (job_id, token, state, at) VALUES (NEW.id, NEW.token, "
+    with engine.begin() as connection:
+        if engine.dialect.name == "postgresql":
+            connection.execute(
+                sa.text(
+                    f"CREATE OR REPLACE FUNCTION {trigger}() RETURNS trigger AS $$ BEGIN "
+                    f"IF TG_OP = 'INSERT' OR NEW.state IS DISTINCT FROM OLD.state "
+                    f"OR NEW.token IS DISTINCT FROM OLD.token THEN "
+                    f"{values}NEW.state, EXTRACT(EPOCH FROM clock_timestamp())); "
+                    f"END IF; RETURN NEW; END $$ LANGUAGE plpgsql"
+                )
+            )
+            connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger} ON {jobs_table}"))
+            connection.execute(
+                sa.text(
+                    f"CREATE TRIGGER {trigger} AFTER INSERT OR UPDATE ON {jobs_table} "
+                    f"FOR EACH ROW EXECUTE FUNCTION {trigger}()"
+                )
+            )
+        elif engine.dialect.name == "sqlite":
+            now = "(julianday('now') - 2440587.5) * 86400.0"
+            connection.execute(
+                sa.text(
+                    f"CREATE TRIGGER IF NOT EXISTS {trigger}_i AFTER INSERT ON {jobs_table} "
+                    f"FOR EACH ROW BEGIN {values}NEW.state, {now}); END"
+                )
+            )
+            connection.execute(
+                sa.text(
+                    f"CREATE TRIGGER IF NOT EXISTS {trigger}_u AFTER UPDATE ON {jobs_table} "
+                    f"FOR EACH ROW WHEN NEW.state IS NOT OLD.state OR NEW.token IS NOT OLD.token "
+                    f"BEGIN {values}NEW.state, {now}); END"
+                )
+            )
+        else:
+            raise NotImplementedError(f"no state log on {engine.dialect.name}")
+    return log
+
+
+def remove_state_log(engine: Engine, jobs_table: str) -> None:
+    """Drop the triggers of :func:`install_state_log`; the table is left to its owner."""
+    trigger = f"{jobs_table}_st"
+    with engine.begin() as connection:
+        if engine.dialect.name == "postgresql":
+            connection.execute(sa.text(f"DROP FUNCTION IF EXISTS {trigger}() CASCADE"))
+        elif engine.dialect.name == "sqlite":
+            connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger}_i"))
+            connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger}_u"))
 
 
 def make_app(environ: Mapping[str, str] | None = None, *, name: str = "chaos_app") -> Celery:

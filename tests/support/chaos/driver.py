@@ -8,9 +8,16 @@ N jobs of M units, seeded random faults while they run, and the invariants check
 embedded broker) or a URL; ``--database`` is ``postgres``, ``sqlite`` or a URL. Half the jobs
 run ``chaos.exactly_once`` (unit row and checkpoint in one transaction), half
 ``chaos.at_least_once`` (unit row committed, then the checkpoint): see
-``tests/support/apps/chaos_app.py``. The seed is printed first; the same seed replays the same jobs,
-fault plan (kinds, moments by progress, targets, freeze lengths). Exits 1 if an invariant
-failed.
+``tests/support/apps/chaos_app.py``. Every job is sent with a ``link`` callback and a
+``link_error`` errback that record their calls; a fraction (``--expiring``) is sent with an
+``expires`` some seconds after it is sent, so some expire while they wait or while they are
+resumed and others end done first. The result backend (``--result-backend``) is a Redis
+database of its own (an SQLite file with the embedded broker). Besides the process and service
+faults, the plan revokes running jobs (``revoke(terminate=True)``) and cancels queued or
+running ones (``celery leases cancel``, through the store); ``--no-controls`` leaves revokes,
+cancels and expiring jobs out. The seed is printed first; the same seed replays the same jobs,
+fault plan (kinds, moments by progress, targets, freeze lengths) and expiring jobs. Exits 1 if
+an invariant failed.
 """
 
 from __future__ import annotations
@@ -27,10 +34,12 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import sqlalchemy as sa
 
@@ -38,10 +47,14 @@ from celery_leases import LeaseError
 from celery_leases.config import settings_for
 from celery_leases.store import store_for
 from tests.support.apps.chaos_app import (
+    TASKS,
     add_chaos_tasks,
+    callback_log_for,
     chaos_log_for,
     install_checkpoint_log,
+    install_state_log,
     remove_checkpoint_log,
+    remove_state_log,
 )
 from tests.support.apps.leased_app import app_env
 from tests.support.apps.leased_app import make_app as make_leased_app
@@ -49,10 +62,15 @@ from tests.support.chaos import fault as F
 from tests.support.chaos.check import (
     AT_LEAST_ONCE,
     EXACTLY_ONCE,
+    Callback,
     Check,
     CheckpointRow,
+    Control,
     Evidence,
     JobRow,
+    Kill,
+    Outcome,
+    StateRow,
     check_all,
 )
 from tests.support.scenario import freeze, kill_all, start_all, thaw
@@ -61,6 +79,10 @@ from tests.support.worker import Beat, Spawner, Worker
 
 CHAOS_APP = "tests.support.apps.chaos_app"
 TASK_OF_MODE = {EXACTLY_ONCE: "chaos.exactly_once", AT_LEAST_ONCE: "chaos.at_least_once"}
+CALLBACK_TASK = "chaos.on_done"
+#: Finished states of a job; those a job stops in before its last unit.
+FINISHED = ("done", "failed", "cancelled", "revoked", "replaced")
+STOPPED = ("failed", "cancelled", "revoked")
 
 #: Log lines counted in every worker and beat log at the end, as figures.
 LOG_EVENTS = {
@@ -74,6 +96,12 @@ LOG_EVENTS = {
     "task retries (transient database error)": r"Task chaos\.\w+\[[^\]]+\] retry:",
     "renewals failing": r"cannot renew leases",
     "gave up": r"gave up:",
+    "revokes terminating a running job": r"Terminating \S+ \(",
+    "ended revoked in a worker (revoke, expiry)": r"celery-leases: job \S+ is revoked:",
+    "chaos jobs discarded as revoked or expired by Celery": r"Discarding revoked task: chaos\.",
+    "cancelled at a checkpoint": r"cancelled at its checkpoint",
+    "ends stored in the backend by the reaper": r"celery-leases: job \S+ \([^)]*\) stored as",
+    "expired jobs ended by the reaper": r"expired \(its message's expires passed\)",
 }
 
 
@@ -100,6 +128,10 @@ class Config:
     stuck_seconds: float = 120.0
     #: Seconds between two faults, at least.
     min_gap: float = 1.0
+    #: Fraction of the jobs sent with ``expires``, that many seconds after they are sent: a
+    #: random multiple of a job's length in ``expires_after``.
+    expiring: float = 0.0
+    expires_after: tuple[float, float] = (0.1, 2.5)
 
     @property
     def slots(self) -> int:
@@ -112,11 +144,22 @@ class Config:
     def effective_queued_timeout(self) -> float:
         return self.queued_timeout or max(20.0, 4 * self.job_seconds)
 
+    @property
+    def expiring_jobs(self) -> int:
+        return round(self.jobs * self.expiring)
+
+    @property
+    def longest_freeze(self) -> float:
+        """Seconds a ``freeze`` fault lasts at most (``fault.plan``)."""
+        return 3.0 * self.lease_seconds
+
     def describe(self) -> str:
+        low, high = (self.job_seconds * f for f in self.expires_after)
         return (
             f"jobs {self.jobs} x {self.units} units of {self.unit_seconds:g} s, "
             f"{self.workers} workers x {self.concurrency} prefork processes, "
-            f"{self.faults} faults ({', '.join(self.kinds)}), lease {self.lease_seconds:g} s "
+            f"{self.faults} faults ({', '.join(self.kinds)}), {self.expiring_jobs} jobs sent "
+            f"with expires {low:g}-{high:g} s after they are sent, lease {self.lease_seconds:g} s "
             f"renewed every {self.renew_seconds:g} s, reaper every {self.reaper_every:g} s, "
             f"queued timeout {self.effective_queued_timeout():g} s"
         )
@@ -145,15 +188,28 @@ class _Frozen:
 
 
 @dataclass
+class _Draining:
+    """A worker sent SIGTERM: its warm shutdown goes on while the run does; SIGKILLed at
+    ``until`` (monotonic seconds) if still alive."""
+
+    worker: Worker
+    sent: float
+    until: float
+
+
+@dataclass
 class Chaos:
     """One chaos run against ``broker`` (Celery settings with ``broker_url``) and
-    ``database_url``, on the leases table ``table``; processes are made by ``spawner``."""
+    ``database_url``, on the leases table ``table``, with the result backend
+    ``result_backend`` (None: none, and the checks that read it say so); processes are made by
+    ``spawner``."""
 
     config: Config
     spawner: Spawner
     broker: Mapping[str, Any]
     database_url: str
     table: str
+    result_backend: str | None = None
     out: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
 
     def __post_init__(self) -> None:
@@ -166,6 +222,7 @@ class Chaos:
         )
         self.env = app_env(
             broker_url=self.broker["broker_url"],
+            result_backend=self.result_backend,
             database_url=self.database_url,
             table=self.table,
             lease_seconds=c.lease_seconds,
@@ -176,10 +233,19 @@ class Chaos:
         self.workers: list[Worker] = []
         self.beat: Beat | None = None
         self.frozen: list[_Frozen] = []
+        self.draining: list[_Draining] = []
         self.done_faults: Counter[str] = Counter()
         self.skipped_faults = 0
         self.unexpected_exits = 0
         self.started = time.monotonic()
+        #: The revokes and cancels sent, and the jobs sent with ``expires`` (epoch seconds).
+        self.controls: list[Control] = []
+        #: The SIGKILLs sent: when (epoch seconds) and to which pids.
+        self.kills: list[Kill] = []
+        self.expires: dict[str, float] = {}
+        self.expiring: dict[str, float] = {}
+        self.client: Any = None
+        self.store: Any = None
 
     # -- the run ---------------------------------------------------------------------------
 
@@ -196,32 +262,48 @@ class Chaos:
         )
         self.out(f"chaos: logs in {self.spawner.log_dir}")
         self.out("chaos: fault plan " + ", ".join(f.describe() for f in plan))
-        client = add_chaos_tasks(make_leased_app(self.env, name="chaos-client"))
-        store = store_for(settings_for(client))
+        client = self.client = add_chaos_tasks(make_leased_app(self.env, name="chaos-client"))
+        store = self.store = store_for(settings_for(client))
         log = chaos_log_for(client)
+        callbacks = callback_log_for(client)
         ids = {
             f"chaos-{c.seed}-{number:05d}-{'eo' if mode == EXACTLY_ONCE else 'alo'}": mode
             for number, mode in enumerate(modes)
         }
+        # Drawn after the plan, so a seed's plan is the same with and without expiring jobs.
+        self.expiring = {
+            job_id: self.rng.uniform(*c.expires_after) * c.job_seconds
+            for job_id in sorted(self.rng.sample(sorted(ids), c.expiring_jobs))
+        }
+        if self.expiring:
+            self.out(
+                "chaos: sent with expires (seconds after sending) "
+                + ", ".join(f"{i.split('-')[2]} +{s:.1f}" for i, s in self.expiring.items())
+            )
         try:
             store.ensure_schema()
             log.create()
+            callbacks.create()
             checkpoint_log = install_checkpoint_log(store.engine, self.table)
+            state_log = install_state_log(store.engine, self.table)
             self._start_processes()
             self.started = time.monotonic()
             self._drive(client, store, log, ids, plan)
+            self._settle(log)
             self.out(f"chaos: [{self._clock()}] stopping every process")
             self._thaw_all()
             kill_all(self.spawner)
             seconds = time.monotonic() - self.started
-            evidence = self._evidence(store, log, checkpoint_log, ids)
+            evidence = self._evidence(store, log, checkpoint_log, state_log, ids)
         finally:
             self._thaw_all()
             kill_all(self.spawner)
-            with contextlib.suppress(Exception):
-                remove_checkpoint_log(store.engine, self.table)
+            for remove in (remove_checkpoint_log, remove_state_log):
+                with contextlib.suppress(Exception):
+                    remove(store.engine, self.table)
             close_app(client)
             log.dispose()
+            callbacks.dispose()
             store.engine.dispose()
         return self._report(evidence, seconds)
 
@@ -262,11 +344,10 @@ class Chaos:
         while True:
             now = time.monotonic()
             self._thaw_due(now)
+            self._reap_draining(now)
             self._replace_dead()
             with contextlib.suppress(LeaseError, sa.exc.SQLAlchemyError):
-                states = store.count_by_state()
-                new_finished = sum(states.get(s, 0) for s in ("done", "failed", "cancelled"))
-                new_committed = _committed_units(log)
+                new_finished, new_committed = _tally(store.table, log, c.units)
                 if (new_finished, new_committed) != (finished, committed):
                     last_change = now
                 finished, committed = new_finished, new_committed
@@ -274,7 +355,11 @@ class Chaos:
                 job_id, mode = pending[0]
                 try:
                     client.tasks[TASK_OF_MODE[mode]].apply_async(
-                        (c.units, c.unit_seconds), task_id=job_id
+                        (c.units, c.unit_seconds),
+                        task_id=job_id,
+                        link=client.signature(CALLBACK_TASK, args=(job_id,)),
+                        link_error=client.signature("chaos.errback"),
+                        **self._expiry(job_id),
                     )
                 except Exception as exc:  # the broker or the database is restarting
                     self.out(f"chaos: [{self._clock()}] submit of {job_id} failed, again: {exc!r}")
@@ -301,6 +386,41 @@ class Chaos:
         self.skipped_faults += len(faults)
         if faults:
             self.out(f"chaos: {len(faults)} planned faults not done (the jobs ended first)")
+
+    def _expiry(self, job_id: str) -> dict[str, Any]:
+        """``expires`` for a job chosen to expire (the moment is recorded), else nothing."""
+        if job_id not in self.expiring:
+            return {}
+        moment = time.time() + self.expiring[job_id]
+        self.expires[job_id] = moment
+        return {"expires": datetime.fromtimestamp(moment, tz=timezone.utc)}
+
+    def _settle(self, log: Any) -> None:
+        """Wait for what follows the last job's end: its callback job, and the reaper storing
+        the Celery state of jobs ended outside any attempt (cancelled while queued, expired).
+        At most twice the queued timeout (a callback whose message was lost), in seconds."""
+        c = self.config
+        t = self.store.table
+        deadline = time.monotonic() + 2 * c.effective_queued_timeout() + 10
+        time.sleep(1.0)
+        waiting = (
+            sa.select(sa.func.count())
+            .select_from(t)
+            .where(sa.or_(t.c.notify.is_not(None), t.c.state.in_(("queued", "running"))))
+        )
+        left = None
+        while time.monotonic() < deadline:
+            with contextlib.suppress(sa.exc.SQLAlchemyError):
+                with log.engine.connect() as connection:
+                    left = int(connection.execute(waiting).scalar_one())
+                if left == 0:
+                    break
+            time.sleep(0.5)
+        time.sleep(2 * c.reaper_every)
+        self.out(
+            f"chaos: [{self._clock()}] settled: "
+            + ("nothing left to run or to announce" if left == 0 else f"{left} jobs still live")
+        )
 
     # -- faults ----------------------------------------------------------------------------
 
@@ -331,10 +451,13 @@ class Chaos:
             raise RuntimeError(f"{worker.name} has no pool process")
         pid = children[int(fault.pick * 7919) % len(children)]
         F.kill_process(pid)
+        self.kills.append(Kill(time.time(), (pid,)))
         return f"SIGKILL pool process {pid} of {worker.name}"
 
     def _fault_kill_worker(self, fault: F.Fault, worker: Worker) -> str:
+        pids = (worker.pid, *worker.children())
         F.signal_group(worker.pid, signal.SIGKILL)
+        self.kills.append(Kill(time.time(), pids))
         worker.wait(timeout=10)
         replacement = self._replace(worker)
         return f"SIGKILL {worker.name} (pid {worker.pid}), replaced by {replacement}"
@@ -345,25 +468,124 @@ class Chaos:
         return f"SIGSTOP {worker.name} for {fault.seconds:.1f} s"
 
     def _fault_sigterm(self, fault: F.Fault, worker: Worker) -> str:
+        """Warm shutdown, as a deploy does it: the replacement starts while the worker drains
+        (its exit is reported when it comes; SIGKILL if it takes over two units + 10 s)."""
         sent = time.monotonic()
         worker.terminate()
         limit = 2 * self.config.unit_seconds + 10
-        try:
-            worker.wait(timeout=limit)
-            how = f"exited after {time.monotonic() - sent:.1f} s"
-        except Exception:
-            F.signal_group(worker.pid, signal.SIGKILL)
-            worker.wait(timeout=10)
-            how = f"still running after {limit:g} s, SIGKILLed"
+        self.draining.append(_Draining(worker, sent, sent + limit))
         replacement = self._replace(worker)
-        return f"SIGTERM {worker.name}: {how}, replaced by {replacement}"
+        return f"SIGTERM {worker.name} (warm shutdown), replaced by {replacement}"
+
+    def _reap_draining(self, now: float) -> None:
+        for draining in list(self.draining):
+            worker = draining.worker
+            if worker.is_alive() and now < draining.until:
+                continue
+            if worker.is_alive():
+                F.signal_group(worker.pid, signal.SIGKILL)
+                with contextlib.suppress(Exception):
+                    worker.wait(timeout=10)
+                how = f"still running {now - draining.sent:.1f} s after its SIGTERM: SIGKILLed"
+            else:
+                how = f"exited {now - draining.sent:.1f} s after its SIGTERM"
+            self.draining.remove(draining)
+            self.out(f"chaos: [{self._clock()}] {worker.name} {how}")
 
     def _fault_restart_database(self, fault: F.Fault, worker: Worker | None) -> str:
         return f"PostgreSQL restarted in {F.restart_postgres():.1f} s"
 
     def _fault_restart_broker(self, fault: F.Fault, worker: Worker | None) -> str:
-        down = F.restart_redis(self.broker["broker_url"])
-        return f"Redis shut down (nosave) and started again, down {down:.1f} s; queue lost"
+        keep = _redis_db(self.result_backend)
+        down = F.restart_redis(self.broker["broker_url"], keep_dbs=keep)
+        kept = f"; result backend (db {keep[0]}) kept" if keep else ""
+        return f"Redis shut down (nosave) and started again, down {down:.1f} s; queue lost{kept}"
+
+    def _fault_revoke(self, fault: F.Fault, worker: Worker | None) -> str:
+        """``revoke(terminate=True)`` of a job running under a live lease in a live pool
+        process of a live, unfrozen worker, three units or more from its end."""
+        c = self.config
+        live = {w.name: w for w in self._targets()}
+
+        def running_here(job: Any) -> bool:
+            host, _, pid = (job.owner or "").rpartition("/")
+            found = live.get(host.split("@")[0])
+            return (
+                found is not None
+                and pid.isdigit()
+                and int(pid) in found.children()
+                and (job.expires_in or 0.0) > 1.0
+                and (job.checkpoint or {}).get("next", 0) <= c.units - 3
+            )
+
+        job = self._pick_job(fault, ("running",), running_here)
+        at = self.store.now()
+        try:
+            # A connection of its own: the app's pooled one may be dead after a Redis restart.
+            with self.client.connection_for_write() as connection:
+                replies = self.client.control.revoke(
+                    job.id, terminate=True, reply=True, timeout=1.0, connection=connection
+                )
+        except Exception:
+            # The broadcast may have gone out before the error (collecting the replies):
+            # whether a worker terminated the job is unknown.
+            self.controls.append(Control(job.id, "revoke", at, None))
+            raise
+        terminated_by = None
+        for reply in replies or []:
+            for host, answer in reply.items():
+                said = str((answer or {}).get("ok", ""))
+                if said.startswith("terminate:") and job.id in said:
+                    terminated_by = host
+        self.controls.append(Control(job.id, "revoke", at, terminated_by))
+        how = f"terminated by {terminated_by}" if terminated_by else "running nowhere: flagged"
+        return (
+            f"revoke(terminate=True) of {job.id} (running on {job.owner}, checkpoint "
+            f"{job.checkpoint}): {how}; {len(replies or [])} workers answered"
+        )
+
+    def _fault_cancel(self, fault: F.Fault, worker: Worker | None) -> str:
+        """``celery leases cancel`` (through the store) of a queued job, or of a running one
+        two units or more from its end."""
+        c = self.config
+
+        def cancellable(job: Any) -> bool:
+            return job.state == "queued" or (job.checkpoint or {}).get("next", 0) <= c.units - 2
+
+        job = self._pick_job(fault, ("queued", "running"), cancellable)
+        at = self.store.now()
+        try:
+            if job.state == "queued" and self.store.cancel_queued(job.id):
+                how = "queued"
+            elif self.store.request_stop([job.id], "cancel") == 1:
+                how = "running"
+            elif self.store.cancel_queued(job.id):
+                how = "queued"
+            else:
+                raise RuntimeError(f"{job.id} ended before the cancel reached it")
+        except LeaseError:
+            # The update may have committed before the error: it may or may not stand.
+            self.controls.append(Control(job.id, "cancel", at, "uncertain"))
+            raise
+        self.controls.append(Control(job.id, "cancel", self.store.now(), how))
+        where = f" on {job.owner}, checkpoint {job.checkpoint}" if how == "running" else ""
+        return f"cancel of {job.id} ({how}{where})"
+
+    def _pick_job(
+        self, fault: F.Fault, states: tuple[str, ...], fits: Callable[[Any], bool]
+    ) -> Any:
+        """One of the submitted jobs in ``states`` that ``fits`` and no control targeted yet,
+        chosen by ``fault.pick``; RuntimeError when there is none."""
+        targeted = {control.job_id for control in self.controls}
+        found = [
+            job
+            for job in self.store.list_jobs(states=states, limit=10_000)
+            if job.task in TASKS and job.id not in targeted and fits(job)
+        ]
+        if not found:
+            raise RuntimeError(f"no {' or '.join(states)} job to target")
+        found.sort(key=lambda job: job.id)
+        return found[int(fault.pick * len(found))]
 
     def _replace(self, worker: Worker) -> str:
         self.workers.remove(worker)
@@ -409,61 +631,109 @@ class Chaos:
     # -- evidence and report ---------------------------------------------------------------
 
     def _evidence(
-        self, store: Any, log: Any, checkpoint_log: sa.Table, ids: dict[str, str]
+        self,
+        store: Any,
+        log: Any,
+        checkpoint_log: sa.Table,
+        state_log: sa.Table,
+        ids: dict[str, str],
     ) -> Evidence:
         t = store.table
-        with store.engine.connect() as connection:
-            jobs = {
-                r.id: JobRow(
-                    r.id,
-                    r.state,
-                    r.attempts,
-                    r.token,
-                    _json(r.result),
-                    _json(r.checkpoint),
-                    r.error,
+        # The unit log's engine pings its connections: the store's may be stale after a
+        # PostgreSQL restart (the library's own calls retry; a plain read does not).
+        with log.engine.connect() as connection:
+            rows = connection.execute(
+                sa.select(
+                    t.c.id,
+                    t.c.task,
+                    t.c.state,
+                    t.c.attempts,
+                    t.c.token,
+                    t.c.result,
+                    t.c.checkpoint,
+                    t.c.error,
+                    t.c.finished_at,
                 )
-                for r in connection.execute(
-                    sa.select(
-                        t.c.id,
-                        t.c.state,
-                        t.c.attempts,
-                        t.c.token,
-                        t.c.result,
-                        t.c.checkpoint,
-                        t.c.error,
-                    )
-                )
-            }
-            table_rows = connection.execute(sa.select(sa.func.count()).select_from(t)).scalar_one()
+            ).all()
             cl = checkpoint_log
             checkpoints = [
-                CheckpointRow(r.job_id, r.token, r.checkpoint)
+                CheckpointRow(r.job_id, r.token, r.checkpoint, r.at)
                 for r in connection.execute(
-                    sa.select(cl.c.job_id, cl.c.token, cl.c.checkpoint).order_by(cl.c.id)
+                    sa.select(cl.c.job_id, cl.c.token, cl.c.checkpoint, cl.c.at).order_by(cl.c.id)
                 )
             ]
+            sl = state_log
+            history = [
+                StateRow(r.job_id, r.token, r.state, r.at)
+                for r in connection.execute(
+                    sa.select(sl.c.job_id, sl.c.token, sl.c.state, sl.c.at).order_by(sl.c.id)
+                )
+            ]
+        jobs = {
+            r.id: JobRow(
+                r.id,
+                r.state,
+                r.attempts,
+                r.token,
+                _json(r.result),
+                _json(r.checkpoint),
+                r.error,
+                r.finished_at,
+            )
+            for r in rows
+        }
+        callbacks = callback_log_for(self.client)
+        c = self.config
         return Evidence(
-            units=self.config.units,
+            units=c.units,
             modes=ids,
             jobs=jobs,
-            table_rows=int(table_rows),
+            table_rows=sum(1 for r in rows if r.task in TASKS),
             unit_rows=log.rows(),
             checkpoints=checkpoints,
+            controls=list(self.controls),
+            kills=list(self.kills),
+            expires=dict(self.expires),
+            expiry_slack=c.longest_freeze + 2.0,
+            history=history,
+            backend=self._backend_outcomes(ids) if self.result_backend else None,
+            callbacks=[Callback(*row) for row in callbacks.rows()],
+            callback_jobs=[r.id for r in rows if r.task == CALLBACK_TASK],
         )
+
+    def _backend_outcomes(self, ids: Iterable[str]) -> dict[str, Outcome]:
+        """What the result backend holds for each job (PENDING: nothing)."""
+        backend = self.client.backend
+        found: dict[str, Outcome] = {}
+        for job_id in ids:
+            meta = backend.get_task_meta(job_id)
+            result = meta.get("result")
+            if isinstance(result, BaseException):
+                result = f"{type(result).__name__}: {result}"
+            found[job_id] = Outcome(str(meta.get("status")), result)
+        return found
 
     def _report(self, evidence: Evidence, seconds: float) -> Report:
         checks = check_all(evidence)
         events = self._log_events()
         c = self.config
+        f = evidence.figures
+        revokes = [k for k in self.controls if k.kind == "revoke"]
+        cancels = [k for k in self.controls if k.kind == "cancel"]
         lines = [
             f"chaos: finished in {_duration(seconds)} (seed {c.seed})",
             f"  jobs {c.jobs} x {c.units} units ({c.jobs // 2} exactly-once, "
-            f"{c.jobs - c.jobs // 2} at-least-once), {c.workers} workers x {c.concurrency}",
+            f"{c.jobs - c.jobs // 2} at-least-once), {c.workers} workers x {c.concurrency}; "
+            f"result backend {_safe(self.result_backend or 'none')}",
             f"  faults {sum(self.done_faults.values())} of {c.faults} planned: "
             + ", ".join(f"{k} {self.done_faults[k]}" for k in c.kinds)
             + f"; not done {self.skipped_faults}; workers that exited by themselves "
             f"{self.unexpected_exits}",
+            f"  controls: revoke {len(revokes)} ({sum(1 for k in revokes if k.detail)} "
+            f"terminated a running job), cancel {len(cancels)} "
+            f"({sum(1 for k in cancels if k.detail == 'queued')} queued); jobs sent with "
+            f"expires {len(self.expires)} (ended revoked {f.get('controls_expires_revoked', 0)}, "
+            f"done {f.get('controls_expires_done', 0)})",
             "  events in the worker logs: "
             + ", ".join(f"{name} {count}" for name, count in events.items()),
             "  invariants:",
@@ -492,11 +762,36 @@ class Chaos:
         return f"{time.monotonic() - self.started:7.1f}s"
 
 
-def _committed_units(log: Any) -> int:
-    t = log.table
+def _tally(jobs: sa.Table, log: Any, units: int) -> tuple[int, int]:
+    """(chaos jobs finished, units done): committed units, plus the units a job that stopped
+    early (revoked, cancelled, failed) will never commit."""
+    u = log.table
+    committed = u.c.ended_at.is_not(None)
+    stopped = sa.select(jobs.c.id).where(jobs.c.task.in_(TASKS), jobs.c.state.in_(STOPPED))
     with log.engine.connect() as connection:
-        stmt = sa.select(sa.func.count()).select_from(t).where(t.c.ended_at.is_not(None))
-        return int(connection.execute(stmt).scalar_one())
+        states = dict(
+            connection.execute(
+                sa.select(jobs.c.state, sa.func.count())
+                .where(jobs.c.task.in_(TASKS))
+                .group_by(jobs.c.state)
+            ).all()
+        )
+        units_done = connection.execute(
+            sa.select(sa.func.count()).select_from(u).where(committed)
+        ).scalar_one()
+        units_stopped = connection.execute(
+            sa.select(sa.func.count()).select_from(u).where(committed, u.c.job_id.in_(stopped))
+        ).scalar_one()
+    finished = sum(int(states.get(s, 0)) for s in FINISHED)
+    ended_early = sum(int(states.get(s, 0)) for s in STOPPED)
+    return finished, int(units_done) - int(units_stopped) + units * ended_early
+
+
+def _redis_db(url: str | None) -> tuple[int, ...]:
+    """The database number of a Redis URL on the Redis a restart fault restarts, else ()."""
+    if not url or not F.local_redis(url):
+        return ()
+    return (int(urlsplit(url).path.strip("/") or 0),)
 
 
 def _json(text: str | None) -> Any:
@@ -532,11 +827,28 @@ def main(argv: list[str] | None = None) -> int:
         "--concurrency", type=int, default=d.concurrency, help="prefork processes per worker"
     )
     parser.add_argument("--faults", type=int, default=100)
+    parser.add_argument(
+        "--expiring",
+        type=float,
+        default=0.08,
+        help="fraction of the jobs sent with expires (0.1-2.5 job lengths after sending)",
+    )
+    parser.add_argument(
+        "--no-controls",
+        action="store_true",
+        help="no revoke or cancel faults and no expiring jobs",
+    )
     parser.add_argument("--seed", type=int, default=None, help="random if not given")
     parser.add_argument(
         "--broker", default="redis", help="redis | rabbitmq | filesystem | a broker URL"
     )
     parser.add_argument("--database", default="postgres", help="postgres | sqlite | a URL")
+    parser.add_argument(
+        "--result-backend",
+        default="default",
+        help="a URL, or none; default: a Redis database of its own (an SQLite file with the "
+        "filesystem broker)",
+    )
     parser.add_argument("--lease", type=float, default=d.lease_seconds, help="seconds")
     parser.add_argument("--renew", type=float, default=d.renew_seconds, help="seconds")
     parser.add_argument("--reaper-every", type=float, default=d.reaper_every, help="seconds")
@@ -563,6 +875,8 @@ def main(argv: list[str] | None = None) -> int:
         kinds.append("restart_database")
     if args.restart_broker:
         kinds.append("restart_broker")
+    if not args.no_controls:
+        kinds += F.CONTROL_KINDS
     config = Config(
         jobs=args.jobs,
         units=args.units,
@@ -577,6 +891,7 @@ def main(argv: list[str] | None = None) -> int:
         queued_timeout=args.queued_timeout,
         kinds=tuple(kinds),
         stuck_seconds=args.stuck_seconds,
+        expiring=0.0 if args.no_controls else args.expiring,
     )
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="celery-leases-chaos-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -586,15 +901,19 @@ def main(argv: list[str] | None = None) -> int:
     problems = check_restartable(config, database_url=database_url, broker=args.broker)
     if problems:
         parser.error("; ".join(problems))
-    with _broker_settings(args.broker, log_dir) as broker:
+    with (
+        _broker_settings(args.broker, log_dir) as broker,
+        _result_backend(args.result_backend, args.broker, log_dir) as backend,
+    ):
         try:
-            report = Chaos(config, spawner, broker, database_url, table).run()
+            report = Chaos(config, spawner, broker, database_url, table, backend).run()
             figures = {
                 "seed": report.seed,
                 "config": asdict(config),
                 "seconds": round(report.seconds, 1),
                 "ok": report.ok,
                 "faults": dict(report.faults),
+                "result_backend": _safe(backend or "none"),
                 "faults_not_done": report.skipped_faults,
                 "figures": report.figures,
                 "events": report.events,
@@ -660,6 +979,22 @@ def _broker_settings(name: str, log_dir: Path) -> Iterator[dict[str, Any]]:
         )
 
 
+@contextlib.contextmanager
+def _result_backend(name: str, broker: str, log_dir: Path) -> Iterator[str | None]:
+    """The result backend URL ``name`` asks for (see ``--result-backend``)."""
+    from tests.support.service import private_redis_url
+
+    if name == "none":
+        yield None
+    elif name != "default":
+        yield name
+    elif broker == "filesystem":
+        yield f"db+sqlite:///{log_dir}/results.sqlite3"
+    else:
+        with private_redis_url() as url:
+            yield url
+
+
 def filesystem_broker(root: Path) -> dict[str, Any]:
     """Settings of kombu's ``filesystem://`` transport in ``root`` (as the tests' fixture)."""
     folders = {name: root / name for name in ("queue", "processed", "control")}
@@ -684,7 +1019,13 @@ def _drop_tables(url: str, table: str) -> None:
     engine = sa.create_engine(url)
     try:
         with engine.begin() as connection:
-            for name in (f"{table}_units", f"{table}_checkpoints", table):
+            for name in (
+                f"{table}_units",
+                f"{table}_checkpoints",
+                f"{table}_states",
+                f"{table}_callbacks",
+                table,
+            ):
                 sa.Table(name, sa.MetaData()).drop(connection, checkfirst=True)
     finally:
         engine.dispose()

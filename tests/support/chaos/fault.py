@@ -5,7 +5,12 @@ worker, then start a replacement), ``freeze`` (SIGSTOP a whole worker for longer
 lease, then SIGCONT), ``sigterm`` (warm shutdown, then start a replacement),
 ``restart_database`` (``pg_ctlcluster ... restart`` of the local PostgreSQL) and
 ``restart_broker`` (``redis-cli shutdown nosave`` and a fresh ``redis-server``: the queue is
-lost).
+lost; the result backend's database is kept, as a persistent result store would be).
+
+Control kinds act on a job, not on a process: ``revoke`` (``app.control.revoke(id,
+terminate=True)`` of a job running under a live lease on a live worker) and ``cancel``
+(``celery leases cancel`` through the store: ``Store.cancel_queued`` of a queued job,
+``Store.request_stop(..., "cancel")`` of a running one).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from urllib.parse import urlsplit
 
 WORKER_KINDS = ("kill_child", "kill_worker", "freeze", "sigterm")
 SERVICE_KINDS = ("restart_database", "restart_broker")
-KINDS = WORKER_KINDS + SERVICE_KINDS
+CONTROL_KINDS = ("revoke", "cancel")
+KINDS = WORKER_KINDS + SERVICE_KINDS + CONTROL_KINDS
 
 #: Relative frequency of each kind in a plan.
 WEIGHTS = {
@@ -34,6 +40,8 @@ WEIGHTS = {
     "sigterm": 2.0,
     "restart_database": 1.0,
     "restart_broker": 1.0,
+    "revoke": 1.5,
+    "cancel": 1.5,
 }
 
 #: A service restart disturbs every client of the server: at most one per this many faults.
@@ -88,11 +96,11 @@ def plan(
     restarts capped; positions spread over 3-92% of the run's progress (15-75% for service
     restarts)."""
     services = [k for k in kinds if k in SERVICE_KINDS]
-    workers = [k for k in kinds if k in WORKER_KINDS]
+    others = [k for k in kinds if k not in SERVICE_KINDS]
     cap = max(1, count // FAULTS_PER_SERVICE_RESTART)
-    chosen: list[str] = [k for k in (*workers, *services)][:count]
+    chosen: list[str] = [k for k in (*others, *services)][:count]
     while len(chosen) < count:
-        pool = [k for k in kinds if k in WORKER_KINDS or chosen.count(k) < cap]
+        pool = [k for k in kinds if k not in SERVICE_KINDS or chosen.count(k) < cap]
         chosen.append(rng.choices(pool, weights=[WEIGHTS[k] for k in pool])[0])
     rng.shuffle(chosen)
     # Service restarts land mid-run, while many jobs are in flight.
@@ -175,9 +183,21 @@ def restart_postgres(timeout: float = 60) -> float:
     return time.monotonic() - started
 
 
-def restart_redis(url: str, *, down_seconds: float = 0.5, timeout: float = 30) -> float:
+def restart_redis(
+    url: str,
+    *,
+    keep_dbs: tuple[int, ...] = (),
+    down_seconds: float = 0.5,
+    timeout: float = 30,
+) -> float:
     """Shut the local Redis down without saving (every queue is lost), start a fresh one, and
-    put back the other test runs' database claims. Returns the seconds it was down."""
+    put back the other test runs' database claims and every key of the databases ``keep_dbs``
+    (a result backend standing for a persistent store). Returns the seconds it was down.
+
+    The kept databases are copied while writes are paused (``CLIENT PAUSE WRITE``): the
+    shutdown is queued behind the pause, so a write either made it into the copy or is
+    answered with a connection error, which its client retries on the new server.
+    """
     import redis
 
     base = urlsplit(url)._replace(path="/0").geturl()
@@ -189,6 +209,7 @@ def restart_redis(url: str, *, down_seconds: float = 0.5, timeout: float = 30) -
         }
     finally:
         client.close()
+    saved = {db: _copy_database(base, db) for db in keep_dbs} if keep_dbs else {}
     started = time.monotonic()
     subprocess.run(["redis-cli", "-u", base, "shutdown", "nosave"], capture_output=True, timeout=10)
     _wait(lambda: not _redis_answers(base), timeout, "Redis to stop")
@@ -203,7 +224,58 @@ def restart_redis(url: str, *, down_seconds: float = 0.5, timeout: float = 30) -
                 client.restore(key, ttl, value, replace=True)
     finally:
         client.close()
+    for db, keys in saved.items():
+        _restore_database(base, db, keys)
     return down
+
+
+#: Milliseconds writes stay paused while the kept databases are copied before a restart.
+PAUSE_MS = 1000
+
+
+def _copy_database(base: str, db: int) -> dict[bytes, tuple[bytes, int]]:
+    """Pause writes on the whole server (until the shutdown that follows ends the pause),
+    then read every key of database ``db`` as DUMP values with their TTL (milliseconds)."""
+    import redis
+
+    client = redis.Redis.from_url(_with_db(base, db), socket_timeout=5)
+    try:
+        client.client_pause(PAUSE_MS, all=False)
+        keys = list(client.scan_iter(count=1000))
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.dump(key)
+            pipe.pttl(key)
+        values = pipe.execute()
+    finally:
+        client.close()
+    return {
+        key: (value, max(int(ttl), 0))
+        for key, value, ttl in zip(keys, values[::2], values[1::2], strict=True)
+        if value is not None
+    }
+
+
+def _restore_database(base: str, db: int, keys: dict[bytes, tuple[bytes, int]]) -> None:
+    """Put ``keys`` (from :func:`_copy_database`) back in database ``db``; a key written
+    since the restart (a retried write, newer) is left as it is."""
+    import redis
+
+    client = redis.Redis.from_url(_with_db(base, db), socket_timeout=5)
+    try:
+        pipe = client.pipeline(transaction=False)
+        for key, (value, ttl) in keys.items():
+            pipe.restore(key, ttl, value, replace=False)
+        for outcome in pipe.execute(raise_on_error=False):
+            if isinstance(outcome, Exception) and "BUSYKEY" not in str(outcome):
+                raise outcome
+    finally:
+        client.close()
+
+
+def _with_db(url: str, db: int) -> str:
+    """``url`` on database ``db`` (the path of a Redis URL wins over a ``db=`` argument)."""
+    return urlsplit(url)._replace(path=f"/{db}").geturl()
 
 
 def _redis_answers(url: str) -> bool:
