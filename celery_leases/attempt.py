@@ -233,7 +233,7 @@ class Attempt:
             return
         ended = until_deadline(
             lease,
-            lambda: self.store.finish(lease.job_id, lease.token, result=rows.safe_dumps(result)),
+            lambda: self.store.finish(lease.job_id, lease.token, result=rows.dumps_result(result)),
             waiting=f"job {lease.job_id}: done, waiting for the database to record it",
             gave_up=f"job {lease.job_id}: done, but the database stayed down until the lease "
             f"ended; it will run again from its checkpoint",

@@ -7,6 +7,8 @@
   ``AsyncResult.get()`` keeps waiting for the real end.
 - ``revoke(terminate=True)`` ends the job ``revoked`` in the table before the pool process is
   signalled, so the process's hand-back on its way out cannot put it back in the queue.
+- When it dies after its attempt marked the job done but before Celery stored the result, the
+  main process stores it and sends the callbacks and the chain's next step.
 - A hard time limit is reported by billiard twice (the job's error callback, then its timeout
   callback), and Celery 5.7 stores the failure and fires the errbacks for each: the second
   report is skipped, so the errbacks fire once.
@@ -19,13 +21,14 @@ from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import TimeLimitExceeded
+from celery import signature
 from celery.exceptions import WorkerLostError
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
 from .errors import LeaseError
 from .message import Message
-from .schema import QUEUED, REVOKED
+from .schema import DONE, QUEUED, REVOKED
 from .store import store_for
 from .worker import end_job
 
@@ -42,7 +45,7 @@ class LeasedRequest(Request):  # type: ignore[misc]
     ) -> Any:
         if isinstance(_unwrapped(exc_info.exception), TimeLimitExceeded):
             self._time_limit_reported = True
-        if self._lost(exc_info.exception) and self._resume_at_once():
+        if self._lost(exc_info.exception) and (self._resume_at_once() or self._finish_done()):
             task_ready(self)
             if self.task.acks_late:
                 self.acknowledge()
@@ -95,6 +98,41 @@ class LeasedRequest(Request):  # type: ignore[misc]
             self.id,
             self.worker_pid,
             "sent again to resume from its checkpoint" if state == QUEUED else f"now {state}",
+        )
+        return True
+
+    def _finish_done(self) -> bool:
+        """The process died after its attempt marked the job done and before Celery stored
+        the result: store it and send the callbacks and the chain's next step, as the trace
+        would have. False (Celery decides) if the job is not freshly done, or its result was
+        stored (the trace got that far, so it sent the callbacks too)."""
+        settings = self.task.lease_settings
+        try:
+            job = store_for(settings).get(self.id)
+        except LeaseError as exc:
+            logger.warning("celery-leases: job %s: pool process lost, %s", self.id, exc)
+            return False
+        if job is None or job.state != DONE or job.finished_at is None:
+            return False
+        if job.created_at + job.age - job.finished_at > settings.duration:
+            return False  # done long ago, by another attempt
+        stored = getattr(self, "_success_was_stored", None)  # Celery >= 5.7
+        if self.ignore_result or stored is None or stored():
+            return False
+        request = self._context
+        self.task.backend.mark_as_done(self.id, job.result, request=request)
+        parent = {"parent_id": self.id, "root_id": request.root_id or self.id}
+        for callback in request.callbacks or ():
+            signature(callback, app=self.task.app).apply_async((job.result,), **parent)
+        if request.chain:
+            step = signature(request.chain[-1], app=self.task.app)
+            step.apply_async((job.result,), chain=request.chain[:-1], **parent)
+        self.send_event("task-succeeded", result=repr(job.result), runtime=None)
+        logger.warning(
+            "celery-leases: job %s: pool process %s died after the job was done; its result "
+            "stored and its callbacks sent",
+            self.id,
+            self.worker_pid,
         )
         return True
 

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kombu.utils import json as kombu_json
+
 from .errors import CorruptJob
 from .message import Message
 
@@ -100,23 +102,29 @@ class Reaped:
 
 
 def dumps(value: Any) -> str:
-    """JSON text of a checkpoint or result; NaN and Infinity are refused (they are not JSON)."""
+    """JSON text of a checkpoint; NaN and Infinity are refused (they are not JSON)."""
     return json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
 
 
-def safe_dumps(value: Any) -> str | None:
-    """JSON text of ``value``, or None when it is not JSON."""
+def dumps_result(value: Any) -> str | None:
+    """Celery's JSON of a task's result (datetimes, UUIDs, Decimals as Celery stores them), or
+    None when even that cannot hold it (the result backend keeps it then, the row does not)."""
     try:
-        return dumps(value)
+        return str(
+            kombu_json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+        )
     except (TypeError, ValueError):
         return None
 
 
-def loads(text: str | None, job_id: str = "?", column: str = "?") -> Any:
+def loads(
+    text: str | None, job_id: str = "?", column: str = "?", *, celery_json: bool = False
+) -> Any:
+    """The value stored as JSON text (``celery_json``: Celery's, with its types restored)."""
     if text is None:
         return None
     try:
-        return json.loads(text)
+        return kombu_json.loads(text) if celery_json else json.loads(text)
     except ValueError as exc:
         raise CorruptJob(
             f"job {job_id}: column {column} holds text that is not JSON ({exc}); "
@@ -150,7 +158,7 @@ def job(m: Any) -> Job:
         checkpoint=loads(m["checkpoint"], job_id, "checkpoint"),
         progress_done=m["progress_done"],
         progress_total=m["progress_total"],
-        result=loads(m["result"], job_id, "result"),
+        result=loads(m["result"], job_id, "result", celery_json=True),
         error=m["error"],
         stop_requested=m["stop_requested"],
         expires_in=m["expires_in"],

@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from . import rows
 from .config import Settings
 from .rows import Job
 from .schema import MAX_ID_LENGTH, RUNNING, STATES
@@ -197,6 +198,7 @@ class JobFacts:
         """The job as JSON-ready values; its message in Celery's JSON form."""
         found = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
         found["message"] = json.loads(job.message.dumps())
+        found["result"] = json.loads(rows.dumps_result(job.result) or "null")
         return {**found, "stalled": self.stalled(job)}
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.support.apps.handoff_app import add_handoff_tasks
-from tests.support.scenario import Scenario, check_unit_log, resume_delay, start_all
+from tests.support.scenario import Scenario, check_unit_log, resume_delay, start_all, wait_for
 
 pytestmark = [
     pytest.mark.e2e,
@@ -83,3 +83,26 @@ def test_a_hand_off_saves_the_unit_it_was_given_before_it_stops(
     runs = check_unit_log(s.log.rows(job_id), 12, crashes=0)
     assert len(runs) == 2
     assert runs[1].first.unit == runs[0].committed[-1].unit + 1
+
+
+def test_a_pool_process_killed_right_after_its_job_is_done_still_delivers_the_result(
+    scenario: MakeScenario, celery_settings: dict[str, Any], result_backend: str
+) -> None:
+    # Given a job with a success callback whose pool process dies after the attempt marked
+    # the job done and before Celery stored its result (the worst moment for a kill)
+    s = scenario(celery_settings, lease_seconds=30.0, result_backend=result_backend)
+    add_handoff_tasks(s.app)
+    start(s, 1, concurrency=2)
+    key = f"callback-{os.urandom(4).hex()}"
+    result = s.app.tasks["e2e.dies_once_done"].apply_async(
+        (42,), link=s.app.signature("e2e.record_callback", args=(key,))
+    )
+
+    # Then the worker's main process stores the result and sends the callback, once
+    assert result.get(timeout=30) == 42
+    job = s.job(result.id)
+    assert (job.state, job.result, job.attempts) == ("done", 42, 1), job
+    wait_for(lambda: s.log.rows(key), timeout=20, what="the success callback")
+    time.sleep(1.0)  # a second callback would have come by now
+    assert [row.unit for row in s.log.rows(key)] == [42]
+    assert "died after the job was done; its result stored and its callbacks sent" in s.logs()

@@ -5,6 +5,8 @@
   without timeout); later attempts run to the end.
 - ``e2e.saved_units(count, unit_seconds)``: units committed one by one, each followed by a
   plain ``self.checkpoint()`` (not in the unit's transaction).
+- ``e2e.dies_once_done(value)``: its process dies right after the attempt marked the job done,
+  before Celery stores the result (``DiesOnSecondEncoding``); ``e2e.record_callback``: a link.
 - ``e2e.hold(seconds)``: holds its lease ``seconds`` without a checkpoint (the keeper alone keeps
   it alive), then returns its token.
 """
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
 from collections.abc import Mapping
@@ -21,6 +24,22 @@ from celery import Celery, Task
 from celery_leases import LeasedTask
 from tests.support.apps.leased_app import make_app as make_leased_app
 from tests.support.apps.leased_app import unit_log_for
+
+
+class DiesOnSecondEncoding:
+    """A task result (Celery's JSON asks it for ``__json__``) that kills its process the second
+    time it is encoded."""
+
+    encoded = 0
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __json__(self) -> int:
+        DiesOnSecondEncoding.encoded += 1
+        if DiesOnSecondEncoding.encoded == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.value
 
 
 def add_handoff_tasks(app: Celery) -> Celery:
@@ -79,6 +98,19 @@ def add_handoff_tasks(app: Celery) -> Celery:
             if self.request.retries == 0 and unit == 2:
                 raise self.retry(countdown=0.3)
         return {"resumed_from": first, "retries": self.request.retries}
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="e2e.dies_once_done")
+    def dies_once_done(self: Task, value: int) -> DiesOnSecondEncoding:
+        """Checkpoints, then returns a value whose second JSON encoding SIGKILLs the process:
+        the first is the attempt marking the job done, the second Celery storing the result.
+        The process dies between the two, as a kill at the worst moment would."""
+        self.checkpoint({"done": True})
+        return DiesOnSecondEncoding(value)
+
+    @app.task(shared=False, name="e2e.record_callback")
+    def record_callback(result: int, key: str) -> None:
+        """A success callback: counts its runs in the unit log under ``key``."""
+        log.start(key, int(result), run=uuid.uuid4().hex, token=None, attempt=None, host="")
 
     @app.task(base=LeasedTask, bind=True, shared=False, name="e2e.hold")
     def hold(self: Task, seconds: float) -> int:
