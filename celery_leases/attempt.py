@@ -77,7 +77,10 @@ class Attempt:
         delivery = Message.received(request, args, kwargs)
         self.delivery = delivery
         try:
-            outcome = self.store.claim(delivery, owner=self.owner, duration=settings.duration)
+            # Task.apply() runs the job now, as Celery does, even one that has ended.
+            outcome = self.store.claim(
+                delivery, owner=self.owner, duration=settings.duration, fresh=request.is_eager
+            )
         except StoreUnavailable as exc:
             if request.is_eager:
                 raise  # no broker message to deliver again; eager mode would recurse

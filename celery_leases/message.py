@@ -39,6 +39,9 @@ HEADERS = (
     "timelimit", "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin", "ignore_result",
     "replaced_task_nesting", "stamped_headers", "stamps",
 )  # fmt: skip
+#: Headers a transport adds to a message it delivers again (kombu's Redis transport marks a
+#: restored message ``redelivered``): about that delivery, not the job, so never recorded.
+TRANSPORT_HEADERS = ("redelivered",)
 #: What the body's third part (embed) holds.
 EMBED = ("callbacks", "errbacks", "chain", "chord")
 #: Message properties worth keeping; broker internals (delivery tags) and the AMQP
@@ -152,7 +155,8 @@ class Message:
         """The message a worker received, read back from the task's request context."""
         found = vars(request)
         headers = {h: found[h] for h in HEADERS if h in found}
-        headers.update(request.headers or {})  # custom headers (Celery puts them top level)
+        custom = request.headers or {}  # custom headers (Celery puts them top level)
+        headers.update((k, v) for k, v in custom.items() if k not in TRANSPORT_HEADERS)
         headers.setdefault("lang", "py")
         info = request.delivery_info or {}
         properties = {

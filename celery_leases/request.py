@@ -1,10 +1,11 @@
 """LeasedRequest: a leased job's request in the worker's main process.
 
 - When the pool process running the job dies (SIGKILL, the OOM killer, a segfault), the main
-  process sees it at once and knows its pid: it hands that process's lease back and sends the
-  job's recorded message again, so another pool process resumes it from its checkpoint without
-  waiting for the lease to expire. The result backend is left as it was: a client in
-  ``AsyncResult.get()`` keeps waiting for the real end.
+  process sees it (billiard looks every 5 s at most) and knows its pid: it hands that
+  process's lease back and sends the job's recorded message again, so another pool process
+  resumes it from its checkpoint without waiting for the lease to expire. If the job already
+  lives on elsewhere (the reaper was quicker), it is left alone. The result backend is left as
+  it was: a client in ``AsyncResult.get()`` keeps waiting for the real end.
 - ``revoke(terminate=True)`` ends the job ``revoked`` in the table before the pool process is
   signalled, so the process's hand-back on its way out cannot put it back in the queue.
 - When it dies after its attempt marked the job done but before Celery stored the result, the
@@ -28,8 +29,9 @@ from celery.worker.state import task_ready
 
 from .errors import LeaseError
 from .message import Message
-from .schema import DONE, QUEUED, REVOKED
-from .store import store_for
+from .rows import Job
+from .schema import DONE, LIVE_STATES, QUEUED, REVOKED
+from .store import Store, store_for
 from .worker import end_job
 
 logger = logging.getLogger("celery_leases")
@@ -45,7 +47,7 @@ class LeasedRequest(Request):  # type: ignore[misc]
     ) -> Any:
         if isinstance(_unwrapped(exc_info.exception), TimeLimitExceeded):
             self._time_limit_reported = True
-        if self._lost(exc_info.exception) and (self._resume_at_once() or self._finish_done()):
+        if self._lost(exc_info.exception) and self._handled_loss():
             task_ready(self)
             if self.task.acks_late:
                 self.acknowledge()
@@ -71,26 +73,49 @@ class LeasedRequest(Request):  # type: ignore[misc]
             return not (self._already_cancelled or self._already_revoked)
         return isinstance(exc, WorkerLostError)
 
-    def _resume_at_once(self) -> bool:
-        """Hand back the dead process's lease and send the job again; False when that process
-        held no lease on it (it had ended the job, or lost it), so Celery decides as usual."""
+    def _handled_loss(self) -> bool:
+        """The pool process running this job died: settle it here and return True, or return
+        False to let Celery decide as usual (FAILURE, or RETRY with ``retry_on_worker_lost``).
+
+        Billiard notices a dead pool process on a timer (up to 5 s later), so by then the
+        lease may have expired and the reaper sent the job again: a job that lives on
+        elsewhere is left alone, and nothing is stored in the result backend for it."""
         task = self.task
-        if self.worker_pid is None or (task.acks_late and task.reject_on_worker_lost):
-            return False  # never started, or the broker delivers it again itself
-        settings = task.lease_settings
+        broker_redelivers = task.acks_late and task.reject_on_worker_lost
+        if self.worker_pid is None:
+            return False  # it never started
         owner = f"{self.hostname}/{self.worker_pid}"
+        store = store_for(task.lease_settings)
         try:
-            state, text = store_for(settings).hand_back_owned(
-                self.id, owner, reap_in=settings.reap_grace
-            )
+            if not broker_redelivers and self._resume_at_once(store, owner):
+                return True
+            job = store.get(self.id)
         except LeaseError as exc:
             logger.warning("celery-leases: job %s: pool process lost, %s", self.id, exc)
             return False
+        if job is None:
+            return False
+        if job.state in LIVE_STATES and job.owner != owner:
+            logger.warning(
+                "celery-leases: job %s: pool process %s died; the job lives on (%s%s)",
+                self.id,
+                self.worker_pid,
+                job.state,
+                f", held by {job.owner}" if job.owner else "",
+            )
+            return True
+        return job.state == DONE and self._finish_done(job)
+
+    def _resume_at_once(self, store: Store, owner: str) -> bool:
+        """Hand back the dead process's lease and send the job again; False when that process
+        held no lease on it that it may hand back (see ``Store.hand_back_owned``)."""
+        settings = self.task.lease_settings
+        state, text = store.hand_back_owned(self.id, owner, reap_in=settings.reap_grace)
         if state is None:
             return False
         if state == QUEUED and text is not None:
             try:
-                Message.loads(text).send(task.app)
+                Message.loads(text).send(self.task.app)
             except Exception as exc:  # the reaper sends it after leases_reap_grace
                 logger.error("celery-leases: job %s: could not send it again: %r", self.id, exc)
         logger.warning(
@@ -101,20 +126,14 @@ class LeasedRequest(Request):  # type: ignore[misc]
         )
         return True
 
-    def _finish_done(self) -> bool:
+    def _finish_done(self, job: Job) -> bool:
         """The process died after its attempt marked the job done and before Celery stored
         the result: store it and send the callbacks and the chain's next step, as the trace
-        would have. False (Celery decides) if the job is not freshly done, or its result was
+        would have. False (Celery decides) if the job was done long ago, or its result was
         stored (the trace got that far, so it sent the callbacks too)."""
-        settings = self.task.lease_settings
-        try:
-            job = store_for(settings).get(self.id)
-        except LeaseError as exc:
-            logger.warning("celery-leases: job %s: pool process lost, %s", self.id, exc)
+        if job.finished_at is None:
             return False
-        if job is None or job.state != DONE or job.finished_at is None:
-            return False
-        if job.created_at + job.age - job.finished_at > settings.duration:
+        if job.created_at + job.age - job.finished_at > self.task.lease_settings.duration:
             return False  # done long ago, by another attempt
         stored = getattr(self, "_success_was_stored", None)  # Celery >= 5.7
         if self.ignore_result or stored is None or stored():

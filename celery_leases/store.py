@@ -150,9 +150,14 @@ class Store:
 
     # -- writes of a worker: one statement each --------------------------------------------
 
-    def claim(self, delivery: Message, *, owner: str, duration: float) -> Claimed | Refused:
+    def claim(
+        self, delivery: Message, *, owner: str, duration: float, fresh: bool = False
+    ) -> Claimed | Refused:
         """Take the lease if ``delivery`` is the job's recorded message and the job is queued
-        or its lease expired; bump the token. One statement when it is (the usual case)."""
+        or its lease expired; bump the token. One statement when it is (the usual case).
+
+        ``fresh``: the delivery is a run asked for now, not a message that may be a copy
+        (``Task.apply()``): it takes over the id of a job that has ended."""
         job_id = checked_id(delivery.id)
         params = {
             "b_id": job_id,
@@ -167,7 +172,7 @@ class Store:
             claimed = self._claim_with(hot, params)
             if claimed is not None:
                 return claimed
-            outcome = self._claim_other(delivery, params)
+            outcome = self._claim_other(delivery, params, fresh=fresh)
             if outcome is not None:
                 return outcome
         raise LeaseError(f"job {job_id}: its row kept changing while it was claimed; try again")
@@ -187,7 +192,9 @@ class Store:
 
         return self._run(run, single=True)  # type: ignore[no-any-return]
 
-    def _claim_other(self, delivery: Message, params: dict[str, Any]) -> Claimed | Refused | None:
+    def _claim_other(
+        self, delivery: Message, params: dict[str, Any], *, fresh: bool
+    ) -> Claimed | Refused | None:
         """The delivery matched no claimable recorded message: create the job, take the id
         over, claim the same job recorded without a version, or refuse. None when the row
         changed in between (claim again)."""
@@ -200,7 +207,7 @@ class Store:
             return Claimed(1, 1, None, None, created=True) if inserted else None
         if facts.state == RUNNING and (facts.expires_in or 0.0) > 0:
             return Refused("held", facts.owner, facts.expires_in)
-        if takes_over(delivery, facts):
+        if takes_over(delivery, facts, published=fresh):
             job = params | _job_params(delivery, delivery.dumps())
             job |= {"b_seen_token": facts.token, "b_seen_state": facts.state}
 

@@ -81,8 +81,9 @@ def _get_into(s: Scenario, job_id: str, out: list[Any]) -> None:
 def test_a_job_whose_pool_process_was_killed_resumes_from_its_last_checkpoint(
     scenario: MakeScenario, celery_settings: dict[str, Any], result_backend: str
 ) -> None:
-    # Given two workers, early ack, a beat reaping every second
-    s = with_reaper(scenario, celery_settings, result_backend=result_backend)
+    # Given two workers, early ack, a beat reaping every second, and a lease longer than
+    # billiard takes to notice a dead pool process (its maintain_pool timer, 5 s)
+    s = with_reaper(scenario, celery_settings, result_backend=result_backend, lease_seconds=8.0)
 
     # When the pool process running the job is SIGKILLed during unit 5
     def kill_pool_process(row: Unit) -> None:
@@ -94,6 +95,37 @@ def test_a_job_whose_pool_process_was_killed_resumes_from_its_last_checkpoint(
     crash_and_resume(s, job_id, crash=kill_pool_process)
     assert f"job {job_id}: pool process" in s.logs()
     assert "died; sent again to resume from its checkpoint" in s.logs()
+    assert "re-published" not in s.logs()
+
+
+@postgres
+def test_a_dead_pool_process_noticed_after_its_job_resumed_elsewhere_changes_nothing(
+    scenario: MakeScenario, celery_settings: dict[str, Any], result_backend: str
+) -> None:
+    # Given two workers, early ack, a beat reaping every second, a 2 s lease, a running job
+    s = with_reaper(scenario, celery_settings, result_backend=result_backend)
+    job_id = s.send("e2e.units", UNITS, UNIT_SECONDS, task_id=f"late-{os.urandom(4).hex()}")
+    row = s.wait_unit(job_id, unit=CRASH_AT_UNIT, timeout=30)
+    slow = s.worker_of(row)
+
+    # When its pool process is SIGKILLed while its main process is stopped, and the main
+    # process wakes up only after the reaper sent the job to the other worker
+    slow.signal(signal.SIGSTOP)
+    try:
+        os.kill(row.pid, signal.SIGKILL)
+        s.wait_unit(job_id, unit=CRASH_AT_UNIT + 1, run_other_than=row.run, timeout=30)
+    finally:
+        slow.signal(signal.SIGCONT)
+    slow.wait_for_log(rf"job {job_id}: pool process \d+ died; the job lives on", timeout=15)
+
+    # Then the late worker neither retries it nor records anything: the job ends once, with
+    # its result, and Celery never saw a retry
+    job = s.wait_finished(job_id, timeout=40)
+    assert (job.state, job.result, job.attempts) == ("done", UNITS, 2), job
+    assert s.app.AsyncResult(job_id).get(timeout=10) == UNITS
+    assert s.app.AsyncResult(job_id).state == "SUCCESS"
+    assert "retry: Retry in" not in s.logs()
+    check_unit_log(s.log.rows(job_id), UNITS, crashes=1)
 
 
 @postgres

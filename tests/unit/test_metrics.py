@@ -11,6 +11,7 @@ from celery import Celery
 from celery_leases import LeasedTask
 from celery_leases.config import settings_for
 from celery_leases.store import store_for
+from tests.support.message import job_message
 
 
 @pytest.fixture
@@ -37,7 +38,9 @@ def test_claims_duplicates_and_checkpoint_latency_are_counted(app: Celery) -> No
     checkpoints = sample("celery_leases_checkpoint_seconds_count")
 
     metered.apply(task_id="job-1")
-    metered.apply(task_id="job-1")  # already done: dropped at its claim
+    elsewhere = job_message("job-2", "tests.metered", recorded=False)
+    metered.lease_store.claim(elsewhere, owner="elsewhere/1", duration=60.0)
+    metered.apply(task_id="job-2")  # a live lease elsewhere holds it: dropped at its claim
 
     assert sample("celery_leases_claims_total") == claims + 1
     assert sample("celery_leases_duplicates_dropped_total") == dropped + 1

@@ -44,6 +44,7 @@ from celery import Celery, Task, chain
 from kombu import Exchange, Queue
 
 from celery_leases import LeasedTask
+from celery_leases.message import TRANSPORT_HEADERS
 from tests.support.apps.leased_app import make_app as make_leased_app
 from tests.support.apps.leased_app import unit_log_for
 from tests.support.unit_log import UnitLog
@@ -107,7 +108,9 @@ def identity(task: Task) -> dict[str, Any]:
     request = task.request
     info = request.delivery_info or {}
     headers = {
-        k: v for k, v in (request.headers or {}).items() if not k.startswith(LIBRARY_HEADERS)
+        k: v
+        for k, v in (request.headers or {}).items()
+        if not k.startswith(LIBRARY_HEADERS) and k not in TRANSPORT_HEADERS
     }
     seen = {
         "id": request.id,
