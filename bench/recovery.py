@@ -1,12 +1,14 @@
 """Crash to resume: how long a job waits after its worker dies, celery-leases vs plain Celery.
 
 A 16-unit job (0.25 s a unit, a checkpoint after each) of ``tests/apps/leased_app.py`` on one
-of two workers (``tests.support.scenario.Scenario``; Redis, PostgreSQL) is crashed during unit 5;
-the figure is crash -> first unit of the next run, both from the unit log (database clock).
-Leased: lease 2 s, reaper every 1 s from a real beat; plain: ``task_acks_late``, Redis
-``visibility_timeout`` 10 s. ``stale_units``: units a frozen, then woken, run committed.
+of two workers (``tests.support.scenario.Scenario``; Redis, PostgreSQL or MariaDB) is crashed
+during unit 5; the figure is crash -> first unit of the next run, both from the unit log
+(database clock). Leased: each ``--lease`` (2 s) with the reaper every ``--reaper-every``
+(1 s) from a real beat; plain: ``task_acks_late``, Redis ``visibility_timeout`` 10 s.
+``stale_units``: units a frozen, then woken, run committed.
 
-    python -m bench.recovery [--quick] [--runs N] [--no-plain]
+    python -m bench.recovery [--quick] [--runs N] [--no-plain] [--lease S ...]
+        [--reaper-every S] [--database postgres|mariadb]
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.common import parser, report, row, scratch
+from bench.common import available, parser, report, row, scratch
 from tests.support.scenario import Scenario, freeze, kill_all, runs_of, thaw
 from tests.support.service import POSTGRES_URL, private_redis_url
 from tests.support.unit_log import Unit
@@ -32,7 +34,9 @@ MODES: dict[str, tuple[dict[str, Any], float]] = {
     "leased": ({"lease_seconds": 2.0, "reaper_every": 1.0}, 30.0),
     "plain": ({"acks_late": True, "visibility_timeout": 10}, 150.0),
 }
-COLUMNS = "mode crash resumed median_s worst_s redone_units stale_units outcome"
+COLUMNS = (
+    "mode database lease_s reaper_s crash resumed median_s worst_s redone_units stale_units outcome"
+)
 CRASHES: dict[str, Callable[[Unit, Worker], None]] = {
     "pool process SIGKILL": lambda row, worker: os.kill(row.pid, signal.SIGKILL),
     "worker SIGKILL": lambda row, worker: worker.kill(),
@@ -40,19 +44,25 @@ CRASHES: dict[str, Callable[[Unit, Worker], None]] = {
 }
 
 
-def crash_once(mode: str, crash: str) -> dict[str, Any]:
-    """Crash one job once; when its next run started and what the old run wrote after."""
+def crash_once(
+    mode: str, crash: str, *, database: str = POSTGRES_URL, **leased_options: Any
+) -> dict[str, Any]:
+    """Crash one job once; when its next run started and what the old run wrote after.
+    ``leased_options`` override the leased mode's (``lease_seconds``, ``reaper_every``)."""
     leased, (options, timeout) = mode == "leased", MODES[mode]
+    if leased:
+        options = options | leased_options
+        timeout = options["lease_seconds"] + options["reaper_every"] + timeout
     with (
         private_redis_url() as broker,
         tempfile.TemporaryDirectory(prefix="bench-recovery-") as logs,
-        scratch(POSTGRES_URL, "recovery") as table,
+        scratch(database, "recovery") as table,
     ):
         spawner = Spawner(logs)
         s = Scenario.create(
             spawner,
             broker={"broker_url": broker},
-            database_url=POSTGRES_URL,
+            database_url=database,
             table=table,
             queue=f"{table}_queue",
             **options,
@@ -78,6 +88,8 @@ def crash_once(mode: str, crash: str) -> dict[str, Any]:
             return {
                 "mode": mode,
                 "crash": crash,
+                "lease_s": options.get("lease_seconds"),
+                "reaper_s": options.get("reaper_every"),
                 "seconds": resumed.started_at - crashed_at,
                 "redone_units": row.unit - resumed.unit + 1,
                 "stale_units": sum(
@@ -113,14 +125,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     options = parser(__doc__)
     options.add_argument("--runs", type=int, help="runs per crash and mode (5; --quick: 2)")
     options.add_argument("--no-plain", action="store_true", help="leave plain Celery out")
+    options.add_argument(
+        "--lease", type=float, nargs="+", default=[2.0], help="lease seconds to run (2)"
+    )
+    options.add_argument("--reaper-every", type=float, default=1.0, help="reaper interval (1)")
+    options.add_argument("--database", choices=("postgres", "mariadb"), default="postgres")
+    options.add_argument("--crash", choices=list(CRASHES), nargs="+", help="crashes to run (all)")
     args = options.parse_args(argv)
     runs = args.runs or (2 if args.quick else 5)
+    database = POSTGRES_URL if args.database == "postgres" else available("mariadb")
+    if database is None:
+        raise SystemExit("mariadb is not reachable")
+    crashes = args.crash or list(CRASHES)
+    variants: list[tuple[str, dict[str, Any]]] = [
+        ("leased", {"lease_seconds": lease, "reaper_every": args.reaper_every})
+        for lease in args.lease
+    ]
+    if not (args.quick or args.no_plain):
+        variants.append(("plain", {}))
     rows, results = [], []
-    for mode in ("leased",) if args.quick or args.no_plain else ("leased", "plain"):
-        for crash in CRASHES:
+    for mode, leased_options in variants:
+        for crash in crashes:
             done = []
             for _ in range(runs):
-                done.append(crash_once(mode, crash))
+                done.append(crash_once(mode, crash, database=database, **leased_options))
                 print(done[-1], flush=True)
             results += done
             seconds = [r["seconds"] for r in done if r["seconds"] is not None]
@@ -129,7 +157,19 @@ def main(argv: Sequence[str] | None = None) -> None:
             redone = max(r.get("redone_units", 0) for r in done)
             stale = max(r.get("stale_units", 0) for r in done)
             outcome = "; ".join(sorted({r["outcome"] for r in done}))
-            values = (mode, crash, f"{len(seconds)}/{runs}", median, worst, redone, stale, outcome)
+            values = (
+                mode,
+                args.database,
+                leased_options.get("lease_seconds"),
+                leased_options.get("reaper_every"),
+                crash,
+                f"{len(seconds)}/{runs}",
+                median,
+                worst,
+                redone,
+                stale,
+                outcome,
+            )
             rows.append(row(COLUMNS, *values))
     title = "Crash -> first unit of the next run (s)"
     report("recovery", rows, quick=args.quick, title=title, modes=MODES, runs=results)

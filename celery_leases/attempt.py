@@ -27,7 +27,7 @@ from .errors import (
     Preempted,
     StoreUnavailable,
 )
-from .keeper import keeper_for
+from .keeper import Keeper, keeper_for
 from .lease import Lease, holding
 from .message import DB_RETRY_HEADER, Message
 from .rows import Refused
@@ -61,8 +61,8 @@ class Attempt:
     def run(self, args: Any, kwargs: Any) -> Any:
         """The task body's return value; raises Celery's ``Ignore`` when this delivery must not
         run (a duplicate, a stale delivery, the database down) or must not record a result."""
-        lease = self.claim(args, kwargs)
         keeper = keeper_for(self.store)
+        lease = self.claim(args, kwargs, keeper)
         keeper.add(lease)
         try:
             with holding(lease):
@@ -72,14 +72,18 @@ class Attempt:
 
     # -- the claim -------------------------------------------------------------------------
 
-    def claim(self, args: Any, kwargs: Any) -> Lease:
+    def claim(self, args: Any, kwargs: Any, keeper: Keeper) -> Lease:
         request, settings = self.request, self.settings
         delivery = Message.received(request, args, kwargs)
         self.delivery = delivery
         try:
             # Task.apply() runs the job now, as Celery does, even one that has ended.
             outcome = self.store.claim(
-                delivery, owner=self.owner, duration=settings.duration, fresh=request.is_eager
+                delivery,
+                owner=self.owner,
+                duration=settings.duration,
+                fresh=request.is_eager,
+                session=keeper.session.ident() if settings.bind_session else None,
             )
         except StoreUnavailable as exc:
             if request.is_eager:

@@ -150,6 +150,13 @@ class Settings:
         "also terminate the stalled prefork pool process, freeing its slot",
         per_task=True,
     )
+    bind_session: bool = setting(
+        True,
+        flag,
+        "bind each lease to its holder's database session: a job whose holder died resumes "
+        "at the next reaper pass, not at its lease's expiry (off behind a pooler in "
+        "transaction mode, such as PgBouncer)",
+    )
     preempt_on_shutdown: bool = setting(
         True, flag, "on warm shutdown, running jobs hand back at their next checkpoint"
     )

@@ -6,6 +6,7 @@ Driver errors are wrapped here, once: an unreachable or restarting server become
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from .config import redact
 from .errors import ConfigurationError, LeaseError, StoreUnavailable
+from .schema import SESSION_LOCK_PREFIX
 
 T = TypeVar("T")
 
@@ -93,9 +95,89 @@ class Database:
         with self.engine.begin() as connection:
             return operation(connection)
 
+    def session(self) -> Session:
+        """A connection of this process's own, kept open for as long as the process lives:
+        the session a keeper binds its leases to (``Session``)."""
+        return Session(self)
+
     def wrapped_errors(self, what: str = "") -> _Wrapped:
         """A context manager that turns driver errors into LeaseError / StoreUnavailable."""
         return _Wrapped(self.safe_url, what)
+
+
+class Session:
+    """One connection held open by a keeper, outside the pool's reach, for its renewals.
+
+    While the process lives its session does: the reaper takes a job whose holder's session
+    ended (the process died, a host went away) as abandoned at once, instead of waiting for
+    the lease to expire. On MariaDB/MySQL the session also holds a named lock, which any user
+    can see. Not thread safe: one keeper thread uses it."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._connection: Connection | None = None
+        self._ident: int | None = None
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+
+    def ident(self) -> int:
+        """The session's id as the reaper sees it (PostgreSQL backend pid, MariaDB connection
+        id, SQLite: the process id), connecting first if needed."""
+        if self.db.dialect == "sqlite":
+            return os.getpid()
+        with self._lock, self.db.wrapped_errors():
+            self._open()
+            assert self._ident is not None
+            return self._ident
+
+    def run(self, operation: Callable[[Connection], T]) -> T:
+        """Run ``operation`` on the session's connection in autocommit (a transaction on
+        SQLite), reconnecting once if the server had closed it."""
+        with self._lock, self.db.wrapped_errors():
+            try:
+                return self._execute(operation)
+            except sa.exc.DBAPIError as exc:
+                self.close()
+                if not exc.connection_invalidated:
+                    raise
+            return self._execute(operation)
+
+    def _execute(self, operation: Callable[[Connection], T]) -> T:
+        connection = self._open()
+        if self.db.dialect in AUTOCOMMIT and self.db.dialect != "sqlite":
+            return operation(connection)
+        with connection.begin():
+            return operation(connection)
+
+    def _open(self) -> Connection:
+        if self._connection is not None and self._pid == os.getpid():
+            return self._connection
+        self._pid = os.getpid()
+        connection = self.db.engine.connect()
+        try:
+            if self.db.dialect in ("mysql", "mariadb"):
+                self._ident = connection.exec_driver_sql(
+                    "SELECT CONNECTION_ID(), GET_LOCK(CONCAT(%s, CONNECTION_ID()), 0)",
+                    (SESSION_LOCK_PREFIX,),
+                ).scalar_one()
+                connection.commit()
+            elif self.db.dialect == "postgresql":
+                connection = connection.execution_options(isolation_level="AUTOCOMMIT")
+                self._ident = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+            else:
+                self._ident = os.getpid()
+        except BaseException:
+            connection.invalidate()
+            raise
+        self._connection = connection
+        return connection
+
+    def close(self) -> None:
+        """Give the connection up (the session, and the lock, end with it)."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with contextlib.suppress(Exception):  # already broken
+                connection.invalidate()  # never back to the pool: its lock must go too
 
 
 class _Wrapped:

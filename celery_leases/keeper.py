@@ -21,6 +21,8 @@ class Keeper(threading.Thread):
     def __init__(self, store: Store) -> None:
         super().__init__(name="celery-leases-keeper", daemon=True)
         self.store = store
+        #: The connection this process's leases are bound to (``Store.expire_orphaned``).
+        self.session = store.db.session()
         self.pid = os.getpid()
         self._leases: dict[int, Lease] = {}
         self._lock = threading.Lock()
@@ -59,7 +61,10 @@ class Keeper(threading.Thread):
             return
         sent = time.monotonic()
         try:
-            renewal = self.store.renew([(lease.job_id, lease.token) for lease in renewable])
+            renewal = self.store.renew(
+                [(lease.job_id, lease.token) for lease in renewable],
+                session=self.session if self.store.settings.bind_session else None,
+            )
         except LeaseError as exc:
             if not self._failing:
                 logger.error("celery-leases: cannot renew leases: %s", exc)

@@ -28,6 +28,8 @@ MAX_BATCHES = 100
 class ReapReport:
     """What one reaper pass did."""
 
+    #: Running jobs whose holder's database session was gone: their lease ended at once.
+    orphaned: list[str] = field(default_factory=list)
     republished: list[str] = field(default_factory=list)
     gave_up: list[str] = field(default_factory=list)
     publish_failed: list[str] = field(default_factory=list)
@@ -39,6 +41,7 @@ class ReapReport:
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "orphaned": self.orphaned,
             "republished": self.republished,
             "gave_up": self.gave_up,
             "publish_failed": self.publish_failed,
@@ -53,6 +56,9 @@ def reap(app: Any) -> ReapReport:
     settings = settings_for(app)
     store = store_for(settings)
     report = ReapReport()
+    for job_id, owner in store.expire_orphaned(batch=settings.reap_batch):
+        report.orphaned.append(job_id)
+        logger.info("job %s: its holder's database session is gone (owner %s)", job_id, owner)
     for _ in range(MAX_BATCHES):
         batch = store.collect_expired(
             batch=settings.reap_batch,

@@ -76,6 +76,8 @@ class Job:
     version: str | None = None
     sends: int = 0
     notify: str | None = None
+    #: The database session its holder's keeper is bound to (``Store.expire_orphaned``).
+    session: int | None = None
 
     @property
     def args(self) -> list[Any]:
@@ -173,4 +175,5 @@ def job(m: Any) -> Job:
         version=m["version"],
         sends=m["sends"],
         notify=m["notify"],
+        session=m["session"],
     )

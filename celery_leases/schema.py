@@ -14,7 +14,7 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: Job states. ``queued`` and ``running`` are live; the others are finished. A ``replaced``
 #: job handed its id to the signature it was replaced with (``Task.replace``); a ``revoked``
@@ -24,6 +24,9 @@ CANCELLED, REVOKED, REPLACED = "cancelled", "revoked", "replaced"
 STATES = (QUEUED, RUNNING, DONE, FAILED, CANCELLED, REVOKED, REPLACED)
 LIVE_STATES = (QUEUED, RUNNING)
 FINISHED_STATES = (DONE, FAILED, CANCELLED, REVOKED, REPLACED)
+
+#: Prefix of the MariaDB/MySQL named lock a keeper's session holds (database.Session).
+SESSION_LOCK_PREFIX = "celery_leases:"
 
 #: Longest job (task) id the table holds; a longer one is refused, never truncated.
 MAX_ID_LENGTH = 155
@@ -79,6 +82,10 @@ def jobs_table(metadata: sa.MetaData, name: str = "celery_leases_jobs") -> sa.Ta
         sa.Column("message", text, nullable=False),
         sa.Column("state", sa.String(16), nullable=False),
         sa.Column("owner", sa.String(255)),
+        # The database session of the holder's keeper, set by each renewal (PostgreSQL: its
+        # backend pid; MariaDB: its connection id; SQLite: its process id): a running job whose
+        # holder's session is gone is re-published without waiting for its expiry.
+        sa.Column("session", sa.BigInteger),
         sa.Column("token", sa.BigInteger, nullable=False, default=0),
         sa.Column("duration", sa.Double),
         sa.Column("expires_at", sa.Double),

@@ -22,6 +22,7 @@ from .schema import (
     REPLACED,
     RUNNING,
     SCHEMA_VERSION,
+    SESSION_LOCK_PREFIX,
     db_now,
 )
 
@@ -46,6 +47,60 @@ def unindexed(column: Any) -> Any:
     each write; SQLite does so without statistics. See docs/benchmarks.md.
     """
     return sa.func.coalesce(column, "")
+
+
+def holder_session(dialect: str) -> Any:
+    """The id of the session running the statement, for a keeper's renewal to bind the
+    lease to: PostgreSQL's backend pid, MariaDB's connection id (only while that connection
+    holds its keeper lock, which is what the reaper looks for), SQLite's process id (given)."""
+    if dialect == "postgresql":
+        return sa.func.pg_backend_pid()
+    if dialect in ("mysql", "mariadb"):
+        lock = sa.func.concat(SESSION_LOCK_PREFIX, sa.func.connection_id())
+        return sa.case(
+            (sa.func.is_used_lock(lock) == sa.func.connection_id(), sa.func.connection_id()),
+            else_=sa.null(),
+        )
+    return param("pid", sa.BigInteger())
+
+
+def claimed_session(dialect: str) -> Any:
+    """The claimant's keeper session (``b_session``), bound at the claim only if that session
+    is alive now (a keeper that has not yet seen its connection drop binds nothing: expiry)."""
+    session = param("session", sa.BigInteger())
+    if dialect == "postgresql":
+        alive = sa.exists().select_from(sa.func.pg_stat_get_activity(sa.cast(session, sa.Integer)))
+    elif dialect in ("mysql", "mariadb"):
+        alive = sa.func.is_used_lock(sa.func.concat(SESSION_LOCK_PREFIX, session)) == session
+    else:
+        return session
+    return sa.case((alive, session), else_=sa.null())
+
+
+def session_gone(table: sa.Table, dialect: str) -> Any:
+    """SQL true for a running job whose holder's session has ended while the database server
+    kept running (a restart ends every session: those leases wait for their expiry). None
+    where the database cannot tell (SQLite: the store checks the holder's pid)."""
+    t = table
+    if dialect == "postgresql":
+        started = sa.extract("epoch", sa.func.pg_postmaster_start_time())
+        backend = sa.func.pg_stat_get_activity(sa.cast(t.c.session, sa.Integer))
+        return sa.and_(~sa.exists().select_from(backend), t.c.renewed_at > started)
+    if dialect in ("mysql", "mariadb"):
+        status = sa.table(
+            "GLOBAL_STATUS",
+            sa.column("VARIABLE_NAME"),
+            sa.column("VARIABLE_VALUE"),
+            schema="information_schema",
+        )
+        uptime = (
+            sa.select(sa.cast(status.c.VARIABLE_VALUE, sa.Double()))
+            .where(status.c.VARIABLE_NAME == "UPTIME")
+            .scalar_subquery()
+        )
+        lock = sa.func.concat(SESSION_LOCK_PREFIX, t.c.session)
+        return sa.and_(sa.func.is_used_lock(lock).is_(None), t.c.renewed_at > db_now() - uptime)
+    return None
 
 
 class Statements:
@@ -92,6 +147,7 @@ class Statements:
         claimed = {
             "state": RUNNING,
             "owner": param("owner", t.c.owner.type),
+            "session": claimed_session(dialect),
             "attempts": 1,
             "duration": seconds,
             "expires_at": now + seconds,
@@ -137,6 +193,7 @@ class Statements:
             attempts=t.c.attempts + 1,
             state=RUNNING,
             owner=param("owner", t.c.owner.type),
+            session=claimed_session(dialect),
             duration=seconds,
             expires_at=now + seconds,
             claimed_at=now,
@@ -170,8 +227,19 @@ class Statements:
             renewable = t.c.id.in_(
                 sa.select(t.c.id).where(leases).with_for_update(skip_locked=True)
             )
-        renew = sa.update(t).where(renewable).values(expires_at=now + t.c.duration, renewed_at=now)
-        self.renew = renew.returning(t.c.id, t.c.stop_requested) if self.returning else renew
+        # A keeper renews on its session's own connection and binds the leases to it; any
+        # other renewal (one without a keeper) leaves them unbound: expiry only.
+        renewals = {}
+        for bound, session in ((True, holder_session(dialect)), (False, None)):
+            renew = (
+                sa.update(t)
+                .where(renewable)
+                .values(expires_at=now + t.c.duration, renewed_at=now, session=session)
+            )
+            renewals[bound] = (
+                renew.returning(t.c.id, t.c.stop_requested) if self.returning else renew
+            )
+        self.renew_bound, self.renew = renewals[True], renewals[False]
         self.renewed = sa.select(t.c.id, t.c.stop_requested).where(leases)
 
         saved = {
@@ -365,6 +433,33 @@ class Statements:
             .order_by(t.c.expires_at)
             .limit(param("batch"))
             .with_for_update(skip_locked=True)
+        )
+        # Running jobs whose holder's session is gone, lease not yet expired: the reaper
+        # expires them now (Store.expire_orphaned). SQLite: the rows bound to a session, for
+        # the store to check each holder's pid.
+        bound_running = sa.and_(
+            t.c.state == RUNNING,
+            t.c.session.is_not(None),
+            t.c.expires_at > sa.select(db_now()).scalar_subquery(),
+        )
+        gone = session_gone(t, dialect)
+        self.sessions_in_sql = gone is not None
+        orphans = bound_running if gone is None else sa.and_(bound_running, gone)
+        self.orphan_candidates = (
+            sa.select(t.c.id, t.c.token, t.c.owner, t.c.session)
+            .where(orphans)
+            .limit(param("batch"))
+            .with_for_update(skip_locked=True)
+        )
+        self.expire_orphans = (
+            sa.update(t)
+            .where(
+                t.c.id == param("id"),
+                t.c.token == param("token"),
+                t.c.session == param("session"),
+                t.c.state == RUNNING,
+            )
+            .values(expires_at=now)
         )
         self.no_progress = sa.and_(
             t.c.state == RUNNING,

@@ -10,6 +10,8 @@ back in the same transaction, and a renew tick asks which rows it kept.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -19,7 +21,7 @@ from sqlalchemy.engine import Connection
 
 from . import rows
 from .config import Settings, settings_for
-from .database import Database
+from .database import Database, Session
 from .errors import (
     ConfigurationError,
     CorruptJob,
@@ -84,16 +86,23 @@ class Store:
         return True
 
     def ensure_schema(self) -> None:
-        """Create the jobs table if missing; refuse a table from an older schema."""
+        """Create the jobs table if missing; add the columns a newer schema only adds to a
+        table from an older one; refuse a table that lacks any other column."""
 
         def create(connection: Connection) -> None:
             self.table.create(connection, checkfirst=True)
             present = {c["name"] for c in sa.inspect(connection).get_columns(self.table.name)}
-            missing = [c.name for c in self.table.columns if c.name not in present]
+            missing = [c for c in self.table.columns if c.name not in present]
+            if missing and all(_addable(c) for c in missing):
+                # Columns a newer schema only adds (nullable, no default): add them in place.
+                for column in missing:
+                    _add_column(connection, self.table, column)
+                missing = []
             if missing:
+                missing_names = [c.name for c in missing]
                 raise ConfigurationError(
                     f"table {self.table.name!r} in {self.safe_url} was created by another "
-                    f"schema (missing columns: {', '.join(missing)}); this celery-leases "
+                    f"schema (missing columns: {', '.join(missing_names)}); this celery-leases "
                     f"needs schema version {SCHEMA_VERSION}: migrate it with "
                     f"celery_leases.metadata, or set leases_table to a new name"
                 )
@@ -151,17 +160,25 @@ class Store:
     # -- writes of a worker: one statement each --------------------------------------------
 
     def claim(
-        self, delivery: Message, *, owner: str, duration: float, fresh: bool = False
+        self,
+        delivery: Message,
+        *,
+        owner: str,
+        duration: float,
+        fresh: bool = False,
+        session: int | None = None,
     ) -> Claimed | Refused:
         """Take the lease if ``delivery`` is the job's recorded message and the job is queued
         or its lease expired; bump the token. One statement when it is (the usual case).
 
         ``fresh``: the delivery is a run asked for now, not a message that may be a copy
-        (``Task.apply()``): it takes over the id of a job that has ended."""
+        (``Task.apply()``): it takes over the id of a job that has ended. ``session``: the
+        claimant's keeper session (``Session.ident``), which the lease is bound to."""
         job_id = checked_id(delivery.id)
         params = {
             "b_id": job_id,
             "b_owner": owner,
+            "b_session": session,
             "b_duration": duration,
             "b_version": delivery.version,
             "b_task": delivery.task,
@@ -230,25 +247,35 @@ class Store:
         row = self._run(lambda c: c.execute(self.sql.facts, {"b_id": job_id}).first())
         return None if row is None else Facts(*row)
 
-    def renew(self, leases: Sequence[tuple[str, int]]) -> Renewal:
-        """Extend every lease still held under its token, in one statement."""
+    def renew(
+        self, leases: Sequence[tuple[str, int]], *, session: Session | None = None
+    ) -> Renewal:
+        """Extend every lease still held under its token, in one statement. On a keeper's
+        ``session``, the statement runs on that session and binds the leases to it."""
         if not leases:
             return Renewal(frozenset(), {})
-        params = {"b_ids": [i for i, _ in leases], "b_leases": [(i, k) for i, k in leases]}
+        params = {
+            "b_ids": [i for i, _ in leases],
+            "b_leases": [(i, k) for i, k in leases],
+            "b_pid": os.getpid(),
+        }
+        renew = self.sql.renew if session is None else self.sql.renew_bound
 
         def run(c: Connection) -> Renewal:
             if self.db.returning:
-                kept = c.execute(self.sql.renew, params).all()
+                kept = c.execute(renew, params).all()
                 if len(kept) < len(leases) and self.dialect == "postgresql":
                     # Skipped rows (locked) that are still held count as held.
                     kept = c.execute(self.sql.renewed, params).all()
             else:
-                c.execute(self.sql.renew, params)
+                c.execute(renew, params)
                 kept = c.execute(self.sql.renewed, params).all()
             return Renewal(
                 frozenset(r[0] for r in kept), {r[0]: r[1] for r in kept if r[1] is not None}
             )
 
+        if session is not None:
+            return session.run(run)
         return self._run(run, single=True)  # type: ignore[no-any-return]
 
     def checkpoint(
@@ -467,6 +494,32 @@ class Store:
 
     # -- the reaper ------------------------------------------------------------------------
 
+    def expire_orphaned(self, *, batch: int) -> list[tuple[str, str | None]]:
+        """End now the leases of running jobs whose holder's database session is gone (its
+        process died, or its host): (id, previous owner) of each. The usual expiry path then
+        re-publishes them in the same reaper pass. A holder that is alive but frozen or cut
+        off keeps its session: its lease expiry stays the fence.
+
+        SQLite has no sessions to look at: a holder on this host whose process is gone counts
+        (holders on other hosts, as their owner names them, wait for their expiry)."""
+
+        def run(c: Connection) -> list[tuple[str, str | None]]:
+            rows = c.execute(self.sql.orphan_candidates, {"b_batch": batch}).all()
+            if not self.sql.sessions_in_sql:
+                rows = [r for r in rows if _local_process_gone(r.owner, r.session)]
+            ended = []
+            for row in rows:
+                params = {
+                    "b_id": row.id,
+                    "b_token": row.token,
+                    "b_session": row.session,
+                }
+                if c.execute(self.sql.expire_orphans, params).rowcount == 1:
+                    ended.append((row.id, row.owner))
+            return ended
+
+        return self._run(run)  # type: ignore[no-any-return]
+
     def collect_expired(
         self, *, batch: int, grace: float, max_stalled: int | None, max_attempts: int | None
     ) -> Reaped:
@@ -608,3 +661,31 @@ def get_job(app: Any, job_id: str) -> Job | None:
     (seconds left on the lease by the database clock).
     """
     return store_for(settings_for(app)).get(job_id)
+
+
+def _local_process_gone(owner: str | None, pid: int | None) -> bool:
+    """True if ``owner`` ("node@host/pid") runs on this host and process ``pid`` is gone."""
+    if not owner or not pid:
+        return False
+    node = owner.rsplit("/", 1)[0]
+    if node.rpartition("@")[2] != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists (owned by another user)
+        return False
+    return False
+
+
+def _addable(column: sa.Column[Any]) -> bool:
+    return bool(column.nullable) and column.default is None and not column.primary_key
+
+
+def _add_column(connection: Connection, table: sa.Table, column: sa.Column[Any]) -> None:
+    dialect = connection.dialect
+    name = dialect.identifier_preparer.format_table(table)
+    spec = sa.schema.CreateColumn(column).compile(dialect=dialect)
+    guard = "" if dialect.name == "sqlite" else "IF NOT EXISTS "
+    connection.exec_driver_sql(f"ALTER TABLE {name} ADD COLUMN {guard}{spec}")

@@ -81,9 +81,15 @@ def _get_into(s: Scenario, job_id: str, out: list[Any]) -> None:
 def test_a_job_whose_pool_process_was_killed_resumes_from_its_last_checkpoint(
     scenario: MakeScenario, celery_settings: dict[str, Any], result_backend: str
 ) -> None:
-    # Given two workers, early ack, a beat reaping every second, and a lease longer than
-    # billiard takes to notice a dead pool process (its maintain_pool timer, 5 s)
-    s = with_reaper(scenario, celery_settings, result_backend=result_backend, lease_seconds=8.0)
+    # Given two workers, early ack, a lease longer than billiard takes to notice a dead pool
+    # process (its maintain_pool timer, 5 s), and no reaper pass during the test
+    s = with_reaper(
+        scenario,
+        celery_settings,
+        result_backend=result_backend,
+        lease_seconds=8.0,
+        reaper_every=300.0,
+    )
 
     # When the pool process running the job is SIGKILLed during unit 5
     def kill_pool_process(row: Unit) -> None:
@@ -142,6 +148,26 @@ def test_a_job_whose_whole_worker_was_killed_resumes_on_the_other_worker(
     # Then the other worker resumes it from its last checkpoint
     _, runs, row = crash_and_resume(s, f"whole-{os.urandom(4).hex()}", crash=kill_worker)
     assert s.worker_of(runs[1].first) is not s.worker_of(row)
+
+
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb", "sqlite"], indirect=True)
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+def test_a_killed_workers_job_resumes_at_the_next_reaper_pass_not_at_its_lease_expiry(
+    scenario: MakeScenario, celery_settings: dict[str, Any]
+) -> None:
+    # Given two workers, early ack, a beat reaping every second, and a 10-minute lease
+    s = with_reaper(scenario, celery_settings, lease_seconds=600.0, renew_seconds=200.0)
+
+    # When the whole worker running the job is SIGKILLed during unit 5
+    def kill_worker(row: Unit) -> None:
+        s.worker_of(row).kill()
+
+    # Then the reaper sees its holder's database session gone and the other worker resumes it
+    # from its last checkpoint, long before the lease would have expired
+    job_id = f"bound-{os.urandom(4).hex()}"
+    _, runs, row = crash_and_resume(s, job_id, crash=kill_worker)
+    assert s.worker_of(runs[1].first) is not s.worker_of(row)
+    assert f"job {job_id}: its holder's database session is gone" in s.logs()
 
 
 @postgres

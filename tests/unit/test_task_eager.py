@@ -321,9 +321,33 @@ def test_a_table_from_an_older_schema_is_refused_naming_its_missing_columns(
 
     message = str(raised.value)
     assert f"table {table_name!r}" in message
-    assert "missing columns: generation, version, message, owner, token" in message
+    assert "missing columns: generation, version, message, owner, session, token" in message
     assert "checkpoint" in message and "schema_version" in message
     assert ", id," not in message and ", state," not in message
+
+
+def test_a_table_from_schema_2_gets_the_session_column_and_keeps_its_jobs(
+    app: Celery, table_name: str
+) -> None:
+    # Given a table of schema 2 (every column but ``session``)
+    engine = sa.create_engine(app.conf.leases_database_url)
+    try:
+        with engine.begin() as connection:
+            celery_leases.jobs_table(sa.MetaData(), table_name).create(connection)
+            connection.execute(sa.text(f"ALTER TABLE {table_name} DROP COLUMN session"))
+    finally:
+        engine.dispose()
+
+    # When celery-leases first uses it
+    assert app.tasks["tests.count_to"].apply(args=(3,), task_id="after-upgrade").get() == 3
+
+    # Then the column was added in place and the job ran on the upgraded table
+    store = store_for(settings_for(app))
+    with store.engine.connect() as connection:
+        names = {c["name"] for c in sa.inspect(connection).get_columns(table_name)}
+    assert "session" in names
+    job = get_job(app, "after-upgrade")
+    assert (job.state, job.result, job.checkpoint) == ("done", 3, 3)
 
 
 # -- security -----------------------------------------------------------------------------------

@@ -1,0 +1,161 @@
+"""Leases bound to their holder's database session: a holder whose session ended (its process
+died) loses its lease at the next reaper pass, not at its expiry; a live one keeps it.
+
+Real databases; the holder is a real forked process that claims, renews and exits.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+
+import pytest
+
+from celery_leases.config import DEFAULTS, Settings, validate
+from celery_leases.rows import Claimed
+from celery_leases.store import Store
+from tests.support.message import job_message
+from tests.support.scenario import wait_for
+
+LEASE = 300.0  # far longer than any test: only the session can end these leases early
+
+
+@pytest.fixture
+def settings(database_url: str, table_name: str) -> Settings:
+    return validate(DEFAULTS | {"database_url": database_url, "table": table_name})
+
+
+@pytest.fixture
+def store(settings: Settings) -> Iterator[Store]:
+    store = Store(settings)
+    store.ensure_schema()
+    yield store
+    store.engine.dispose()
+
+
+def owner_here(pid: int) -> str:
+    return f"worker@{socket.gethostname()}/{pid}"
+
+
+def _hold_and_exit(settings: Settings, job_id: str, done: Connection) -> None:
+    """A holder process: claim the job bound to its own session, renew it once on that
+    session, report, and exit without releasing anything."""
+    try:
+        store = Store(settings)
+        session = store.db.session()
+        message = job_message(job_id, "tests.job", recorded=False)
+        outcome = store.claim(
+            message, owner=owner_here(os.getpid()), duration=LEASE, session=session.ident()
+        )
+        held = store.renew([(job_id, getattr(outcome, "token", 0))], session=session)
+        done.send((session.ident(), job_id in held.held))
+    except BaseException as exc:
+        done.send((None, repr(exc)))
+    os._exit(0)
+
+
+def test_a_holder_whose_process_died_loses_its_lease_at_the_next_reaper_pass(
+    store: Store, settings: Settings
+) -> None:
+    # Given a job claimed and renewed by another process, bound to that process's session
+    context = multiprocessing.get_context("fork")
+    reports, done = context.Pipe(duplex=False)
+    holder = context.Process(target=_hold_and_exit, args=(settings, "orphan-1", done))
+    store.engine.dispose()  # the child must not share the parent's pooled connections
+    holder.start()
+    assert reports.poll(30), "the holder process reported nothing"
+    session, renewed = reports.recv()
+    assert renewed is True, renewed
+    job = store.get("orphan-1")
+    assert job is not None and job.state == "running" and job.session == session
+
+    # When that process has exited (its lease still has minutes to run)
+    holder.join(timeout=30)
+    assert holder.exitcode == 0
+
+    # Then a reaper pass ends its lease now, and the usual expiry path re-publishes it
+    orphaned = wait_for(
+        lambda: store.expire_orphaned(batch=10),
+        timeout=10,
+        interval=0.1,
+        what="the holder's session to be seen gone",
+    )
+    assert orphaned == [("orphan-1", owner_here(holder.pid))]
+    reaped = store.collect_expired(batch=10, grace=30.0, max_stalled=None, max_attempts=None)
+    assert [j.id for j in reaped.republish] == ["orphan-1"]
+    assert store.expire_orphaned(batch=10) == []  # queued now: nothing more to end
+
+
+def test_a_holder_whose_session_is_alive_keeps_its_lease(store: Store) -> None:
+    # Given a job claimed by this process and renewed on its keeper session
+    session = store.db.session()
+    message = job_message("alive-1", "tests.job", recorded=False)
+    outcome = store.claim(
+        message, owner=owner_here(os.getpid()), duration=LEASE, session=session.ident()
+    )
+    assert isinstance(outcome, Claimed)
+    assert "alive-1" in store.renew([("alive-1", outcome.token)], session=session).held
+
+    # When the reaper looks, then it leaves the job alone: the session is still there
+    assert store.expire_orphaned(batch=10) == []
+    job = store.get("alive-1")
+    assert job is not None and job.session == session.ident() and job.expires_in > LEASE - 60
+    session.close()
+
+
+def test_a_renewal_off_the_keeper_session_binds_nothing(store: Store) -> None:
+    # Given a job claimed with no keeper session, renewed through the pool
+    outcome = store.claim(
+        job_message("unbound-1", "tests.job", recorded=False),
+        owner=owner_here(os.getpid()),
+        duration=LEASE,
+    )
+    assert isinstance(outcome, Claimed)
+    store.renew([("unbound-1", outcome.token)])
+
+    # Then it is bound to no session: only its expiry ends it
+    job = store.get("unbound-1")
+    assert job is not None and job.session is None
+    assert store.expire_orphaned(batch=10) == []
+
+
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
+def test_a_claim_never_binds_a_session_that_is_gone(store: Store) -> None:
+    # Given a keeper whose cached session id belongs to a session that has ended
+    session = store.db.session()
+    gone = session.ident()
+    session.close()
+    wait_for(
+        lambda: _session_gone(store, gone),
+        timeout=10,
+        interval=0.1,
+        what=f"session {gone} to end",
+    )
+
+    # When a claim is made with it, then the lease is bound to nothing (expiry only), so a
+    # stale id never hands a live job to the reaper
+    outcome = store.claim(
+        job_message("stale-1", "tests.job", recorded=False),
+        owner=owner_here(os.getpid()),
+        duration=LEASE,
+        session=gone,
+    )
+    assert isinstance(outcome, Claimed)
+    job = store.get("stale-1")
+    assert job is not None and job.session is None
+    assert store.expire_orphaned(batch=10) == []
+
+
+def _session_gone(store: Store, ident: int) -> bool:
+    other = store.db.session()
+    try:
+        if store.dialect == "postgresql":
+            sql = "SELECT count(*) FROM pg_stat_activity WHERE pid = %(p)s"
+            return other.run(lambda c: c.exec_driver_sql(sql, {"p": ident}).scalar_one()) == 0
+        sql = "SELECT IS_USED_LOCK(CONCAT('celery_leases:', %s))"
+        return other.run(lambda c: c.exec_driver_sql(sql, (ident,)).scalar_one()) is None
+    finally:
+        other.close()
