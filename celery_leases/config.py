@@ -145,9 +145,10 @@ class Settings:
         per_task=True,
     )
     kill_stalled: bool = setting(
-        False,
+        True,
         flag,
-        "also terminate the stalled prefork pool process, freeing its slot",
+        "with a stall timeout, also end the stalled prefork pool process, so the worker "
+        "replaces it and no message waits behind it (off: the process stays hung)",
         per_task=True,
     )
     bind_session: bool = setting(

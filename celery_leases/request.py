@@ -1,11 +1,12 @@
 """LeasedRequest: a leased job's request in the worker's main process.
 
 - When the pool process running the job dies (SIGKILL, the OOM killer, a segfault), the main
-  process sees it (billiard looks every 5 s at most) and knows its pid: it hands that
-  process's lease back and sends the job's recorded message again, so another pool process
-  resumes it from its checkpoint without waiting for the lease to expire. If the job already
-  lives on elsewhere (the reaper was quicker), it is left alone. The result backend is left as
-  it was: a client in ``AsyncResult.get()`` keeps waiting for the real end.
+  process sees it at once (:class:`Deaths`; else billiard's report, up to 5 s later) and
+  knows its pid: it hands that process's lease back and sends the job's recorded message
+  again, so another pool process resumes it from its checkpoint without waiting for the
+  lease to expire or the reaper. If the job already lives on elsewhere, it is left alone.
+  The result backend is left as it was: a client in ``AsyncResult.get()`` keeps waiting for
+  the real end.
 - ``revoke(terminate=True)`` ends the job ``revoked`` in the table before the pool process is
   signalled, so the process's hand-back on its way out cannot put it back in the queue.
 - When it dies after its attempt marked the job done but before Celery stored the result, the
@@ -18,6 +19,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import select
+import threading
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
@@ -41,6 +45,24 @@ class LeasedRequest(Request):  # type: ignore[misc]
     """Celery's Request, resuming a leased job at once when its pool process dies."""
 
     _time_limit_reported = False
+
+    def on_accepted(self, pid: int, time_accepted: float) -> Any:
+        result = super().on_accepted(pid, time_accepted)
+        task = self.task
+        if pid and pid != os.getpid() and not (task.acks_late and task.reject_on_worker_lost):
+            deaths().watch(self, pid)
+        return result
+
+    def resume_after_death(self) -> None:
+        """The pool process that took this job has died (seen by :class:`Deaths`): hand its
+        lease back and send the job again now; nothing if the job has moved on or ended."""
+        try:
+            self._resume_at_once(store_for(self.task.lease_settings), self._dead_owner())
+        except Exception as exc:  # billiard's report of the death comes later and retries
+            logger.warning("celery-leases: job %s: pool process lost, %r", self.id, exc)
+
+    def _dead_owner(self) -> str:
+        return f"{self.hostname}/{self.worker_pid}"
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
@@ -84,7 +106,7 @@ class LeasedRequest(Request):  # type: ignore[misc]
         broker_redelivers = task.acks_late and task.reject_on_worker_lost
         if self.worker_pid is None:
             return False  # it never started
-        owner = f"{self.hostname}/{self.worker_pid}"
+        owner = self._dead_owner()
         store = store_for(task.lease_settings)
         try:
             if not broker_redelivers and self._resume_at_once(store, owner):
@@ -158,3 +180,63 @@ class LeasedRequest(Request):  # type: ignore[misc]
 
 def _unwrapped(exc: Any) -> Any:
     return exc.exc if isinstance(exc, ExceptionWithTraceback) else exc
+
+
+class Deaths(threading.Thread):
+    """In a worker's main process: watches each prefork pool process that took a leased job
+    (a pidfd, Linux 5.3+) and, the moment one dies, hands its job back and sends it again.
+
+    Billiard reports a dead pool process on a timer (up to 5 s later); this thread sees the
+    death at once. It tracks one job per process (a pool process runs one task at a time),
+    the last it accepted: a job that ended before its process died is left alone by the
+    hand-back's own conditions, and billiard's later report finds the job moved on."""
+
+    def __init__(self) -> None:
+        super().__init__(name="celery-leases-deaths", daemon=True)
+        self._lock = threading.Lock()
+        self._jobs: dict[int, LeasedRequest] = {}
+        self._pids: dict[int, int] = {}  # pidfd -> pid
+        self._poll = select.poll()
+        self._wake_r, self._wake_w = os.pipe()
+        self._poll.register(self._wake_r, select.POLLIN)
+
+    def watch(self, request: LeasedRequest, pid: int) -> None:
+        with self._lock:
+            self._jobs[pid] = request
+            if pid in self._pids.values():
+                return
+            try:
+                fd = os.pidfd_open(pid)
+            except (AttributeError, OSError):  # no pidfd here, or the process is gone
+                self._jobs.pop(pid, None)
+                return
+            self._pids[fd] = pid
+            self._poll.register(fd, select.POLLIN)
+        os.write(self._wake_w, b"w")  # poll() takes new descriptors at its next call
+
+    def run(self) -> None:
+        while True:
+            for fd, _ in self._poll.poll():
+                if fd == self._wake_r:
+                    os.read(fd, 4096)
+                    continue
+                with self._lock:
+                    self._poll.unregister(fd)
+                    os.close(fd)
+                    request = self._jobs.pop(self._pids.pop(fd), None)
+                if request is not None:
+                    request.resume_after_death()
+
+
+_deaths: Deaths | None = None
+_deaths_lock = threading.Lock()
+
+
+def deaths() -> Deaths:
+    """This process's running :class:`Deaths` thread (started on first use, also after fork)."""
+    global _deaths
+    with _deaths_lock:
+        if _deaths is None or not _deaths.is_alive():
+            _deaths = Deaths()
+            _deaths.start()
+        return _deaths
