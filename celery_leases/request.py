@@ -206,8 +206,10 @@ class Deaths(threading.Thread):
             if pid in self._pids.values():
                 return
             try:
+                if not _is_child(pid):  # a threads or gevent pool's "pid" names no process
+                    raise ProcessLookupError(pid)
                 fd = os.pidfd_open(pid)
-            except (AttributeError, OSError):  # no pidfd here, or the process is gone
+            except (AttributeError, OSError, OverflowError):  # no pidfd here, or no process
                 self._jobs.pop(pid, None)
                 return
             self._pids[fd] = pid
@@ -226,6 +228,12 @@ class Deaths(threading.Thread):
                     request = self._jobs.pop(self._pids.pop(fd), None)
                 if request is not None:
                     request.resume_after_death()
+
+
+def _is_child(pid: int) -> bool:
+    """True if ``pid`` is a process this process forked (its pool's)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rpartition(")")[2].split()[1]) == os.getpid()
 
 
 _deaths: Deaths | None = None
