@@ -5,7 +5,9 @@ of two workers (``tests.support.scenario.Scenario``; Redis, PostgreSQL or MariaD
 during unit 5; the figure is crash -> first unit of the next run, both from the unit log
 (database clock). Leased: each ``--lease`` (2 s) with the reaper every ``--reaper-every``
 (1 s) from a real beat; plain: ``task_acks_late``, Redis ``visibility_timeout`` 10 s.
-``stale_units``: units a frozen, then woken, run committed.
+``stale_units``: units the crashed run committed after the next run had started (a frozen,
+then woken, run). ``worker SIGTERM (hand-off)`` is a warm shutdown: the job hands back at its
+next checkpoint.
 
     python -m bench.recovery [--quick] [--runs N] [--no-plain] [--lease S ...]
         [--reaper-every S] [--database postgres|mariadb]
@@ -41,6 +43,7 @@ CRASHES: dict[str, Callable[[Unit, Worker], None]] = {
     "pool process SIGKILL": lambda row, worker: os.kill(row.pid, signal.SIGKILL),
     "worker SIGKILL": lambda row, worker: worker.kill(),
     "worker SIGSTOP": lambda row, worker: freeze(worker),
+    "worker SIGTERM (hand-off)": lambda row, worker: worker.signal(signal.SIGTERM),
 }
 
 
@@ -91,9 +94,9 @@ def crash_once(
                 "lease_s": options.get("lease_seconds"),
                 "reaper_s": options.get("reaper_every"),
                 "seconds": resumed.started_at - crashed_at,
-                "redone_units": row.unit - resumed.unit + 1,
+                "redone_units": max(row.unit - resumed.unit + 1, 0),
                 "stale_units": sum(
-                    r.run == row.run and r.committed and r.unit >= row.unit for r in rows
+                    r.run == row.run and (r.ended_at or 0) > resumed.started_at for r in rows
                 ),
                 "outcome": "resumed" if resumed.unit else "run again from unit 0",
             }

@@ -676,7 +676,11 @@ def _local_process_gone(owner: str | None, pid: int | None) -> bool:
         return True
     except OSError:  # it exists (owned by another user)
         return False
-    return False
+    try:  # a zombie (dead, its parent has not reaped it yet) is gone too
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return False
 
 
 def _addable(column: sa.Column[Any]) -> bool:

@@ -22,7 +22,7 @@ import pytest
 
 from tests.support.chaos import fault as faults
 from tests.support.chaos.driver import Chaos, Config, Report, new_seed
-from tests.support.service import in_ci, private_redis_url
+from tests.support.service import in_ci, private_redis_url, sqlite_result_backend
 from tests.support.worker import Spawner
 
 pytestmark = [pytest.mark.chaos, pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -102,7 +102,7 @@ def test_on_sqlite_and_the_embedded_broker_kills_and_freezes_lose_nothing_and_ru
         },
         "task_default_queue": queue_name,
     }
-    backend = f"db+sqlite:///{tmp_path}/results.sqlite3"
+    backend = sqlite_result_backend(tmp_path / "results.sqlite3")
     # No revoke: the filesystem transport's broadcast rarely reaches a worker started mid-run
     # (every revoke would only flag the id); cancels go through the table.
     config = short_config((*faults.WORKER_KINDS, "cancel"))

@@ -48,7 +48,12 @@ from tests.support.apps.control_app import PARTIAL_ENV, add_control_tasks, call_
 from tests.support.apps.leased_app import app_env, unit_log_for
 from tests.support.apps.leased_app import make_app as make_leased_app
 from tests.support.scenario import Run, close_app, kill_all, runs_of, start_all, wait_for
-from tests.support.service import delete_rabbitmq_entities, private_redis_url, require
+from tests.support.service import (
+    delete_rabbitmq_entities,
+    private_redis_url,
+    require,
+    sqlite_result_backend,
+)
 from tests.support.unit_log import Unit
 from tests.support.worker import REPO_ROOT, Beat, Spawner, Worker
 
@@ -372,7 +377,7 @@ def bed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         if kind == "sqlite-filesystem":
             database = f"sqlite:///{root}/leases.sqlite3"
             broker = _filesystem_broker(root)
-            backend = f"db+sqlite:///{root}/results.sqlite3"
+            backend = sqlite_result_backend(root / "results.sqlite3")
         else:
             database = require("postgres")
             stack.callback(_drop_tables, database, table)
@@ -882,7 +887,7 @@ def test_a_message_sent_by_name_with_an_id_too_long_for_the_table_fails_once(
         broker_url="filesystem://",
         database_url=database_url,
         table=table_name,
-        result_backend=f"db+sqlite:///{tmp_path}/results.sqlite3",
+        result_backend=sqlite_result_backend(tmp_path / "results.sqlite3"),
         queue=queue_name,
         extra=extra,
     )

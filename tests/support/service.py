@@ -111,6 +111,18 @@ _CHECKS = {
 }
 
 
+def sqlite_result_backend(path: str | os.PathLike[str]) -> str:
+    """A ``db+sqlite://`` result backend URL for the file ``path``, created in WAL mode (kept
+    by the file): readers never wait for a writer, so a worker frozen in the middle of
+    storing a result blocks only the other writers, which wait (``database_engine_options``
+    of the test apps) instead of failing with "database is locked"."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(path)) as connection:
+        connection.execute("PRAGMA journal_mode=WAL")
+    return f"db+sqlite:///{path}"
+
+
 def celery_env(settings: dict[str, Any]) -> dict[str, str]:
     """Environment variables that carry Celery ``settings`` to a worker or beat subprocess."""
     env = {"TEST_CELERY_CONFIG": json.dumps(settings)}

@@ -90,6 +90,9 @@ def settings_from_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], float
         settings["broker_url"] = raw["broker_url"]
     if raw["result_backend"]:
         settings["result_backend"] = raw["result_backend"]
+        if raw["result_backend"].startswith("db+sqlite"):
+            # Wait for a writer frozen by a test (SIGSTOP) instead of failing after 5 s.
+            settings.setdefault("database_engine_options", {"connect_args": {"timeout": 120}})
     if raw["database_url"]:
         settings["leases_database_url"] = raw["database_url"]
     if raw["table"]:

@@ -74,7 +74,7 @@ from tests.support.chaos.check import (
     check_all,
 )
 from tests.support.scenario import freeze, kill_all, start_all, thaw
-from tests.support.service import close_app
+from tests.support.service import close_app, sqlite_result_backend
 from tests.support.worker import Beat, Spawner, Worker
 
 CHAOS_APP = "tests.support.apps.chaos_app"
@@ -989,7 +989,7 @@ def _result_backend(name: str, broker: str, log_dir: Path) -> Iterator[str | Non
     elif name != "default":
         yield name
     elif broker == "filesystem":
-        yield f"db+sqlite:///{log_dir}/results.sqlite3"
+        yield sqlite_result_backend(log_dir / "results.sqlite3")
     else:
         with private_redis_url() as url:
             yield url
