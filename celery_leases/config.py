@@ -98,7 +98,8 @@ class Settings:
     duration: float = setting(
         30.0,
         seconds,
-        "seconds a lease lasts without renewal; a crashed job resumes after about this long",
+        "seconds a lease lasts without renewal: how long the job of a frozen or cut-off "
+        "worker waits before it moves (a dead holder's job moves at the next reaper pass)",
         per_task=True,
     )
     renew_interval: float = setting(

@@ -413,7 +413,8 @@ class Demo:
         left = max(after.expires_in or 0.0, 0.0)
         console.detail(
             f"last checkpoint: page {checkpoint.get('page')}, cursor {checkpoint.get('cursor')}; "
-            f"the lease expires in {left:.1f} s, then the reaper publishes the job again"
+            f"the lease would expire in {left:.1f} s, but the holder's process is gone: the "
+            "next reaper pass publishes the job again"
         )
 
     def report_resume(self, job: Any) -> None:
