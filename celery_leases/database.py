@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -178,6 +179,27 @@ class Session:
         if connection is not None:
             with contextlib.suppress(Exception):  # already broken
                 connection.invalidate()  # never back to the pool: its lock must go too
+
+
+def local_process_gone(owner: str | None, pid: int | None) -> bool:
+    """True if ``owner`` ("node@host/pid") runs on this host and its process ``pid`` is gone
+    (a zombie counts as gone): SQLite's stand-in for a session that ended."""
+    if not owner or not pid:
+        return False
+    node = owner.rsplit("/", 1)[0]
+    if node.rpartition("@")[2] != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists (owned by another user)
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return False
 
 
 class _Wrapped:

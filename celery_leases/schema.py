@@ -14,6 +14,8 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
 
+from .errors import ConfigurationError
+
 SCHEMA_VERSION = 3
 
 #: Job states. ``queued`` and ``running`` are live; the others are finished. A ``replaced``
@@ -117,3 +119,31 @@ def jobs_table(metadata: sa.MetaData, name: str = "celery_leases_jobs") -> sa.Ta
 #: Metadata holding the jobs table under its default name, for Alembic ``target_metadata``.
 metadata = sa.MetaData()
 jobs_table(metadata)
+
+
+def create_or_upgrade(connection: Any, table: sa.Table, *, where: str) -> None:
+    """Create the jobs ``table`` if missing; add the columns a newer schema only adds
+    (nullable, no default) to a table from an older one; refuse a table that lacks any other
+    column (ConfigurationError naming them; ``where``: the database, for the message)."""
+    table.create(connection, checkfirst=True)
+    present = {c["name"] for c in sa.inspect(connection).get_columns(table.name)}
+    missing = [c for c in table.columns if c.name not in present]
+    if missing and all(c.nullable and c.default is None for c in missing):
+        for column in missing:
+            _add_column(connection, table, column)
+        return
+    if missing:
+        raise ConfigurationError(
+            f"table {table.name!r} in {where} was created by another schema (missing "
+            f"columns: {', '.join(c.name for c in missing)}); this celery-leases needs schema "
+            f"version {SCHEMA_VERSION}: migrate it with celery_leases.metadata, or set "
+            f"leases_table to a new name"
+        )
+
+
+def _add_column(connection: Any, table: sa.Table, column: sa.Column[Any]) -> None:
+    dialect = connection.dialect
+    name = dialect.identifier_preparer.format_table(table)
+    spec = sa.schema.CreateColumn(column).compile(dialect=dialect)
+    guard = "" if dialect.name == "sqlite" else "IF NOT EXISTS "  # another process, same time
+    connection.exec_driver_sql(f"ALTER TABLE {name} ADD COLUMN {guard}{spec}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -21,9 +20,8 @@ from sqlalchemy.engine import Connection
 
 from . import rows
 from .config import Settings, settings_for
-from .database import Database, Session
+from .database import Database, Session, local_process_gone
 from .errors import (
-    ConfigurationError,
     CorruptJob,
     InvalidJobState,
     JobNotFound,
@@ -37,7 +35,7 @@ from .schema import (
     FAILED,
     LIVE_STATES,
     RUNNING,
-    SCHEMA_VERSION,
+    create_or_upgrade,
     jobs_table,
 )
 from .statements import Statements
@@ -90,22 +88,7 @@ class Store:
         table from an older one; refuse a table that lacks any other column."""
 
         def create(connection: Connection) -> None:
-            self.table.create(connection, checkfirst=True)
-            present = {c["name"] for c in sa.inspect(connection).get_columns(self.table.name)}
-            missing = [c for c in self.table.columns if c.name not in present]
-            if missing and all(_addable(c) for c in missing):
-                # Columns a newer schema only adds (nullable, no default): add them in place.
-                for column in missing:
-                    _add_column(connection, self.table, column)
-                missing = []
-            if missing:
-                missing_names = [c.name for c in missing]
-                raise ConfigurationError(
-                    f"table {self.table.name!r} in {self.safe_url} was created by another "
-                    f"schema (missing columns: {', '.join(missing_names)}); this celery-leases "
-                    f"needs schema version {SCHEMA_VERSION}: migrate it with "
-                    f"celery_leases.metadata, or set leases_table to a new name"
-                )
+            create_or_upgrade(connection, self.table, where=self.safe_url)
 
         try:
             self.db.run(create)
@@ -506,7 +489,7 @@ class Store:
         def run(c: Connection) -> list[tuple[str, str | None]]:
             rows = c.execute(self.sql.orphan_candidates, {"b_batch": batch}).all()
             if not self.sql.sessions_in_sql:
-                rows = [r for r in rows if _local_process_gone(r.owner, r.session)]
+                rows = [r for r in rows if local_process_gone(r.owner, r.session)]
             ended = []
             for row in rows:
                 params = {
@@ -661,35 +644,3 @@ def get_job(app: Any, job_id: str) -> Job | None:
     (seconds left on the lease by the database clock).
     """
     return store_for(settings_for(app)).get(job_id)
-
-
-def _local_process_gone(owner: str | None, pid: int | None) -> bool:
-    """True if ``owner`` ("node@host/pid") runs on this host and process ``pid`` is gone."""
-    if not owner or not pid:
-        return False
-    node = owner.rsplit("/", 1)[0]
-    if node.rpartition("@")[2] != socket.gethostname():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # it exists (owned by another user)
-        return False
-    try:  # a zombie (dead, its parent has not reaped it yet) is gone too
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] == "Z"
-    except OSError:
-        return False
-
-
-def _addable(column: sa.Column[Any]) -> bool:
-    return bool(column.nullable) and column.default is None and not column.primary_key
-
-
-def _add_column(connection: Connection, table: sa.Table, column: sa.Column[Any]) -> None:
-    dialect = connection.dialect
-    name = dialect.identifier_preparer.format_table(table)
-    spec = sa.schema.CreateColumn(column).compile(dialect=dialect)
-    guard = "" if dialect.name == "sqlite" else "IF NOT EXISTS "
-    connection.exec_driver_sql(f"ALTER TABLE {name} ADD COLUMN {guard}{spec}")
