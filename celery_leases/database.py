@@ -138,9 +138,9 @@ class Session:
             try:
                 return self._execute(operation)
             except sa.exc.DBAPIError as exc:
-                self.close()
                 if not exc.connection_invalidated:
-                    raise
+                    raise  # a lock or statement timeout, say: the session lives on
+                self._close()
             return self._execute(operation)
 
     def _execute(self, operation: Callable[[Connection], T]) -> T:
@@ -175,6 +175,10 @@ class Session:
 
     def close(self) -> None:
         """Give the connection up (the session, and the lock, end with it)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         connection, self._connection = self._connection, None
         if connection is not None:
             with contextlib.suppress(Exception):  # already broken

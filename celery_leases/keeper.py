@@ -138,8 +138,10 @@ class Keeper(threading.Thread):
                 logger.exception("celery-leases: keeper tick failed")
 
     def stop(self) -> None:
+        """Stop renewing, and end the session (after a renewal under way, if any)."""
         self._stopped.set()
         self._wake.set()
+        self.session.close()
 
 
 _keepers: dict[tuple[int, int], Keeper] = {}

@@ -14,6 +14,7 @@ from celery.utils.log import get_task_logger
 
 from . import metrics
 from .config import settings_for
+from .errors import LeaseError
 from .notice import announce_pending
 from .schema import REVOKED
 from .store import store_for
@@ -56,7 +57,12 @@ def reap(app: Any) -> ReapReport:
     settings = settings_for(app)
     store = store_for(settings)
     report = ReapReport()
-    for job_id, owner in store.expire_orphaned(batch=settings.reap_batch):
+    try:
+        orphaned = store.expire_orphaned(batch=settings.reap_batch)
+    except LeaseError as exc:  # never in the way of the expiry path below
+        logger.error("cannot look for jobs whose holder is gone: %s", exc)
+        orphaned = []
+    for job_id, owner in orphaned:
         report.orphaned.append(job_id)
         logger.info("job %s: its holder's database session is gone (owner %s)", job_id, owner)
     for _ in range(MAX_BATCHES):

@@ -45,6 +45,9 @@ class LeasedRequest(Request):  # type: ignore[misc]
     """Celery's Request, resuming a leased job at once when its pool process dies."""
 
     _time_limit_reported = False
+    #: Deaths handed this job back the moment its process died: billiard's later report of
+    #: the death must leave it alone (a resumed attempt may even have finished it by then).
+    _resumed_after_death = False
 
     def on_accepted(self, pid: int, time_accepted: float) -> Any:
         result = super().on_accepted(pid, time_accepted)
@@ -57,7 +60,8 @@ class LeasedRequest(Request):  # type: ignore[misc]
         """The pool process that took this job has died (seen by :class:`Deaths`): hand its
         lease back and send the job again now; nothing if the job has moved on or ended."""
         try:
-            self._resume_at_once(store_for(self.task.lease_settings), self._dead_owner())
+            store = store_for(self.task.lease_settings)
+            self._resumed_after_death = self._resume_at_once(store, self._dead_owner())
         except Exception as exc:  # billiard's report of the death comes later and retries
             logger.warning("celery-leases: job %s: pool process lost, %r", self.id, exc)
 
@@ -104,6 +108,8 @@ class LeasedRequest(Request):  # type: ignore[misc]
         elsewhere is left alone, and nothing is stored in the result backend for it."""
         task = self.task
         broker_redelivers = task.acks_late and task.reject_on_worker_lost
+        if self._resumed_after_death:
+            return True
         if self.worker_pid is None:
             return False  # it never started
         owner = self._dead_owner()

@@ -142,8 +142,25 @@ def create_or_upgrade(connection: Any, table: sa.Table, *, where: str) -> None:
 
 
 def _add_column(connection: Any, table: sa.Table, column: sa.Column[Any]) -> None:
+    """ALTER TABLE ... ADD COLUMN, waiting at most 5 s for the table's lock (a deploy must
+    not queue every renewal behind it); a failure says what to run by hand."""
     dialect = connection.dialect
     name = dialect.identifier_preparer.format_table(table)
     spec = sa.schema.CreateColumn(column).compile(dialect=dialect)
-    guard = "" if dialect.name == "sqlite" else "IF NOT EXISTS "  # another process, same time
-    connection.exec_driver_sql(f"ALTER TABLE {name} ADD COLUMN {guard}{spec}")
+    alter = f"ALTER TABLE {name} ADD COLUMN {spec}"
+    guarded = f"ALTER TABLE {name} ADD COLUMN IF NOT EXISTS {spec}"  # a concurrent start
+    if dialect.name == "postgresql":
+        connection.exec_driver_sql("SET LOCAL lock_timeout = '5s'")
+        statement = guarded
+    elif getattr(dialect, "is_mariadb", False):
+        statement = f"SET STATEMENT lock_wait_timeout=5 FOR {guarded}"
+    else:
+        statement = alter
+    try:
+        connection.exec_driver_sql(statement)
+    except sa.exc.DBAPIError as exc:
+        raise ConfigurationError(
+            f"table {table.name!r} needs the column {column.name!r} of schema version "
+            f"{SCHEMA_VERSION}, and adding it failed ({str(exc.orig).strip().splitlines()[0]}); "
+            f"add it yourself: {alter}"
+        ) from exc

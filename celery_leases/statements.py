@@ -78,14 +78,26 @@ def claimed_session(dialect: str) -> Any:
 
 
 def session_gone(table: sa.Table, dialect: str) -> Any:
-    """SQL true for a running job whose holder's session has ended while the database server
-    kept running (a restart ends every session: those leases wait for their expiry). None
-    where the database cannot tell (SQLite: the store checks the holder's pid)."""
+    """SQL true for a running job whose holder's session has ended, and not in a reset that
+    ended every session (a restart, a crash recovery, a failover: those leases wait for their
+    expiry while their holders bind again). None where the database cannot tell (SQLite: the
+    store checks the holder's pid).
+
+    PostgreSQL: some client session older than the lease's last renewal is still alive, so no
+    reset happened since (a crash recovery keeps ``pg_postmaster_start_time()``; sessions of
+    other database users show no start time, so with those alone nothing counts as gone).
+    MariaDB: the server has been up since that renewal (a failover is not seen: expiry)."""
     t = table
     if dialect == "postgresql":
-        started = sa.extract("epoch", sa.func.pg_postmaster_start_time())
         backend = sa.func.pg_stat_get_activity(sa.cast(t.c.session, sa.Integer))
-        return sa.and_(~sa.exists().select_from(backend), t.c.renewed_at > started)
+        activity = sa.table(
+            "pg_stat_activity", sa.column("backend_type"), sa.column("backend_start")
+        )
+        survivor = sa.exists().where(
+            activity.c.backend_type == "client backend",
+            activity.c.backend_start < sa.func.to_timestamp(t.c.renewed_at),
+        )
+        return sa.and_(~sa.exists().select_from(backend), survivor)
     if dialect in ("mysql", "mariadb"):
         status = sa.table(
             "GLOBAL_STATUS",
@@ -137,6 +149,7 @@ class Statements:
         queued = {
             "state": QUEUED,
             "owner": None,
+            "session": None,
             "attempts": 0,
             "duration": None,
             "run_after": now + param("countdown", sa.Double()),
@@ -277,7 +290,13 @@ class Statements:
             self.checkpoint_progress_in_tx = self._returning_stop(
                 sa.update(t).where(guarded).values(saved | progress).add_cte(guard)
             )
-        ended = {"owner": None, "expires_at": None, "stop_requested": None, "finished_at": now}
+        ended = {
+            "owner": None,
+            "session": None,
+            "expires_at": None,
+            "stop_requested": None,
+            "finished_at": now,
+        }
         # Idempotent for the token that ended it: a retry after a commit whose reply was lost
         # (the connection dropped) finds its own outcome and reports success.
         ended_by = sa.and_(t.c.id == param("id"), t.c.token == param("token"))
@@ -313,6 +332,7 @@ class Statements:
             (t.c.state, sa.case((cancel, CANCELLED), else_=QUEUED)),
             (t.c.stop_requested, None),
             (t.c.owner, None),
+            (t.c.session, None),
         ]
         self.hand_back = self._returning_state(
             sa.update(t).where(by_token).ordered_values(*handed_back)
@@ -355,6 +375,7 @@ class Statements:
         # Ended outside any attempt; ``notify``: the Celery state the reaper then stores.
         ended_outside = {
             "owner": None,
+            "session": None,
             "expires_at": None,
             "stop_requested": None,
             "error": param("error"),
@@ -405,6 +426,7 @@ class Statements:
             .values(
                 state=QUEUED,
                 owner=None,
+                session=None,
                 expires_at=now + param("queued_timeout", sa.Double()),
                 error=None,
                 finished_at=None,
@@ -445,20 +467,27 @@ class Statements:
         gone = session_gone(t, dialect)
         self.sessions_in_sql = gone is not None
         orphans = bound_running if gone is None else sa.and_(bound_running, gone)
-        self.orphan_candidates = (
+        candidates = (
             sa.select(t.c.id, t.c.token, t.c.owner, t.c.session)
             .where(orphans)
+            .order_by(t.c.renewed_at)
             .limit(param("batch"))
-            .with_for_update(skip_locked=True)
+        )
+        # PostgreSQL locks only the rows it returns; InnoDB would lock every running row it
+        # scans (the liveness test runs above it), so MariaDB reads without locking and the
+        # update below tests again, by primary key.
+        self.orphan_candidates = (
+            candidates.with_for_update(skip_locked=True) if dialect == "postgresql" else candidates
+        )
+        same_binding = sa.and_(
+            t.c.id == param("id"),
+            t.c.token == param("token"),
+            t.c.session == param("session"),
+            t.c.state == RUNNING,
         )
         self.expire_orphans = (
             sa.update(t)
-            .where(
-                t.c.id == param("id"),
-                t.c.token == param("token"),
-                t.c.session == param("session"),
-                t.c.state == RUNNING,
-            )
+            .where(same_binding if gone is None else sa.and_(same_binding, gone))
             .values(expires_at=now)
         )
         self.no_progress = sa.and_(
@@ -471,6 +500,7 @@ class Statements:
             .values(
                 state=FAILED,
                 owner=None,
+                session=None,
                 expires_at=None,
                 finished_at=now,
                 error=GAVE_UP_CORRUPT,
@@ -547,6 +577,7 @@ class Statements:
                 ),
                 (t.c.state, FAILED),
                 (t.c.owner, None),
+                (t.c.session, None),
                 (t.c.expires_at, None),
                 (t.c.notify, "FAILURE"),
                 (t.c.finished_at, now),
@@ -567,6 +598,7 @@ class Statements:
             (t.c.sends, sa.case((t.c.state == QUEUED, t.c.sends + 1), else_=0)),
             (t.c.state, QUEUED),
             (t.c.owner, None),
+            (t.c.session, None),
         )
         return poison, give_up, republish
 

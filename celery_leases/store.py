@@ -93,9 +93,9 @@ class Store:
         try:
             self.db.run(create)
         except LeaseError as exc:
-            if not isinstance(exc.__cause__, sa.exc.IntegrityError | sa.exc.ProgrammingError):
+            if not isinstance(exc.__cause__, sa.exc.DBAPIError):
                 raise
-            # Another process created the table at the same moment: check what it made.
+            # Another process created or upgraded the table at the same moment: look again.
             self.db.run(create)
         self._schema_ready = True
 

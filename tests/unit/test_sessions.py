@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 import pytest
 
 from celery_leases.config import DEFAULTS, Settings, validate
+from celery_leases.errors import LeaseError
 from celery_leases.rows import Claimed
 from celery_leases.store import Store
 from tests.support.message import job_message
@@ -60,7 +61,10 @@ def _hold_and_exit(settings: Settings, job_id: str, done: Connection) -> None:
 def test_a_holder_whose_process_died_loses_its_lease_at_the_next_reaper_pass(
     store: Store, settings: Settings
 ) -> None:
-    # Given a job claimed and renewed by another process, bound to that process's session
+    # Given a job claimed and renewed by another process, bound to that process's session,
+    # and this process's own session (the reaper's worker has a keeper too), older than that
+    witness = store.db.session()
+    witness.ident()
     context = multiprocessing.get_context("fork")
     reports, done = context.Pipe(duplex=False)
     holder = context.Process(target=_hold_and_exit, args=(settings, "orphan-1", done))
@@ -87,6 +91,7 @@ def test_a_holder_whose_process_died_loses_its_lease_at_the_next_reaper_pass(
     reaped = store.collect_expired(batch=10, grace=30.0, max_stalled=None, max_attempts=None)
     assert [j.id for j in reaped.republish] == ["orphan-1"]
     assert store.expire_orphaned(batch=10) == []  # queued now: nothing more to end
+    witness.close()
 
 
 def test_a_holder_whose_session_is_alive_keeps_its_lease(store: Store) -> None:
@@ -103,6 +108,36 @@ def test_a_holder_whose_session_is_alive_keeps_its_lease(store: Store) -> None:
     assert store.expire_orphaned(batch=10) == []
     job = store.get("alive-1")
     assert job is not None and job.session == session.ident() and job.expires_in > LEASE - 60
+    session.close()
+
+
+def test_a_hand_back_unbinds_the_job(store: Store) -> None:
+    # Given a job bound to this process's session
+    session = store.db.session()
+    message = job_message("back-1", "tests.job", recorded=False)
+    outcome = store.claim(
+        message, owner=owner_here(os.getpid()), duration=LEASE, session=session.ident()
+    )
+    assert isinstance(outcome, Claimed)
+    job = store.get("back-1")
+    assert job is not None and job.session == session.ident()
+
+    # When its attempt hands it back, then the row names no session: whoever claims it next
+    # binds its own (or, an older worker, none)
+    store.hand_back("back-1", outcome.token, reap_in=0.0)
+    job = store.get("back-1")
+    assert job is not None and (job.state, job.session) == ("queued", None)
+    session.close()
+
+
+def test_an_error_that_is_not_a_disconnect_keeps_the_session(store: Store) -> None:
+    session = store.db.session()
+    before = session.ident()
+    with pytest.raises(LeaseError):
+        session.run(lambda c: c.exec_driver_sql("SELECT no_such_column FROM no_such_table"))
+    assert session.ident() == before
+    if store.dialect != "sqlite":
+        assert not _session_gone(store, before)  # the session, and its lock, are still there
     session.close()
 
 
