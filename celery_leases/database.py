@@ -112,7 +112,7 @@ class Session:
     While the process lives its session does: the reaper takes a job whose holder's session
     ended (the process died, a host went away) as abandoned at once, instead of waiting for
     the lease to expire. On MariaDB/MySQL the session also holds a named lock, which any user
-    can see. Not thread safe: one keeper thread uses it."""
+    can see. Thread safe: the keeper renews on it while attempts read its ``ident``."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
@@ -200,10 +200,16 @@ def local_process_gone(owner: str | None, pid: int | None) -> bool:
     except OSError:  # it exists (owned by another user)
         return False
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] == "Z"
+        return proc_stat(pid)[0] == "Z"
     except OSError:
         return False
+
+
+def proc_stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name: state, parent pid, ...
+    (Linux; OSError where there is no such process or no /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rpartition(")")[2].split()
 
 
 class _Wrapped:

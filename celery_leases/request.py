@@ -31,6 +31,7 @@ from celery.exceptions import WorkerLostError
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
+from .database import proc_stat
 from .errors import LeaseError
 from .message import Message
 from .rows import Job
@@ -106,12 +107,12 @@ class LeasedRequest(Request):  # type: ignore[misc]
         Billiard notices a dead pool process on a timer (up to 5 s later), so by then the
         lease may have expired and the reaper sent the job again: a job that lives on
         elsewhere is left alone, and nothing is stored in the result backend for it."""
-        task = self.task
-        broker_redelivers = task.acks_late and task.reject_on_worker_lost
         if self._resumed_after_death:
             return True
         if self.worker_pid is None:
             return False  # it never started
+        task = self.task
+        broker_redelivers = task.acks_late and task.reject_on_worker_lost
         owner = self._dead_owner()
         store = store_for(task.lease_settings)
         try:
@@ -238,8 +239,7 @@ class Deaths(threading.Thread):
 
 def _is_child(pid: int) -> bool:
     """True if ``pid`` is a process this process forked (its pool's)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        return int(stat.read().rpartition(")")[2].split()[1]) == os.getpid()
+    return int(proc_stat(pid)[1]) == os.getpid()
 
 
 _deaths: Deaths | None = None

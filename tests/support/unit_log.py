@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+from typing import Any, Self
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -56,12 +57,16 @@ def units_table(name: str) -> sa.Table:
     )
 
 
-class UnitLog:
-    """The unit log table ``name`` in the database at ``url`` (one engine per process)."""
+class ProcessTable:
+    """A table of the test's own in the database at ``url``, reached through one engine per
+    process (a forked pool process makes its own; SQLite waits for locks, in WAL mode)."""
 
-    def __init__(self, url: str, name: str) -> None:
+    #: Check each pooled connection before use (a table written while the database restarts).
+    pre_ping = False
+
+    def __init__(self, url: str, table: sa.Table) -> None:
         self.url = url
-        self.table = units_table(name)
+        self.table = table
         self._engine: Engine | None = None
         self._pid = 0
         self._lock = threading.Lock()
@@ -73,16 +78,17 @@ class UnitLog:
                 if self._engine is None or self._pid != os.getpid():
                     if self._engine is not None:
                         self._engine.dispose(close=False)
-                    options = (
-                        {"connect_args": {"timeout": 30}} if self.url.startswith("sqlite") else {}
-                    )
+                    sqlite = self.url.startswith("sqlite")
+                    options: dict[str, Any] = {"pool_pre_ping": self.pre_ping}
+                    if sqlite:
+                        options["connect_args"] = {"timeout": 30}
                     self._engine = sa.create_engine(self.url, **options)
-                    if self.url.startswith("sqlite"):
+                    if sqlite:
                         sa.event.listen(self._engine, "connect", _sqlite_on_connect)
                     self._pid = os.getpid()
         return self._engine
 
-    def create(self) -> UnitLog:
+    def create(self) -> Self:
         self.table.create(self.engine, checkfirst=True)
         return self
 
@@ -90,6 +96,13 @@ class UnitLog:
         if self._engine is not None:
             self._engine.dispose()
             self._engine = None
+
+
+class UnitLog(ProcessTable):
+    """The unit log table ``name`` in the database at ``url`` (one engine per process)."""
+
+    def __init__(self, url: str, name: str) -> None:
+        super().__init__(url, units_table(name))
 
     def start(
         self,

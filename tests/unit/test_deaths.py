@@ -31,14 +31,20 @@ class Job:
         self.resumed.set()
 
 
+@pytest.fixture
+def deaths() -> Deaths:
+    """A watch of this process's own (it would be the worker's main process)."""
+    watch = Deaths()
+    watch.start()
+    return watch
+
+
 def sleeper() -> subprocess.Popen[Any]:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 
 
-def test_a_killed_process_has_its_last_job_resumed_once() -> None:
+def test_a_killed_process_has_its_last_job_resumed_once(deaths: Deaths) -> None:
     # Given a process that took one job, then another
-    deaths = Deaths()
-    deaths.start()
     process = sleeper()
     first, second = Job("first"), Job("second")
     deaths.watch(first, process.pid)  # type: ignore[arg-type]
@@ -56,9 +62,9 @@ def test_a_killed_process_has_its_last_job_resumed_once() -> None:
     assert first.calls == 0
 
 
-def test_a_living_process_is_left_alone_and_each_process_is_watched_apart() -> None:
-    deaths = Deaths()
-    deaths.start()
+def test_a_living_process_is_left_alone_and_each_process_is_watched_apart(
+    deaths: Deaths,
+) -> None:
     living, dying = sleeper(), sleeper()
     kept, lost = Job("kept"), Job("lost")
     deaths.watch(kept, living.pid)  # type: ignore[arg-type]
@@ -74,9 +80,7 @@ def test_a_living_process_is_left_alone_and_each_process_is_watched_apart() -> N
     assert kept.resumed.wait(timeout=10)  # and its death, when it comes, is seen too
 
 
-def test_a_process_already_gone_is_not_watched() -> None:
-    deaths = Deaths()
-    deaths.start()
+def test_a_process_already_gone_is_not_watched(deaths: Deaths) -> None:
     process = sleeper()
     process.kill()
     process.wait(timeout=10)  # reaped: its pid names no process now

@@ -41,17 +41,26 @@ def owner_here(pid: int) -> str:
     return f"worker@{socket.gethostname()}/{pid}"
 
 
+def claim_here(store: Store, job_id: str, session: int | None = None) -> Claimed:
+    """Claim a new job ``job_id`` as this process, bound to ``session`` (a ``Session.ident``)."""
+    outcome = store.claim(
+        job_message(job_id, "tests.job", recorded=False),
+        owner=owner_here(os.getpid()),
+        duration=LEASE,
+        session=session,
+    )
+    assert isinstance(outcome, Claimed), outcome
+    return outcome
+
+
 def _hold_and_exit(settings: Settings, job_id: str, done: Connection) -> None:
     """A holder process: claim the job bound to its own session, renew it once on that
     session, report, and exit without releasing anything."""
     try:
         store = Store(settings)
         session = store.db.session()
-        message = job_message(job_id, "tests.job", recorded=False)
-        outcome = store.claim(
-            message, owner=owner_here(os.getpid()), duration=LEASE, session=session.ident()
-        )
-        held = store.renew([(job_id, getattr(outcome, "token", 0))], session=session)
+        outcome = claim_here(store, job_id, session.ident())
+        held = store.renew([(job_id, outcome.token)], session=session)
         done.send((session.ident(), job_id in held.held))
     except BaseException as exc:
         done.send((None, repr(exc)))
@@ -97,11 +106,7 @@ def test_a_holder_whose_process_died_loses_its_lease_at_the_next_reaper_pass(
 def test_a_holder_whose_session_is_alive_keeps_its_lease(store: Store) -> None:
     # Given a job claimed by this process and renewed on its keeper session
     session = store.db.session()
-    message = job_message("alive-1", "tests.job", recorded=False)
-    outcome = store.claim(
-        message, owner=owner_here(os.getpid()), duration=LEASE, session=session.ident()
-    )
-    assert isinstance(outcome, Claimed)
+    outcome = claim_here(store, "alive-1", session.ident())
     assert "alive-1" in store.renew([("alive-1", outcome.token)], session=session).held
 
     # When the reaper looks, then it leaves the job alone: the session is still there
@@ -114,11 +119,7 @@ def test_a_holder_whose_session_is_alive_keeps_its_lease(store: Store) -> None:
 def test_a_hand_back_unbinds_the_job(store: Store) -> None:
     # Given a job bound to this process's session
     session = store.db.session()
-    message = job_message("back-1", "tests.job", recorded=False)
-    outcome = store.claim(
-        message, owner=owner_here(os.getpid()), duration=LEASE, session=session.ident()
-    )
-    assert isinstance(outcome, Claimed)
+    outcome = claim_here(store, "back-1", session.ident())
     job = store.get("back-1")
     assert job is not None and job.session == session.ident()
 
@@ -143,12 +144,7 @@ def test_an_error_that_is_not_a_disconnect_keeps_the_session(store: Store) -> No
 
 def test_a_renewal_off_the_keeper_session_binds_nothing(store: Store) -> None:
     # Given a job claimed with no keeper session, renewed through the pool
-    outcome = store.claim(
-        job_message("unbound-1", "tests.job", recorded=False),
-        owner=owner_here(os.getpid()),
-        duration=LEASE,
-    )
-    assert isinstance(outcome, Claimed)
+    outcome = claim_here(store, "unbound-1")
     store.renew([("unbound-1", outcome.token)])
 
     # Then it is bound to no session: only its expiry ends it
@@ -172,13 +168,7 @@ def test_a_claim_never_binds_a_session_that_is_gone(store: Store) -> None:
 
     # When a claim is made with it, then the lease is bound to nothing (expiry only), so a
     # stale id never hands a live job to the reaper
-    outcome = store.claim(
-        job_message("stale-1", "tests.job", recorded=False),
-        owner=owner_here(os.getpid()),
-        duration=LEASE,
-        session=gone,
-    )
-    assert isinstance(outcome, Claimed)
+    claim_here(store, "stale-1", gone)
     job = store.get("stale-1")
     assert job is not None and job.session is None
     assert store.expire_orphaned(batch=10) == []

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -50,7 +49,7 @@ import celery_leases
 from celery_leases import LeasedTask, StoreUnavailable
 from celery_leases.schema import db_now
 from tests.support.apps.leased_app import make_app as make_leased_app
-from tests.support.unit_log import UnitLog, _sqlite_on_connect
+from tests.support.unit_log import ProcessTable, UnitLog
 
 #: Errors of the task's own database writes that a retry from the checkpoint cures.
 TRANSIENT = (sa.exc.OperationalError, sa.exc.InterfaceError, StoreUnavailable)
@@ -62,22 +61,7 @@ ERRBACK_PATIENCE = 30.0
 class ReconnectingUnitLog(UnitLog):
     """The unit log with ``pool_pre_ping``: a connection the server dropped is replaced."""
 
-    @property
-    def engine(self) -> Engine:
-        if self._engine is None or self._pid != os.getpid():
-            with self._lock:
-                if self._engine is None or self._pid != os.getpid():
-                    if self._engine is not None:
-                        self._engine.dispose(close=False)
-                    sqlite = self.url.startswith("sqlite")
-                    options: dict[str, Any] = {"pool_pre_ping": True}
-                    if sqlite:
-                        options["connect_args"] = {"timeout": 30}
-                    self._engine = sa.create_engine(self.url, **options)
-                    if sqlite:
-                        sa.event.listen(self._engine, "connect", _sqlite_on_connect)
-                    self._pid = os.getpid()
-        return self._engine
+    pre_ping = True
 
 
 def chaos_log_for(app: Celery) -> ReconnectingUnitLog:
@@ -93,41 +77,14 @@ def chaos_log_for(app: Celery) -> ReconnectingUnitLog:
     return log
 
 
-class CallbackLog:
+class CallbackLog(ProcessTable):
     """The table ``name`` in the database at ``url``: one row per callback call (``link`` or
     ``errback``) about a job. Times are epoch seconds from the database clock."""
 
+    pre_ping = True
+
     def __init__(self, url: str, name: str) -> None:
-        self.url = url
-        self.table = callbacks_table(name)
-        self._engine: Engine | None = None
-        self._pid = 0
-        self._lock = threading.Lock()
-
-    @property
-    def engine(self) -> Engine:
-        if self._engine is None or self._pid != os.getpid():
-            with self._lock:
-                if self._engine is None or self._pid != os.getpid():
-                    if self._engine is not None:
-                        self._engine.dispose(close=False)
-                    options: dict[str, Any] = {"pool_pre_ping": True}
-                    if self.url.startswith("sqlite"):
-                        options["connect_args"] = {"timeout": 30}
-                    self._engine = sa.create_engine(self.url, **options)
-                    if self.url.startswith("sqlite"):
-                        sa.event.listen(self._engine, "connect", _sqlite_on_connect)
-                    self._pid = os.getpid()
-        return self._engine
-
-    def create(self) -> CallbackLog:
-        self.table.create(self.engine, checkfirst=True)
-        return self
-
-    def dispose(self) -> None:
-        if self._engine is not None:
-            self._engine.dispose()
-            self._engine = None
+        super().__init__(url, callbacks_table(name))
 
     def add(self, connection: sa.Connection, kind: str, job_id: str, detail: str) -> None:
         """Record one call, in the caller's transaction."""

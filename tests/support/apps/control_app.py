@@ -30,7 +30,6 @@ calls in the process that stores the failure: records one call), ``controls.add(
 from __future__ import annotations
 
 import os
-import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -40,14 +39,13 @@ from typing import Any
 import sqlalchemy as sa
 from celery import Celery, Task
 from celery.exceptions import Reject
-from sqlalchemy.engine import Engine
 
 import celery_leases
 from celery_leases import LeasedTask
 from celery_leases.schema import db_now
 from tests.support.apps.leased_app import _atomic_filesystem_put, settings_from_env, unit_log_for
 from tests.support.apps.leased_app import make_app as make_leased_app
-from tests.support.unit_log import UnitLog
+from tests.support.unit_log import ProcessTable, UnitLog
 
 PARTIAL_ENV = "CONTROLS_PARTIAL"
 #: Seconds ``controls.retry_after_cancel`` waits to be asked to stop before it retries anyway.
@@ -65,44 +63,23 @@ class Call:
     at: float
 
 
-class CallLog:
+class CallLog(ProcessTable):
     """The table ``name`` in the database at ``url``: one row per recorded call."""
 
     def __init__(self, url: str, name: str) -> None:
-        self.url = url
-        self.table = sa.Table(
-            name,
-            sa.MetaData(),
-            sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-            sa.Column("kind", sa.String(32), nullable=False),
-            sa.Column("job_id", sa.String(155), nullable=False, index=True),
-            sa.Column("detail", sa.Text, nullable=False),
-            sa.Column("pid", sa.Integer, nullable=False),
-            sa.Column("at", sa.Double, nullable=False),
+        super().__init__(
+            url,
+            sa.Table(
+                name,
+                sa.MetaData(),
+                sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+                sa.Column("kind", sa.String(32), nullable=False),
+                sa.Column("job_id", sa.String(155), nullable=False, index=True),
+                sa.Column("detail", sa.Text, nullable=False),
+                sa.Column("pid", sa.Integer, nullable=False),
+                sa.Column("at", sa.Double, nullable=False),
+            ),
         )
-        self._engine: Engine | None = None
-        self._pid = 0
-        self._lock = threading.Lock()
-
-    @property
-    def engine(self) -> Engine:
-        with self._lock:
-            if self._engine is None or self._pid != os.getpid():
-                if self._engine is not None:
-                    self._engine.dispose(close=False)
-                options = {"connect_args": {"timeout": 30}} if self.url.startswith("sqlite") else {}
-                self._engine = sa.create_engine(self.url, **options)
-                self._pid = os.getpid()
-            return self._engine
-
-    def create(self) -> CallLog:
-        self.table.create(self.engine, checkfirst=True)
-        return self
-
-    def dispose(self) -> None:
-        if self._engine is not None:
-            self._engine.dispose()
-            self._engine = None
 
     def add(self, kind: str, job_id: str, detail: str) -> None:
         values = {"kind": kind, "job_id": job_id, "detail": detail, "pid": os.getpid()}
