@@ -19,6 +19,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_task_logger
 
 from . import metrics, rows
+from .database import ended_idle_transaction
 from .errors import (
     Cancelled,
     CorruptJob,
@@ -170,6 +171,17 @@ class Attempt:
         except Retry:
             if not lease.released:
                 self.hand_back(lease, reap_in=0.0)
+            if lease.lost:
+                # A stale attempt (frozen, then woken) whose error asked for a retry: the job
+                # lives on under a newer token. Its retry message is a copy the claim drops;
+                # storing RETRY would contradict the job's own state in the backend.
+                logger.warning(
+                    "job %s: attempt with token %d asked for a retry after losing its lease; "
+                    "dropped",
+                    lease.job_id,
+                    lease.token,
+                )
+                raise Ignore() from None
             raise
         except Reject as exc:
             if exc.requeue:
@@ -206,6 +218,8 @@ class Attempt:
         except Exception as exc:
             if lease.released:
                 raise
+            if lease.transactional and ended_idle_transaction(exc):
+                self.idle_transaction_ended(lease, exc)
             self.failed(lease, exc)
             raise
         except GOING_DOWN:
@@ -215,6 +229,22 @@ class Attempt:
             raise
         self.finish(lease, result)
         return result
+
+    def idle_transaction_ended(self, lease: Lease, exc: Exception) -> NoReturn:
+        """The database ended the task's transaction after its checkpoint: it sat idle longer
+        than the lease (a frozen worker, or a slow step before the commit). Nothing of it was
+        saved, and the lease is as good as lost: hand the job back and send it again, so it
+        resumes from its last committed checkpoint instead of failing."""
+        logger.warning(
+            "job %s: the transaction of its checkpoint sat idle longer than the lease (%g s) "
+            "and the database ended it (%s); resuming from the last committed checkpoint",
+            lease.job_id,
+            lease.duration,
+            type(getattr(exc, "orig", exc)).__name__,
+        )
+        if self.hand_back(lease, reap_in=0.0) == QUEUED:
+            self.delivery.send(self.task.app)
+        raise Ignore() from None
 
     def failed(self, lease: Lease, exc: Exception) -> None:
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -269,6 +299,7 @@ class Attempt:
             )
             return None
         lease.released = state is not None
+        lease.lost = lease.lost or state is None  # fenced out: a newer token holds the job
         return state
 
     def revoked(self, reason: str) -> None:

@@ -54,8 +54,14 @@ def save(
         started = time.monotonic()
         store = task.lease_store
         if connection is not None:
+            lease.transactional = True
             saved, stop = store.checkpoint(
-                lease.job_id, lease.token, text, progress=done_total, connection=connection
+                lease.job_id,
+                lease.token,
+                text,
+                progress=done_total,
+                connection=connection,
+                idle_limit=lease.duration,
             )
         else:
             saved, stop = until_deadline(

@@ -231,6 +231,34 @@ class _Wrapped:
             ) from exc
 
 
+#: PostgreSQL's SQLSTATE for a session its ``idle_in_transaction_session_timeout`` ended.
+IDLE_IN_TRANSACTION_TIMEOUT = "25P03"
+#: MySQL/MariaDB client errors of a connection the server closed (MariaDB's
+#: ``idle_write_transaction_timeout`` ends the session this way: 2006, 2013; MySQL 8.0.24+: 4031).
+SERVER_CLOSED_CONNECTION = (2006, 2013, 4031)
+
+
+def ended_idle_transaction(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) is the database ending a transaction
+    that sat idle too long: PostgreSQL's idle-in-transaction timeout, or a MySQL/MariaDB
+    connection the server closed (MariaDB's idle-write timeout looks no different)."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        orig = getattr(error, "orig", None)
+        if isinstance(error, sa.exc.DBAPIError) and orig is not None:
+            state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+            if state == IDLE_IN_TRANSACTION_TIMEOUT:
+                return True
+            code = (getattr(orig, "args", None) or (None,))[0]
+            mysql = type(orig).__module__.startswith(("pymysql", "MySQLdb", "mariadb"))
+            if mysql and code in SERVER_CLOSED_CONNECTION:
+                return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of a driver error's own message."""
     orig = getattr(exc, "orig", None) or exc

@@ -11,6 +11,8 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.dml import Update
 
 from .schema import (
     CANCELLED,
@@ -113,6 +115,34 @@ def session_gone(table: sa.Table, dialect: str) -> Any:
         lock = sa.func.concat(SESSION_LOCK_PREFIX, t.c.session)
         return sa.and_(sa.func.is_used_lock(lock).is_(None), t.c.renewed_at > db_now() - uptime)
     return None
+
+
+class SkipLockedUpdate(Update):
+    """A MariaDB/MySQL ``UPDATE`` of the rows a derived table named ``lockable`` selected
+    ``FOR UPDATE SKIP LOCKED`` (these databases have no ``UPDATE ... SKIP LOCKED``).
+
+    SQLAlchemy renders ``UPDATE jobs, (SELECT ...) AS lockable SET ... WHERE jobs.id =
+    lockable.id``, which lets the optimizer scan ``jobs`` first and wait on every locked row
+    it reads. This form joins in a fixed order, the derived rows first and then ``jobs`` by
+    primary key: ``UPDATE (SELECT ...) AS lockable STRAIGHT_JOIN jobs FORCE INDEX (PRIMARY)
+    SET ...``, so only the rows the derived table locked are read.
+    """
+
+    inherit_cache = True
+
+
+@compiles(SkipLockedUpdate, "mysql")
+@compiles(SkipLockedUpdate, "mariadb")
+def _skip_locked_update(element: SkipLockedUpdate, compiler: Any, **kw: Any) -> str:
+    text: str = compiler.visit_update(element, **kw)
+    table = compiler.preparer.format_table(element.table)
+    head, derived_end = f"UPDATE {table}, (", ") AS lockable SET "
+    end = text.find(derived_end)
+    if not text.startswith(head) or end < 0:  # pragma: no cover - a new SQLAlchemy layout
+        raise sa.exc.CompileError(f"unexpected multi-table UPDATE layout: {text[:80]!r}")
+    derived = text[len(head) - 1 : end + len(") AS lockable")]
+    rest = text[end + len(") AS lockable") :]
+    return f"UPDATE {derived} STRAIGHT_JOIN {table} FORCE INDEX (PRIMARY){rest}"
 
 
 class Statements:
@@ -232,20 +262,22 @@ class Statements:
             sa.tuple_(t.c.id, t.c.token).in_(sa.bindparam("b_leases", expanding=True)),
             held,
         )
+        # A row locked by an open transaction (a checkpoint in a transaction of the task's)
+        # is skipped, not waited for: one locked job must not hold up the renewal of the
+        # process's other leases. Its checkpoint renews it when that transaction commits.
+        lockable = sa.select(t.c.id).where(leases).with_for_update(skip_locked=True)
         renewable: Any = leases
         if dialect == "postgresql":
-            # A row locked by an open transaction (a checkpoint in a transaction of the task's)
-            # is skipped, not waited for: one locked job must not hold up the renewal of the
-            # process's other leases. Its checkpoint renews it when that transaction commits.
-            renewable = t.c.id.in_(
-                sa.select(t.c.id).where(leases).with_for_update(skip_locked=True)
-            )
+            renewable = t.c.id.in_(lockable)
+        elif dialect in ("mysql", "mariadb"):
+            lockable_rows = lockable.subquery("lockable")
+            renewable = t.c.id == lockable_rows.c.id
         # A keeper renews on its session's own connection and binds the leases to it; any
         # other renewal (one without a keeper) leaves them unbound: expiry only.
         renewals = {}
         for bound, session in ((True, holder_session(dialect)), (False, None)):
             renew = (
-                sa.update(t)
+                (SkipLockedUpdate(t) if dialect in ("mysql", "mariadb") else sa.update(t))
                 .where(renewable)
                 .values(expires_at=now + t.c.duration, renewed_at=now, session=session)
             )

@@ -10,6 +10,7 @@ back in the same transaction, and a renew tick asks which rows it kept.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from collections.abc import Iterable, Sequence
@@ -39,6 +40,9 @@ from .schema import (
     jobs_table,
 )
 from .statements import Statements
+
+#: Key in a caller's connection's ``info``: the idle-write bound this store set on it.
+IDLE_WRITE_GUARD = "celery_leases_idle_write_timeout"
 
 
 class Store:
@@ -269,12 +273,16 @@ class Store:
         *,
         progress: tuple[int, int | None] | None = None,
         connection: Connection | None = None,
+        idle_limit: float | None = None,
     ) -> tuple[bool, str | None]:
         """Save a checkpoint (JSON text) and renew, fenced by ``token``.
 
         Returns (saved, stop request). With ``connection`` the statement joins the caller's
-        transaction, so the caller's own writes and the checkpoint commit or roll back together.
+        transaction, so the caller's own writes and the checkpoint commit or roll back together;
+        that transaction may then sit idle ``idle_limit`` seconds at most (the lease's length;
+        default ``leases_duration``) before the database ends it.
         """
+        idle_limit = self.settings.duration if idle_limit is None else idle_limit
         params: dict[str, Any] = {"b_id": job_id, "b_token": token, "b_checkpoint": state}
         if connection is None:
             stmt = self.sql.checkpoint if progress is None else self.sql.checkpoint_progress
@@ -282,7 +290,7 @@ class Store:
             stmt = self.sql.checkpoint_in_tx
             if progress is not None:
                 stmt = self.sql.checkpoint_progress_in_tx
-            params["b_idle_ms"] = str(int(self.settings.duration * 1000))
+            params["b_idle_ms"] = str(math.ceil(idle_limit * 1000))
         if progress is not None:
             params["b_done"], params["b_total"] = progress
 
@@ -297,7 +305,21 @@ class Store:
         if connection is None:
             return self._run(run, single=True)  # type: ignore[no-any-return]
         with self.db.wrapped_errors("checkpoint failed"):
+            self._guard_idle_writes(connection, idle_limit)
             return run(connection)
+
+    def _guard_idle_writes(self, connection: Connection, idle_limit: float) -> None:
+        """MariaDB's bound on how long the caller's transaction may sit idle after writing
+        (PostgreSQL's is in the checkpoint statement itself, transaction-local): a worker
+        frozen before its commit then loses the connection, and the row's lock, after about
+        one lease. MariaDB has no transaction-local setting, so the connection keeps it for
+        its life; it is set once per connection (MySQL has no such setting: expiry only)."""
+        if not getattr(connection.dialect, "is_mariadb", False):
+            return
+        seconds = max(1, math.ceil(idle_limit))
+        if connection.info.get(IDLE_WRITE_GUARD) != seconds:
+            connection.exec_driver_sql(f"SET SESSION idle_write_transaction_timeout = {seconds}")
+            connection.info[IDLE_WRITE_GUARD] = seconds
 
     def finish(self, job_id: str, token: int, *, result: str | None) -> bool:
         """Mark the job done, fenced by ``token``. False if this attempt lost the lease."""

@@ -68,11 +68,12 @@ def test_on_postgresql_and_redis_kills_freezes_and_restarts_lose_nothing_and_run
     # Given 3 workers, beat running the reaper, 40 jobs (half exactly-once, half at-least-once,
     # 4 of them sent with expires), a Redis result backend
     restarts = service_restarts(database_url, celery_settings["broker_url"])
-    config = short_config(faults.WORKER_KINDS + restarts + faults.CONTROL_KINDS)
+    kinds = faults.WORKER_KINDS + faults.TRANSACTION_KINDS + restarts + faults.CONTROL_KINDS
+    config = short_config(kinds)
 
-    # When pool processes and workers are SIGKILLed, frozen past their lease, SIGTERMed,
-    # PostgreSQL and Redis (losing its queue) restart, and jobs are revoked and cancelled while
-    # the jobs run
+    # When pool processes and workers are SIGKILLed, frozen past their lease (some inside the
+    # transaction of a checkpoint, the job's row locked), SIGTERMed, PostgreSQL and Redis
+    # (losing its queue) restart, and jobs are revoked and cancelled while the jobs run
     with private_redis_url() as backend:
         chaos = Chaos(config, spawn, celery_settings, database_url, table_name, backend)
         report = chaos.run()

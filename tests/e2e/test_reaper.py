@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ import pytest
 import celery_leases
 from celery_leases import Job
 from celery_leases.statements import GAVE_UP_NO_PROGRESS
-from tests.support.scenario import Run, Scenario, check_unit_log, freeze, thaw
+from tests.support.scenario import Run, Scenario, check_unit_log, freeze, thaw, wait_for
 from tests.support.unit_log import Unit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -201,6 +202,64 @@ def test_a_frozen_worker_job_moves_and_the_woken_attempt_writes_nothing(
     assert stale.units[-1] == row and not row.committed
     assert resumed.first.unit == row.unit
     assert "lease lost on job" in frozen.log_text()
+
+
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
+def test_a_worker_frozen_inside_a_transactional_checkpoint_loses_its_job_within_its_lease(
+    scenario: MakeScenario, celery_settings: dict[str, Any], tmp_path: Path
+) -> None:
+    # Given two workers, a 2 s lease, a beat reaping every second, and a job whose unit 5
+    # transaction lingers after its checkpoint statement (the job's row is locked until commit)
+    s = with_reaper(scenario, celery_settings)
+    in_transaction = tmp_path / "unit-5-in-transaction"
+    job_id = s.send("e2e.units", UNITS, UNIT_SECONDS, CRASH_AT_UNIT, str(in_transaction))
+    wait_for(in_transaction.exists, timeout=30, what="unit 5's checkpoint in its transaction")
+    row = s.wait_unit(job_id, unit=CRASH_AT_UNIT, timeout=5)
+    frozen = s.worker_of(row)
+
+    # When the whole worker is frozen there, before the commit, and woken only once the job
+    # has moved
+    frozen_at = s.log.now()
+    freeze(frozen)
+    try:
+        moved = s.wait_unit(job_id, unit=0, run_other_than=row.run, timeout=30)
+    finally:
+        thaw(frozen)
+
+    # Then the database ended the idle transaction after about a lease (freeing the row), the
+    # reaper re-published the job and the other worker resumed it at unit 5: within lease +
+    # reaper interval + a few seconds, not when the frozen worker wakes
+    delay = moved.started_at - frozen_at
+    print(f"frozen inside a transactional checkpoint to resumed: {delay:.2f} s")
+    assert delay < 2.0 + 1.0 + 4.0
+    job = s.wait_finished(job_id, timeout=40)
+    assert (job.state, job.result, job.attempts) == ("done", UNITS, 2), job
+    stale, resumed = check_unit_log(s.log.rows(job_id), UNITS, crashes=1)
+    assert stale.units[-1] == row and not row.committed  # its transaction never committed
+    assert resumed.first.unit == CRASH_AT_UNIT and s.worker_of(resumed.first) is not frozen
+
+
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
+def test_a_transaction_the_database_ended_for_idling_past_the_lease_resumes_and_does_not_fail(
+    scenario: MakeScenario, celery_settings: dict[str, Any], tmp_path: Path
+) -> None:
+    # Given one worker, no reaper, a 2 s lease, and a job whose unit 5 transaction waits 3 s
+    # between its checkpoint and its commit (a slow step the task put inside its transaction)
+    s = scenario(celery_settings, lease_seconds=2.0, renew_seconds=0.5)
+    (worker,) = s.start_workers(1)
+    in_transaction = tmp_path / "unit-5-in-transaction"
+    job_id = s.send("e2e.units", UNITS, UNIT_SECONDS, CRASH_AT_UNIT, str(in_transaction))
+
+    # When the database ends that transaction after the lease's length, and the commit fails
+    job = s.wait_finished(job_id, timeout=40)
+
+    # Then the job is not failed by it: the attempt handed the job back and it resumed from
+    # the last committed checkpoint, unit 5, whose first try left nothing committed
+    assert (job.state, job.result, job.attempts) == ("done", UNITS, 2), job
+    stale, resumed = check_unit_log(s.log.rows(job_id), UNITS, crashes=1)
+    assert not stale.units[-1].committed and stale.units[-1].unit == CRASH_AT_UNIT
+    assert resumed.first.unit == CRASH_AT_UNIT
+    assert "sat idle longer than the lease (2 s) and the database ended it" in worker.log_text()
 
 
 @pytest.mark.parametrize("broker_url", ["redis"], indirect=True)

@@ -11,6 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_leases.config import DEFAULTS, validate
+from celery_leases.database import ended_idle_transaction
 from celery_leases.errors import InvalidJobState, JobNotFound
 from celery_leases.message import Message
 from celery_leases.rows import Claimed, Reaped, Refused
@@ -306,6 +307,63 @@ def test_one_renewal_of_many_leases_returns_exactly_the_ones_still_held(store: S
     renewal = store.renew([*tokens.items(), ("never-recorded", 1)])
 
     assert renewal.held == frozenset(f"j{n}" for n in range(5))
+
+
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
+def test_a_renewal_skips_a_row_locked_by_an_open_transactional_checkpoint_and_renews_the_rest(
+    store: Store,
+) -> None:
+    # Given two held jobs, one of them locked by a checkpoint in a transaction still open
+    register(store, "j1")
+    register(store, "j2")
+    one, two = claimed(store, "j1", duration=20.0), claimed(store, "j2", duration=20.0)
+    move_back(store, "j1", seconds=15)
+    move_back(store, "j2", seconds=15)
+    with store.engine.connect() as connection, connection.begin():
+        saved, _ = store.checkpoint("j2", two.token, '{"n": 1}', connection=connection)
+        assert saved
+
+        # When the process's renew tick runs meanwhile (in a thread: a wait would block it
+        # for the database's lock timeout, 50 s on MariaDB)
+        outcome: list[Any] = []
+        tick = threading.Thread(
+            target=lambda: outcome.append(store.renew([("j1", one.token), ("j2", two.token)]))
+        )
+        tick.start()
+        tick.join(timeout=20)
+
+        # Then it did not wait for the locked row: the other lease is renewed, and the locked
+        # one, still held under its token, counts as held (its checkpoint renewed it)
+        assert outcome, "the renew tick waited for the locked row"
+        assert outcome[0].held == frozenset({"j1", "j2"})
+        job = store.get("j1")
+        assert job is not None and job.expires_in is not None and job.expires_in > 19
+
+
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
+def test_a_transaction_left_idle_after_its_checkpoint_for_longer_than_the_lease_is_ended(
+    store: Store,
+) -> None:
+    # Given a held job with a 1 s lease, and a transaction of the caller's that saved a
+    # checkpoint and then sat idle (a worker frozen before its commit) for 2.5 s
+    register(store, "j1")
+    lease = claimed(store, "j1", duration=1.0)
+    connection = store.engine.connect()
+    transaction = connection.begin()
+    store.checkpoint("j1", lease.token, '{"n": 1}', connection=connection, idle_limit=1.0)
+    time.sleep(2.5)
+
+    # When it commits
+    with pytest.raises(sa.exc.DBAPIError) as ended:
+        transaction.commit()
+    connection.close()
+
+    # Then the database has ended it: nothing of it is saved, the error says why, and the
+    # row's lock is free for the reaper and the next claim
+    assert ended_idle_transaction(ended.value)
+    job = store.get("j1")
+    assert job is not None and job.checkpoint is None
+    assert isinstance(claim(store, "j1", owner="worker-b/2"), Claimed)
 
 
 def test_renewing_no_leases_is_a_no_op(store: Store) -> None:

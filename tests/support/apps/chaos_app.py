@@ -49,6 +49,7 @@ import celery_leases
 from celery_leases import LeasedTask, StoreUnavailable
 from celery_leases.schema import db_now
 from tests.support.apps.leased_app import make_app as make_leased_app
+from tests.support.chaos.fault import HOLD_DIR_ENV, hold_if_asked
 from tests.support.unit_log import ProcessTable, UnitLog
 
 #: Errors of the task's own database writes that a retry from the checkpoint cures.
@@ -150,6 +151,8 @@ def add_chaos_tasks(app: Celery) -> Celery:
             host=task.request.hostname or "",
         )
 
+    hold_dir = os.environ.get(HOLD_DIR_ENV)
+
     @app.task(name="chaos.exactly_once", **options)  # type: ignore[untyped-decorator]
     def exactly_once(self: Task, count: int, unit_seconds: float, tail_seconds: float = 0.0) -> int:
         run = uuid.uuid4().hex
@@ -159,6 +162,8 @@ def add_chaos_tasks(app: Celery) -> Celery:
             with log.engine.begin() as connection:
                 log.end(connection, row)
                 self.checkpoint({"next": unit + 1}, connection=connection)
+                if hold_dir:  # the fault freeze_in_transaction: the row is locked until commit
+                    hold_if_asked(hold_dir, self.lease.job_id)
             self.stop_point()
         time.sleep(tail_seconds)
         return count

@@ -149,7 +149,16 @@ def make_app(
     log = unit_log_for(app)
 
     @app.task(base=LeasedTask, bind=True, shared=False, name="e2e.units")
-    def units(self: Task, count: int, unit_seconds: float) -> int:
+    def units(
+        self: Task,
+        count: int,
+        unit_seconds: float,
+        linger_at: int | None = None,
+        linger_file: str | None = None,
+    ) -> int:
+        """``count`` units, each committed with its checkpoint. At unit ``linger_at`` the first
+        attempt's transaction lingers after the checkpoint statement: ``linger_file`` is created
+        (the row is then locked) and the commit waits 3 s, long enough to freeze the worker."""
         lease = self.lease
         run = uuid.uuid4().hex
         first = (lease.checkpoint or {}).get("next", 0)
@@ -166,6 +175,9 @@ def make_app(
             with log.engine.begin() as connection:
                 log.end(connection, row)
                 self.checkpoint({"next": unit + 1}, connection=connection)
+                if unit == linger_at and linger_file and not os.path.exists(linger_file):
+                    open(linger_file, "x").close()  # once: a resumed attempt commits at once
+                    time.sleep(3.0)
             self.stop_point()  # committed: stop here if asked to (cancel, shutdown)
         return count
 

@@ -87,6 +87,8 @@ STOPPED = ("failed", "cancelled", "revoked")
 #: Log lines counted in every worker and beat log at the end, as figures.
 LOG_EVENTS = {
     "claims refused, duplicate message dropped": r"message dropped",
+    "retries of stale attempts dropped": r"asked for a retry after losing its lease",
+    "transactions the database ended (idle past the lease)": r"sat idle longer than the lease",
     "resumed attempts": r": resumed, attempt",
     "re-published by the reaper": r"lease expired \(owner",
     "leases lost (renewals failed or another attempt)": r"lease lost on job",
@@ -230,9 +232,15 @@ class Chaos:
             reaper_every=c.reaper_every,
             extra=extra,
         )
+        #: Where ``freeze_in_transaction`` requests wait for a checkpoint to take them.
+        self.hold_dir = Path(self.spawner.log_dir) / "holds"
+        self.hold_dir.mkdir(parents=True, exist_ok=True)
+        self.env[F.HOLD_DIR_ENV] = str(self.hold_dir)
         self.workers: list[Worker] = []
         self.beat: Beat | None = None
         self.frozen: list[_Frozen] = []
+        #: ``freeze_in_transaction`` requests taken: (epoch seconds, worker, job id).
+        self.holds: list[tuple[float, str, str]] = []
         self.draining: list[_Draining] = []
         self.done_faults: Counter[str] = Counter()
         self.skipped_faults = 0
@@ -343,6 +351,7 @@ class Chaos:
         faults = list(plan)
         while True:
             now = time.monotonic()
+            self._take_holds(now)
             self._thaw_due(now)
             self._reap_draining(now)
             self._replace_dead()
@@ -383,6 +392,11 @@ class Chaos:
                 self.out(f"chaos: [{self._clock()}] no progress for {c.stuck_seconds:g} s: stuck")
                 break
             time.sleep(0.25)
+        untaken = F.drop_holds(self.hold_dir)
+        if untaken:
+            self.skipped_faults += untaken
+            self.done_faults["freeze_in_transaction"] -= untaken
+            self.out(f"chaos: {untaken} freeze_in_transaction requests not taken (no checkpoint)")
         self.skipped_faults += len(faults)
         if faults:
             self.out(f"chaos: {len(faults)} planned faults not done (the jobs ended first)")
@@ -466,6 +480,23 @@ class Chaos:
         freeze(worker)
         self.frozen.append(_Frozen(worker, time.monotonic() + fault.seconds))
         return f"SIGSTOP {worker.name} for {fault.seconds:.1f} s"
+
+    def _fault_freeze_in_transaction(self, fault: F.Fault, worker: Worker | None) -> str:
+        F.ask_for_hold(self.hold_dir, fault.number, fault.seconds)
+        return f"the next exactly-once checkpoint freezes its worker for {fault.seconds:.1f} s"
+
+    def _take_holds(self, now: float) -> None:
+        """Workers that froze themselves inside a transactional checkpoint: thaw them later."""
+        for pid, job_id, seconds in F.taken_holds(self.hold_dir):
+            worker = next((w for w in self.spawner.processes if w.pid == pid), None)
+            if not isinstance(worker, Worker):
+                continue
+            self.frozen.append(_Frozen(worker, now + seconds))
+            self.holds.append((time.time(), worker.name, job_id))
+            self.out(
+                f"chaos: [{self._clock()}] {worker.name} froze inside the transaction of "
+                f"{job_id}'s checkpoint, for {seconds:.1f} s"
+            )
 
     def _fault_sigterm(self, fault: F.Fault, worker: Worker) -> str:
         """Warm shutdown, as a deploy does it: the replacement starts while the worker drains
@@ -624,6 +655,7 @@ class Chaos:
             self.frozen.remove(frozen)
 
     def _thaw_all(self) -> None:
+        self._take_holds(time.monotonic())
         for frozen in self.frozen:
             thaw(frozen.worker)
         self.frozen.clear()
@@ -728,7 +760,7 @@ class Chaos:
             f"  faults {sum(self.done_faults.values())} of {c.faults} planned: "
             + ", ".join(f"{k} {self.done_faults[k]}" for k in c.kinds)
             + f"; not done {self.skipped_faults}; workers that exited by themselves "
-            f"{self.unexpected_exits}",
+            f"{self.unexpected_exits}; froze inside a transaction {len(self.holds)}",
             f"  controls: revoke {len(revokes)} ({sum(1 for k in revokes if k.detail)} "
             f"terminated a running job), cancel {len(cancels)} "
             f"({sum(1 for k in cancels if k.detail == 'queued')} queued); jobs sent with "
@@ -871,6 +903,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     kinds = list(F.WORKER_KINDS)
+    if not args.database.startswith("sqlite"):
+        kinds += F.TRANSACTION_KINDS
     if args.restart_database:
         kinds.append("restart_database")
     if args.restart_broker:

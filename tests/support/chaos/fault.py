@@ -7,6 +7,12 @@ lease, then SIGCONT), ``sigterm`` (warm shutdown, then start a replacement),
 ``restart_broker`` (``redis-cli shutdown nosave`` and a fresh ``redis-server``: the queue is
 lost; the result backend's database is kept, as a persistent result store would be).
 
+``freeze_in_transaction`` is a freeze from inside a transactional checkpoint: the driver leaves
+a request in the run's hold directory, and the next ``chaos.exactly_once`` checkpoint that finds
+it SIGSTOPs its own worker after its checkpoint statement, before the commit (the job's row
+stays locked); the driver thaws it like a ``freeze``. Only where the database bounds an idle
+transaction (PostgreSQL, MariaDB): on SQLite it would hold the whole file's write lock.
+
 Control kinds act on a job, not on a process: ``revoke`` (``app.control.revoke(id,
 terminate=True)`` of a job running under a live lease on a live worker) and ``cancel``
 (``celery leases cancel`` through the store: ``Store.cancel_queued`` of a queued job,
@@ -28,15 +34,18 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 WORKER_KINDS = ("kill_child", "kill_worker", "freeze", "sigterm")
+TRANSACTION_KINDS = ("freeze_in_transaction",)
 SERVICE_KINDS = ("restart_database", "restart_broker")
 CONTROL_KINDS = ("revoke", "cancel")
-KINDS = WORKER_KINDS + SERVICE_KINDS + CONTROL_KINDS
+KINDS = WORKER_KINDS + TRANSACTION_KINDS + SERVICE_KINDS + CONTROL_KINDS
+FREEZE_KINDS = ("freeze", "freeze_in_transaction")
 
 #: Relative frequency of each kind in a plan.
 WEIGHTS = {
     "kill_child": 4.0,
     "kill_worker": 2.0,
     "freeze": 2.0,
+    "freeze_in_transaction": 2.0,
     "sigterm": 2.0,
     "restart_database": 1.0,
     "restart_broker": 1.0,
@@ -85,7 +94,7 @@ class Fault:
     seconds: float
 
     def describe(self) -> str:
-        extra = f" {self.seconds:.1f}s" if self.kind == "freeze" else ""
+        extra = f" {self.seconds:.1f}s" if self.kind in FREEZE_KINDS else ""
         return f"#{self.number} {self.kind}{extra} @{self.at:.0%}"
 
 
@@ -121,6 +130,51 @@ def plan(
 
 
 # -- processes -----------------------------------------------------------------------------------
+
+#: The environment variable naming a run's hold directory (``freeze_in_transaction``).
+HOLD_DIR_ENV = "CHAOS_HOLD_DIR"
+
+
+def ask_for_hold(hold_dir: Path, number: int, seconds: float) -> None:
+    """Ask the next transactional checkpoint to freeze its worker for ``seconds``."""
+    request = hold_dir / f"request.{number}"
+    request.with_suffix(".tmp").write_text(f"{seconds}")
+    request.with_suffix(".tmp").rename(request)
+
+
+def hold_if_asked(hold_dir: str, job_id: str) -> None:
+    """In a task, after its checkpoint statement, before the commit: take one pending request
+    (an atomic rename: one taker) and SIGSTOP this worker's whole process group."""
+    for name in sorted(os.listdir(hold_dir)):
+        if not name.startswith("request."):
+            continue
+        group = os.getpgrp()
+        try:
+            os.rename(
+                os.path.join(hold_dir, name), os.path.join(hold_dir, f"held.{group}.{job_id}")
+            )
+        except OSError:
+            continue  # another checkpoint took it
+        os.killpg(group, signal.SIGSTOP)
+        return
+
+
+def taken_holds(hold_dir: Path) -> list[tuple[int, str, float]]:
+    """The requests taken since the last call, as (worker pid, job id, seconds); removed."""
+    taken = []
+    for path in sorted(hold_dir.glob("held.*")):
+        _, group, job_id = path.name.split(".", 2)
+        taken.append((int(group), job_id, float(path.read_text())))
+        path.unlink()
+    return taken
+
+
+def drop_holds(hold_dir: Path) -> int:
+    """Remove the requests nobody took; how many there were."""
+    pending = list(hold_dir.glob("request.*"))
+    for path in pending:
+        path.unlink(missing_ok=True)
+    return len(pending)
 
 
 def signal_group(pid: int, sig: int) -> None:
