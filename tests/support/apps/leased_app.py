@@ -155,10 +155,14 @@ def make_app(
         unit_seconds: float,
         linger_at: int | None = None,
         linger_file: str | None = None,
+        hang_at: int | None = None,
+        hang_file: str | None = None,
     ) -> int:
         """``count`` units, each committed with its checkpoint. At unit ``linger_at`` the first
         attempt's transaction lingers after the checkpoint statement: ``linger_file`` is created
-        (the row is then locked) and the commit waits 3 s, long enough to freeze the worker."""
+        (the row is then locked) and the commit waits 3 s, long enough to freeze the worker.
+        At unit ``hang_at`` the first attempt hangs (``hang_file`` created, then an hour's
+        sleep), as a task stuck on a dead socket does."""
         lease = self.lease
         run = uuid.uuid4().hex
         first = (lease.checkpoint or {}).get("next", 0)
@@ -171,6 +175,8 @@ def make_app(
                 attempt=lease.attempt,
                 host=self.request.hostname or "",
             )
+            if unit == hang_at:
+                hang_once(hang_file)
             time.sleep(unit_seconds)
             with log.engine.begin() as connection:
                 log.end(connection, row)
@@ -200,7 +206,13 @@ def make_app(
         self.checkpoint({"next": 2, "when": object()})
 
     @app.task(bind=True, shared=False, name="e2e.plain_units")
-    def plain_units(self: Task, count: int, unit_seconds: float) -> int:
+    def plain_units(
+        self: Task,
+        count: int,
+        unit_seconds: float,
+        hang_at: int | None = None,
+        hang_file: str | None = None,
+    ) -> int:
         run = uuid.uuid4().hex
         for unit in range(count):
             row = log.start(
@@ -211,12 +223,22 @@ def make_app(
                 attempt=None,
                 host=self.request.hostname or "",
             )
+            if unit == hang_at:
+                hang_once(hang_file)
             time.sleep(unit_seconds)
             with log.engine.begin() as connection:
                 log.end(connection, row)
         return count
 
     return app
+
+
+def hang_once(marker: str | None) -> None:
+    """Hang for an hour unless ``marker`` exists (created first: only one attempt hangs)."""
+    if marker is None or os.path.exists(marker):
+        return
+    open(marker, "x").close()
+    time.sleep(3600)
 
 
 def _atomic_filesystem_put() -> None:
