@@ -171,7 +171,7 @@ class Attempt:
         except Retry:
             if not lease.released:
                 self.hand_back(lease, reap_in=0.0)
-            if lease.lost:
+            if lease.fenced_out:
                 # A stale attempt (frozen, then woken) whose error asked for a retry: the job
                 # lives on under a newer token. Its retry message is a copy the claim drops;
                 # storing RETRY would contradict the job's own state in the backend.
@@ -218,7 +218,7 @@ class Attempt:
         except Exception as exc:
             if lease.released:
                 raise
-            if lease.transactional and ended_idle_transaction(exc):
+            if lease.idle_bounded and ended_idle_transaction(exc):
                 self.idle_transaction_ended(lease, exc)
             self.failed(lease, exc)
             raise
@@ -232,18 +232,20 @@ class Attempt:
 
     def idle_transaction_ended(self, lease: Lease, exc: Exception) -> NoReturn:
         """The database ended the task's transaction after its checkpoint: it sat idle longer
-        than the lease (a frozen worker, or a slow step before the commit). Nothing of it was
-        saved, and the lease is as good as lost: hand the job back and send it again, so it
-        resumes from its last committed checkpoint instead of failing."""
+        than the lease (a frozen worker, or a slow step before the commit), and nothing of it
+        was saved. Not the task's failure: the attempt ends as a crash would, leaving its
+        lease to expire, so the reaper resumes the job from its last committed checkpoint and
+        counts the attempt towards giving up when it saved none
+        (``leases_max_attempts_without_progress``)."""
+        lease.lost = True
         logger.warning(
             "job %s: the transaction of its checkpoint sat idle longer than the lease (%g s) "
-            "and the database ended it (%s); resuming from the last committed checkpoint",
+            "and the database ended it (%s); the job resumes from its last committed "
+            "checkpoint when the lease expires",
             lease.job_id,
             lease.duration,
             type(getattr(exc, "orig", exc)).__name__,
         )
-        if self.hand_back(lease, reap_in=0.0) == QUEUED:
-            self.delivery.send(self.task.app)
         raise Ignore() from None
 
     def failed(self, lease: Lease, exc: Exception) -> None:
@@ -299,7 +301,8 @@ class Attempt:
             )
             return None
         lease.released = state is not None
-        lease.lost = lease.lost or state is None  # fenced out: a newer token holds the job
+        lease.fenced_out = state is None  # a newer token holds the job, or it ended
+        lease.lost = lease.lost or lease.fenced_out
         return state
 
     def revoked(self, reason: str) -> None:

@@ -54,7 +54,7 @@ def save(
         started = time.monotonic()
         store = task.lease_store
         if connection is not None:
-            lease.transactional = True
+            lease.idle_bounded = lease.idle_bounded or store.bounds_idle(connection)
             saved, stop = store.checkpoint(
                 lease.job_id,
                 lease.token,

@@ -156,8 +156,8 @@ class Settings:
         True,
         flag,
         "bind each lease to its holder's database session: a job whose holder died resumes "
-        "at the next reaper pass, not at its lease's expiry (off behind a pooler in "
-        "transaction mode, such as PgBouncer)",
+        "at the next reaper pass, not at its lease's expiry (behind a pooler such as "
+        "PgBouncer nothing is bound: PostgreSQL's is detected)",
     )
     preempt_on_shutdown: bool = setting(
         True, flag, "on warm shutdown, running jobs hand back at their next checkpoint"

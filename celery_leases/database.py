@@ -7,6 +7,7 @@ Driver errors are wrapped here, once: an unreachable or restarting server become
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
@@ -21,6 +22,7 @@ from .errors import ConfigurationError, LeaseError, StoreUnavailable
 from .schema import SESSION_LOCK_PREFIX
 
 T = TypeVar("T")
+logger = logging.getLogger("celery_leases.database")
 
 #: Dialects without ``UPDATE ... RETURNING``.
 NO_RETURNING = ("mysql", "mariadb")
@@ -40,6 +42,11 @@ class Database:
         self._engine: Engine | None = None
         self._pid = 0
         self._lock = threading.Lock()
+        #: PostgreSQL: what sits between this process and the server (a pooler such as
+        #: PgBouncer) when the server process that runs this connection's statements is not
+        #: the one the connection was opened with; None when it is, or before the first
+        #: connection.
+        self.pooler: str | None = None
 
     @property
     def safe_url(self) -> str:
@@ -72,7 +79,30 @@ class Database:
         hook = _ON_CONNECT.get(self.dialect)
         if hook is not None:
             sa.event.listen(engine, "connect", hook)
+        if self.dialect == "postgresql":
+            self.pooler = None
+            sa.event.listen(engine, "first_connect", self._find_pooler)
+            sa.event.listen(engine, "connect", self._postgres_on_connect)
         return engine
+
+    def _find_pooler(self, dbapi_connection: Any, record: Any) -> None:
+        """Compare the backend pid the server reports running this connection's statements
+        with the one the connection was given when it opened (once per process): a pooler
+        hands its clients keys of its own, and behind one in transaction mode a session is
+        not this process's and a prepared statement may be gone at the next transaction. A
+        proxy that forwards the protocol as it is (NAT, a TCP proxy) changes neither."""
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("SELECT pg_backend_pid()")
+            (running,) = cursor.fetchone()
+        finally:
+            cursor.close()
+            dbapi_connection.rollback()
+        self.pooler = _pooler_between(dbapi_connection, running)
+
+    def _postgres_on_connect(self, dbapi_connection: Any, record: Any) -> None:
+        if self.pooler is not None and hasattr(dbapi_connection, "prepare_threshold"):
+            dbapi_connection.prepare_threshold = None  # psycopg 3: never prepare
 
     def run(self, operation: Callable[[Connection], T], *, single: bool = False) -> T:
         """Run ``operation`` in one transaction, retrying once on a connection the server had
@@ -120,16 +150,31 @@ class Session:
         self._ident: int | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
+        self._warned = False
 
-    def ident(self) -> int:
+    def ident(self) -> int | None:
         """The session's id as the reaper sees it (PostgreSQL backend pid, MariaDB connection
-        id, SQLite: the process id), connecting first if needed."""
+        id, SQLite: the process id), connecting first if needed. None behind a connection
+        pooler (``Database.pooler``): there the session is not this process's, so nothing is
+        bound to it and leases end at their expiry."""
         if self.db.dialect == "sqlite":
             return os.getpid()
         with self._lock, self.db.wrapped_errors():
-            self._open()
-            assert self._ident is not None
-            return self._ident
+            if self.db.pooler is None:
+                self._open()
+            if self.db.pooler is None:
+                return self._ident
+            self._close()
+            if not self._warned:
+                self._warned = True
+                logger.warning(
+                    "celery-leases: %s sits between this process and PostgreSQL (%s): leases "
+                    "are not bound to database sessions, so a dead worker's jobs wait for "
+                    "their lease to expire (set leases_bind_session = False to say so)",
+                    self.db.pooler,
+                    self.db.safe_url,
+                )
+            return None
 
     def run(self, operation: Callable[[Connection], T]) -> T:
         """Run ``operation`` on the session's connection in autocommit (a transaction on
@@ -244,7 +289,7 @@ def ended_idle_transaction(exc: BaseException) -> bool:
     connection the server closed (MariaDB's idle-write timeout looks no different)."""
     seen: set[int] = set()
     error: BaseException | None = exc
-    while error is not None and id(error) not in seen:
+    while error is not None and id(error) not in seen:  # the error and what raised it
         seen.add(id(error))
         orig = getattr(error, "orig", None)
         if isinstance(error, sa.exc.DBAPIError) and orig is not None:
@@ -255,8 +300,24 @@ def ended_idle_transaction(exc: BaseException) -> bool:
             mysql = type(orig).__module__.startswith(("pymysql", "MySQLdb", "mariadb"))
             if mysql and code in SERVER_CLOSED_CONNECTION:
                 return True
-        error = error.__cause__ or error.__context__
+        error = error.__cause__
     return False
+
+
+def _pooler_between(dbapi_connection: Any, running: int) -> str | None:
+    """What sits between this connection and the server whose process ``running`` runs its
+    statements: None when that is the process the connection was opened with (or the driver
+    does not say which)."""
+    info = getattr(dbapi_connection, "info", None)  # psycopg 3
+    opened = getattr(info, "backend_pid", None)
+    if opened is None and hasattr(dbapi_connection, "get_backend_pid"):
+        opened = dbapi_connection.get_backend_pid()  # psycopg2
+    if opened is None or opened == running:
+        return None
+    return (
+        f"a connection pooler (this connection was opened with server process {opened}, "
+        f"its statements run in {running})"
+    )
 
 
 def first_line(exc: BaseException) -> str:

@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 
+from .database import Session
 from .errors import LeaseError
 from .lease import Lease
 from .store import Store
@@ -47,23 +48,38 @@ class Keeper(threading.Thread):
         leases = self.held()
         return min(lease.renew_interval for lease in leases) if leases else None
 
-    def tick(self) -> None:
-        """Renew every held lease once; mark the ones lost, stalled or asked to stop."""
-        leases = [lease for lease in self.held() if not (lease.lost or lease.released)]
+    def next_stall(self) -> float | None:
+        """The monotonic time the first held lease will count as stalled (None: none can)."""
+        deadlines = [
+            lease.last_progress + lease.stall_timeout + 0.001
+            for lease in self.held()
+            if lease.stall_timeout is not None
+            and not (lease.stall_reported or lease.lost or lease.released)
+        ]
+        return min(deadlines) if deadlines else None
+
+    def check_stalls(self) -> list[Lease]:
+        """Report (and, with kill_stalled, end) the stalled attempts; the leases to renew."""
         renewable = []
-        for lease in leases:
+        for lease in self.held():
+            if lease.lost or lease.released:
+                continue
             if not lease.stalled:
                 renewable.append(lease)
             elif not lease.stall_reported:
                 lease.stall_reported = True
                 self._stalled(lease)
+        return renewable
+
+    def tick(self) -> None:
+        """Renew every held lease once; mark the ones lost, stalled or asked to stop."""
+        renewable = self.check_stalls()
         if not renewable:
             return
         sent = time.monotonic()
         try:
             renewal = self.store.renew(
-                [(lease.job_id, lease.token) for lease in renewable],
-                session=self.session if self.store.settings.bind_session else None,
+                [(lease.job_id, lease.token) for lease in renewable], session=self._bound()
             )
         except LeaseError as exc:
             if not self._failing:
@@ -92,6 +108,13 @@ class Keeper(threading.Thread):
                     lease.job_id,
                     lease.token,
                 )
+
+    def _bound(self) -> Session | None:
+        """The session to renew on, binding the leases to it; None: renew unbound, through
+        the pool (``leases_bind_session`` off, or behind a connection pooler)."""
+        if self.store.settings.bind_session and self.session.ident() is not None:
+            return self.session
+        return None
 
     def _stalled(self, lease: Lease) -> None:
         """Stop renewing a stalled attempt's lease; with kill_stalled, end its process."""
@@ -122,17 +145,24 @@ class Keeper(threading.Thread):
                 due = None
             elif due is None or due > now + interval:
                 due = now + interval
-            self._wake.wait(None if due is None else due - now)
+            # A stall is acted on when it happens, not at the next renewal (every third of a
+            # 30 s lease): a stalled prefork process (leases_kill_stalled) hands its job back
+            # and ends then, and the next reaper pass sends the job again; elsewhere renewals
+            # stop then, and the job moves when its lease expires.
+            stall = self.next_stall()
+            wake = min((t for t in (due, stall) if t is not None), default=None)
+            self._wake.wait(None if wake is None else max(wake - now, 0.0))
             self._wake.clear()
             if self._stopped.is_set():
                 return
-            if due is None or time.monotonic() < due:
-                # Woken by add(): a claim has just renewed that lease, so only the next tick
-                # moves (earlier, for a shorter interval); renewing now would cost one more
-                # committed write per task.
-                continue
-            due = None
             try:
+                if due is None or time.monotonic() < due:
+                    # Woken by add() or for a stall: a claim has just renewed its lease, so
+                    # only the next tick renews (earlier, for a shorter interval); renewing
+                    # now would cost one more committed write per task.
+                    self.check_stalls()
+                    continue
+                due = None
                 self.tick()
             except Exception:
                 logger.exception("celery-leases: keeper tick failed")

@@ -38,9 +38,12 @@ class Lease:
     #: A checkpoint already saw the stop request (it raises at the next one at the latest).
     stop_seen: bool = False
     released: bool = False
-    #: A checkpoint joined a transaction of the task's (``checkpoint(connection=...)``), whose
-    #: idle time the database bounds by the lease (``database.ended_idle_transaction``).
-    transactional: bool = False
+    #: A hand-back was refused by the fence: a newer attempt holds the job, or it ended.
+    fenced_out: bool = False
+    #: A checkpoint joined a transaction of the task's (``checkpoint(connection=...)``) on a
+    #: database that bounds that transaction's idle time by the lease (PostgreSQL, MariaDB;
+    #: ``database.ended_idle_transaction`` tells its error).
+    idle_bounded: bool = False
     detached: bool = False
     stall_reported: bool = False
     # Monotonic times of this process: when the lease ends without a renewal, and the last

@@ -37,7 +37,7 @@ from .message import Message
 from .rows import Job
 from .schema import DONE, LIVE_STATES, QUEUED, REVOKED
 from .store import Store, store_for
-from .worker import end_job
+from .worker import SHUTTING_DOWN, end_job
 
 logger = logging.getLogger("celery_leases")
 
@@ -49,6 +49,25 @@ class LeasedRequest(Request):  # type: ignore[misc]
     #: Deaths handed this job back the moment its process died: billiard's later report of
     #: the death must leave it alone (a resumed attempt may even have finished it by then).
     _resumed_after_death = False
+
+    #: Received while this worker shuts down: put back in the queue, never run here.
+    _put_back = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if SHUTTING_DOWN.is_set() and not self.acknowledged:
+            # This worker is going down: a job received now (the hand-off of one of its own
+            # jobs, say) would wait among its reserved messages until the shutdown ends, and
+            # only then be restored. Put it back in the queue now, for another worker.
+            self._put_back = True
+            self.reject(requeue=True)
+            logger.info("celery-leases: job %s: this worker is shutting down; put back", self.id)
+
+    def execute_using_pool(self, pool: Any, **kwargs: Any) -> Any:
+        if self._put_back:
+            task_ready(self)
+            return None
+        return super().execute_using_pool(pool, **kwargs)
 
     def on_accepted(self, pid: int, time_accepted: float) -> Any:
         result = super().on_accepted(pid, time_accepted)

@@ -9,6 +9,7 @@ back in the same transaction, and a renew tick asks which rows it kept.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from .errors import (
     InvalidJobState,
     JobNotFound,
     LeaseError,
+    StoreUnavailable,
 )
 from .identity import Facts, checked_id, same_job, takes_over
 from .message import Message
@@ -94,6 +96,18 @@ class Store:
         def create(connection: Connection) -> None:
             create_or_upgrade(connection, self.table, where=self.safe_url)
 
+        # The usual case, a table of this schema, in one round trip: a process's first
+        # operation (a worker's first claim after a crash) does not wait for reflection.
+        current = sa.select(*self.table.columns).where(sa.false())
+        try:
+            self.db.run(lambda c: c.execute(current).all(), single=True)
+        except StoreUnavailable:
+            raise
+        except LeaseError:
+            pass  # missing, or from an older schema: create or upgrade it
+        else:
+            self._schema_ready = True
+            return
         try:
             self.db.run(create)
         except LeaseError as exc:
@@ -308,18 +322,29 @@ class Store:
             self._guard_idle_writes(connection, idle_limit)
             return run(connection)
 
+    @staticmethod
+    def bounds_idle(connection: Connection) -> bool:
+        """Whether a transactional checkpoint on ``connection`` bounds how long its
+        transaction may sit idle (PostgreSQL, MariaDB; not MySQL, not SQLite)."""
+        dialect = connection.dialect
+        return dialect.name == "postgresql" or bool(getattr(dialect, "is_mariadb", False))
+
     def _guard_idle_writes(self, connection: Connection, idle_limit: float) -> None:
         """MariaDB's bound on how long the caller's transaction may sit idle after writing
         (PostgreSQL's is in the checkpoint statement itself, transaction-local): a worker
         frozen before its commit then loses the connection, and the row's lock, after about
-        one lease. MariaDB has no transaction-local setting, so the connection keeps it for
-        its life; it is set once per connection (MySQL has no such setting: expiry only)."""
+        one lease. MariaDB has no transaction-local setting: the connection keeps it while
+        checked out (one ``SET`` at its first transactional checkpoint), and gets the
+        server's default back when it returns to its pool (MySQL has no such setting)."""
         if not getattr(connection.dialect, "is_mariadb", False):
             return
         seconds = max(1, math.ceil(idle_limit))
         if connection.info.get(IDLE_WRITE_GUARD) != seconds:
             connection.exec_driver_sql(f"SET SESSION idle_write_transaction_timeout = {seconds}")
             connection.info[IDLE_WRITE_GUARD] = seconds
+            pool = connection.engine.pool
+            if not sa.event.contains(pool, "checkin", _unguard_idle_writes):
+                sa.event.listen(pool, "checkin", _unguard_idle_writes)
 
     def finish(self, job_id: str, token: int, *, result: str | None) -> bool:
         """Mark the job done, fenced by ``token``. False if this attempt lost the lease."""
@@ -643,6 +668,18 @@ def _duplicate_key(exc: sa.exc.IntegrityError) -> bool:
 
 _stores: dict[tuple[str, str, str], Store] = {}
 _stores_lock = threading.Lock()
+
+
+def _unguard_idle_writes(dbapi_connection: Any, record: Any) -> None:
+    """A pool's ``checkin`` hook: give a connection the server's default idle-write bound
+    back once a transactional checkpoint had set its own (``Store._guard_idle_writes``)."""
+    if record.info.pop(IDLE_WRITE_GUARD, None) is None or dbapi_connection is None:
+        return
+    # A broken connection fails here too: the pool replaces it, and its setting with it.
+    with contextlib.suppress(Exception):
+        cursor = dbapi_connection.cursor()
+        cursor.execute("SET SESSION idle_write_transaction_timeout = DEFAULT")
+        cursor.close()
 
 
 def store_for(settings: Settings) -> Store:

@@ -5,6 +5,7 @@ expired, timed out)."""
 from __future__ import annotations
 
 import logging
+import threading
 import traceback
 from typing import Any
 
@@ -24,6 +25,10 @@ from .schema import FAILED, REVOKED
 from .store import store_for
 
 logger = logging.getLogger("celery_leases")
+
+#: Set in a worker's main process once it is shutting down: a leased job's message it
+#: receives from then on goes back to the queue for another worker (``LeasedRequest``).
+SHUTTING_DOWN = threading.Event()
 
 
 @worker_process_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
@@ -49,6 +54,7 @@ def preempt_on_shutdown(sender: Any = None, **_: Any) -> None:
     # Every `celery` command imports this package (its CLI plugin): act only for leased apps.
     if not _uses_leases(app):
         return
+    SHUTTING_DOWN.set()
     try:
         settings = settings_for(app)
         if not settings.preempt_on_shutdown:

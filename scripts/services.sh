@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Make sure the services the test suite uses answer on 127.0.0.1, starting the ones that do not:
-# PostgreSQL 5432, MariaDB 3306, Redis 6379, RabbitMQ 5672. Then make sure the `test` databases
-# exist. Prints one line per service (up / started / FAILED) and exits non-zero if any failed.
+# PostgreSQL 5432, MariaDB 3306, Redis 6379, RabbitMQ 5672, and PgBouncer 6439 in transaction
+# mode in front of PostgreSQL's `test` database (installed from Debian's package when missing).
+# Then make sure the `test` databases exist. Prints one line per service (up / started / FAILED) and exits non-zero if any failed.
 # Runs as root (CI and the dev box). Bounded: SERVICES_WAIT_SECONDS (default 60) for all starts.
 set -uo pipefail
 
 WAIT_SECONDS=${SERVICES_WAIT_SECONDS:-60}
-SERVICES=(postgres mariadb redis rabbitmq)
+SERVICES=(postgres pgbouncer mariadb redis rabbitmq)
+PGBOUNCER_PORT=6439
+PGBOUNCER_DIR=/var/lib/postgresql/celery-leases-pgbouncer
 
 postgres_answers() { pg_isready -q -h 127.0.0.1 -p 5432 -t 2; }
+pgbouncer_answers() { pg_isready -q -h 127.0.0.1 -p "$PGBOUNCER_PORT" -d test -U postgres -t 2; }
 mariadb_answers() { mysqladmin -h127.0.0.1 -P3306 -uroot --connect-timeout=2 ping >/dev/null 2>&1; }
 redis_answers() { [[ "$(timeout 3 redis-cli -h 127.0.0.1 -p 6379 ping 2>/dev/null)" == PONG ]]; }
 # AMQP handshake: send the 0-9-1 protocol header, expect a method frame (type 1, Connection.Start)
@@ -21,6 +25,30 @@ rabbitmq_answers() {
 postgres_start() {
     # One cluster per machine here; `ls` picks its version directory.
     pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start
+}
+pgbouncer_start() {
+    if ! command -v pgbouncer >/dev/null; then
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -q pgbouncer || { apt-get update -q && apt-get install -y -q pgbouncer; }
+    fi
+    install -d -o postgres -g postgres "$PGBOUNCER_DIR"
+    # Transaction mode: a client's transactions may each run on another server connection.
+    printf '%s\n' \
+        '[databases]' \
+        'test = host=127.0.0.1 port=5432 dbname=test user=postgres' \
+        '[pgbouncer]' \
+        'listen_addr = 127.0.0.1' \
+        "listen_port = $PGBOUNCER_PORT" \
+        'unix_socket_dir =' \
+        'auth_type = any' \
+        'pool_mode = transaction' \
+        'max_client_conn = 500' \
+        'default_pool_size = 20' \
+        'ignore_startup_parameters = extra_float_digits,options' \
+        "logfile = $PGBOUNCER_DIR/pgbouncer.log" \
+        "pidfile = $PGBOUNCER_DIR/pgbouncer.pid" >"$PGBOUNCER_DIR/pgbouncer.ini"
+    chown postgres:postgres "$PGBOUNCER_DIR/pgbouncer.ini"
+    pgbouncer -d -u postgres "$PGBOUNCER_DIR/pgbouncer.ini"
 }
 mariadb_start() {
     # /run is a tmpfs on a rebooted box: mariadbd needs its socket/pid directory.
@@ -35,6 +63,7 @@ redis_start() {
 rabbitmq_start() { rabbitmq-server -detached; }
 
 postgres_log() { tail -n 20 /var/log/postgresql/postgresql-*-main.log; }
+pgbouncer_log() { tail -n 20 "$PGBOUNCER_DIR/pgbouncer.log"; }
 mariadb_log() { tail -n 20 /var/log/mysql/error.log; }
 redis_log() { tail -n 20 /var/log/redis/ci.log; }
 rabbitmq_log() { tail -n 20 /var/log/rabbitmq/startup_err /var/log/rabbitmq/rabbit@*.log; }

@@ -107,6 +107,36 @@ def test_a_stalled_attempt_stops_renewing_and_its_job_resumes_elsewhere(
     assert "stalled" in s.worker_of(row).log_text()
 
 
+def test_with_the_default_30_s_lease_a_stall_moves_the_job_when_it_happens_not_at_a_renewal(
+    scenario: MakeScenario, celery_settings: dict[str, Any]
+) -> None:
+    # Given the default 30 s lease (renewed every 10 s), a 2 s stall timeout, the reaper every
+    # second, and two workers with one pool process each
+    s = handoff(
+        scenario, celery_settings, reaper_every=1.0, extra={"leases_stall_timeout": 2.0}
+    )
+    start(s, 2)
+    s.start_beat()
+    job_id = s.send("e2e.stuck", 8, 0.1, 2)
+
+    # When the first attempt hangs after unit 2
+    s.wait_unit(job_id, unit=2, timeout=30)
+
+    # Then its keeper acts at the stall deadline: it hands the job back and ends its pool
+    # process, the next reaper pass sends the job again, and it resumes at unit 3 within
+    # stall timeout + reaper interval of the last checkpoint, not at the keeper's next
+    # renewal up to 10 s later
+    job = s.wait_finished(job_id, timeout=40)
+    assert (job.state, job.result) == ("done", 8), job
+    runs = runs_of(s.log.rows(job_id))
+    assert len(runs) == 2 and runs[1].first.unit == 3
+    last_checkpoint = runs[0].committed[-1].ended_at
+    assert runs[0].committed[-1].unit == 2 and last_checkpoint is not None
+    moved_after = runs[1].first.started_at - last_checkpoint
+    print(f"stalled attempt moved {moved_after:.2f} s after its last checkpoint")
+    assert moved_after < 2.0 + 1.0 + 2.0
+
+
 def test_a_stalled_pool_process_is_terminated_when_kill_stalled_is_on(
     scenario: MakeScenario, celery_settings: dict[str, Any]
 ) -> None:

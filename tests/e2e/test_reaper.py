@@ -171,6 +171,31 @@ def test_a_killed_workers_job_resumes_at_the_next_reaper_pass_not_at_its_lease_e
     assert f"job {job_id}: its holder's database session is gone" in s.logs()
 
 
+@pytest.mark.parametrize("database_url", ["pgbouncer"], indirect=True)
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+def test_behind_pgbouncer_a_killed_workers_job_resumes_when_its_lease_expires(
+    scenario: MakeScenario, celery_settings: dict[str, Any]
+) -> None:
+    # Given two workers and a beat whose leases database is reached through PgBouncer in
+    # transaction mode, where no session is the holder's own; a 2 s lease
+    s = with_reaper(scenario, celery_settings)
+    killed: list[float] = []
+
+    # When the whole worker running a job is SIGKILLed during unit 5
+    def kill_worker(row: Unit) -> None:
+        killed.append(s.log.now())
+        s.worker_of(row).kill()
+
+    # Then the workers saw the pooler and bound nothing, and the job resumed from its last
+    # checkpoint once its lease expired (not earlier, through a session seen gone)
+    job_id = f"pooled-{os.urandom(4).hex()}"
+    _, runs, _ = crash_and_resume(s, job_id, crash=kill_worker)
+    logs = s.logs()
+    assert "sits between this process and PostgreSQL" in logs
+    assert "database session is gone" not in logs
+    assert runs[1].first.started_at - killed[0] > 1.0  # the lease's end, not a reaper pass
+
+
 @postgres
 def test_a_frozen_worker_job_moves_and_the_woken_attempt_writes_nothing(
     scenario: MakeScenario, celery_settings: dict[str, Any]
@@ -240,21 +265,24 @@ def test_a_worker_frozen_inside_a_transactional_checkpoint_loses_its_job_within_
 
 
 @pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
-def test_a_transaction_the_database_ended_for_idling_past_the_lease_resumes_and_does_not_fail(
+def test_a_transaction_the_database_ended_for_idling_past_the_lease_is_resumed_not_failed(
     scenario: MakeScenario, celery_settings: dict[str, Any], tmp_path: Path
 ) -> None:
-    # Given one worker, no reaper, a 2 s lease, and a job whose unit 5 transaction waits 3 s
-    # between its checkpoint and its commit (a slow step the task put inside its transaction)
-    s = scenario(celery_settings, lease_seconds=2.0, renew_seconds=0.5)
+    # Given one worker, a beat reaping every second, a 2 s lease, and a job whose unit 5
+    # transaction waits 3 s between its checkpoint and its commit (a slow step the task put
+    # inside its transaction)
+    s = scenario(celery_settings, lease_seconds=2.0, renew_seconds=0.5, reaper_every=1.0)
     (worker,) = s.start_workers(1)
+    s.start_beat()
     in_transaction = tmp_path / "unit-5-in-transaction"
     job_id = s.send("e2e.units", UNITS, UNIT_SECONDS, CRASH_AT_UNIT, str(in_transaction))
 
     # When the database ends that transaction after the lease's length, and the commit fails
     job = s.wait_finished(job_id, timeout=40)
 
-    # Then the job is not failed by it: the attempt handed the job back and it resumed from
-    # the last committed checkpoint, unit 5, whose first try left nothing committed
+    # Then the job is not failed by it: the attempt ended as a crash would, and once its
+    # lease expired the job resumed from the last committed checkpoint, unit 5, whose first
+    # try left nothing committed
     assert (job.state, job.result, job.attempts) == ("done", UNITS, 2), job
     stale, resumed = check_unit_log(s.log.rows(job_id), UNITS, crashes=1)
     assert not stale.units[-1].committed and stale.units[-1].unit == CRASH_AT_UNIT

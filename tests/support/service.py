@@ -2,8 +2,9 @@
 
 ``require("postgres")`` returns the service's URL, or skips the test when the service does not
 answer (fails it instead when ``CI=true``). Each URL can be overridden with an environment
-variable: ``LEASES_TEST_POSTGRES_URL``, ``LEASES_TEST_MARIADB_URL``, ``LEASES_TEST_REDIS_URL``,
-``LEASES_TEST_RABBITMQ_URL``.
+variable: ``LEASES_TEST_POSTGRES_URL``, ``LEASES_TEST_PGBOUNCER_URL`` (PgBouncer in transaction
+mode, started by ``scripts/services.sh``), ``LEASES_TEST_MARIADB_URL``,
+``LEASES_TEST_REDIS_URL``, ``LEASES_TEST_RABBITMQ_URL``.
 
 Celery settings travel to worker subprocesses as JSON in ``TEST_CELERY_CONFIG`` (plus the broker
 URL alone in ``TEST_BROKER_URL``): build the environment with :func:`celery_env` in the test and
@@ -28,12 +29,17 @@ if TYPE_CHECKING:
 POSTGRES_URL = os.environ.get(
     "LEASES_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
+#: PgBouncer in transaction mode in front of POSTGRES_URL's database (scripts/services.sh).
+PGBOUNCER_URL = os.environ.get(
+    "LEASES_TEST_PGBOUNCER_URL", "postgresql+psycopg://postgres@127.0.0.1:6439/test"
+)
 MARIADB_URL = os.environ.get("LEASES_TEST_MARIADB_URL", "mysql+pymysql://root@127.0.0.1:3306/test")
 REDIS_URL = os.environ.get("LEASES_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 RABBITMQ_URL = os.environ.get("LEASES_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 URLS = {
     "postgres": POSTGRES_URL,
+    "pgbouncer": PGBOUNCER_URL,
     "mariadb": MARIADB_URL,
     "redis": REDIS_URL,
     "rabbitmq": RABBITMQ_URL,
@@ -105,6 +111,7 @@ def _check_rabbitmq(url: str) -> None:
 
 _CHECKS = {
     "postgres": _check_database,
+    "pgbouncer": _check_database,
     "mariadb": _check_database,
     "redis": _check_redis,
     "rabbitmq": _check_rabbitmq,

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from celery_leases.schema import db_now
+from tests.support.service import PGBOUNCER_URL
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ class ProcessTable:
                     options: dict[str, Any] = {"pool_pre_ping": self.pre_ping}
                     if sqlite:
                         options["connect_args"] = {"timeout": 30}
+                    elif self.url == PGBOUNCER_URL:
+                        # Transaction mode: each transaction may run on another server
+                        # connection, where psycopg's prepared statements do not exist.
+                        options["connect_args"] = {"prepare_threshold": None}
                     self._engine = sa.create_engine(self.url, **options)
                     if sqlite:
                         sa.event.listen(self._engine, "connect", _sqlite_on_connect)

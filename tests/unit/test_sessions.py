@@ -184,3 +184,56 @@ def _session_gone(store: Store, ident: int) -> bool:
         return other.run(lambda c: c.exec_driver_sql(sql, (ident,)).scalar_one()) is None
     finally:
         other.close()
+
+
+# -- behind a connection pooler ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+def test_a_direct_connection_to_postgresql_is_bound_to_its_session(store: Store) -> None:
+    # Given a store connected straight to PostgreSQL
+    session = store.db.session()
+    try:
+        # When its keeper session opens
+        ident = session.ident()
+
+        # Then no pooler is seen, and the session's id is its backend pid
+        assert store.db.pooler is None
+        with store.engine.connect() as connection:
+            pids = connection.exec_driver_sql("SELECT pid FROM pg_stat_activity").scalars()
+            assert ident in set(pids)
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("database_url", ["pgbouncer"], indirect=True)
+def test_behind_pgbouncer_in_transaction_mode_nothing_is_bound_and_every_operation_works(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a store whose connections go through PgBouncer in transaction mode, where each
+    # transaction may run on another server connection
+    session = store.db.session()
+    try:
+        # When a keeper asks for its session
+        ident = session.ident()
+
+        # Then the pooler is seen: no session to bind leases to (they end at their expiry),
+        # said once in the log, and the driver prepares no statement (a prepared statement
+        # lives on one server connection only)
+        assert ident is None and session.ident() is None
+        assert store.db.pooler is not None and "pooler" in store.db.pooler
+        assert caplog.text.count("sits between this process and PostgreSQL") == 1
+        with store.engine.connect() as connection:
+            assert connection.connection.dbapi_connection.prepare_threshold is None
+
+        # And a job's whole life works there, each statement run more often than psycopg's
+        # threshold for preparing one (5)
+        lease = claim_here(store, "j1", session=ident)
+        for n in range(8):
+            assert store.renew([("j1", lease.token)], session=None).held == frozenset({"j1"})
+            assert store.checkpoint("j1", lease.token, f'{{"n": {n}}}') == (True, None)
+        assert store.finish("j1", lease.token, result="8")
+        job = store.get("j1")
+        assert job is not None and (job.state, job.session) == ("done", None)
+    finally:
+        session.close()

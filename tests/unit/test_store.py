@@ -366,6 +366,31 @@ def test_a_transaction_left_idle_after_its_checkpoint_for_longer_than_the_lease_
     assert isinstance(claim(store, "j1", owner="worker-b/2"), Claimed)
 
 
+@pytest.mark.parametrize("database_url", ["mariadb"], indirect=True)
+def test_on_mariadb_a_connection_returned_to_its_pool_gets_the_default_idle_bound_back(
+    store: Store,
+) -> None:
+    # Given a pool of one connection, and a transactional checkpoint on it with a 3.2 s lease
+    register(store, "j1")
+    lease = claimed(store, "j1", duration=3.2)
+    engine = sa.create_engine(store.db.url, pool_size=1, max_overflow=0)
+    variable = "SELECT @@session.idle_write_transaction_timeout"
+    try:
+        with engine.connect() as connection, connection.begin():
+            store.checkpoint("j1", lease.token, '{"n": 1}', connection=connection, idle_limit=3.2)
+            during = connection.exec_driver_sql(variable).scalar()
+
+        # When the connection goes back to the pool and is taken out again
+        with engine.connect() as connection:
+            after = connection.exec_driver_sql(variable).scalar()
+
+        # Then the bound held during the caller's transaction only (the lease, rounded up),
+        # not for the pool's later users
+        assert (during, after) == (4, 0)
+    finally:
+        engine.dispose()
+
+
 def test_renewing_no_leases_is_a_no_op(store: Store) -> None:
     renewal = store.renew([])
 

@@ -137,9 +137,9 @@ HOLD_DIR_ENV = "CHAOS_HOLD_DIR"
 
 def ask_for_hold(hold_dir: Path, number: int, seconds: float) -> None:
     """Ask the next transactional checkpoint to freeze its worker for ``seconds``."""
-    request = hold_dir / f"request.{number}"
-    request.with_suffix(".tmp").write_text(f"{seconds}")
-    request.with_suffix(".tmp").rename(request)
+    written = hold_dir / f"tmp.{number}"  # not a request until renamed: complete when seen
+    written.write_text(f"{seconds}")
+    written.rename(hold_dir / f"request.{number}")
 
 
 def hold_if_asked(hold_dir: str, job_id: str) -> None:
