@@ -112,9 +112,7 @@ def test_with_the_default_30_s_lease_a_stall_moves_the_job_when_it_happens_not_a
 ) -> None:
     # Given the default 30 s lease (renewed every 10 s), a 2 s stall timeout, the reaper every
     # second, and two workers with one pool process each
-    s = handoff(
-        scenario, celery_settings, reaper_every=1.0, extra={"leases_stall_timeout": 2.0}
-    )
+    s = handoff(scenario, celery_settings, reaper_every=1.0, extra={"leases_stall_timeout": 2.0})
     start(s, 2)
     s.start_beat()
     job_id = s.send("e2e.stuck", 8, 0.1, 2)
