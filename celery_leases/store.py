@@ -28,7 +28,6 @@ from .errors import (
     InvalidJobState,
     JobNotFound,
     LeaseError,
-    StoreUnavailable,
 )
 from .identity import Facts, checked_id, same_job, takes_over
 from .message import Message
@@ -99,13 +98,17 @@ class Store:
         # The usual case, a table of this schema, in one round trip: a process's first
         # operation (a worker's first claim after a crash) does not wait for reflection.
         current = sa.select(*self.table.columns).where(sa.false())
-        try:
-            self.db.run(lambda c: c.execute(current).all(), single=True)
-        except StoreUnavailable:
-            raise
-        except LeaseError:
-            pass  # missing, or from an older schema: create or upgrade it
-        else:
+
+        def is_current(connection: Connection) -> bool:
+            try:
+                connection.execute(current).all()
+            except sa.exc.DBAPIError as exc:
+                if exc.connection_invalidated:
+                    raise  # the server went away: not a question of schema
+                return False  # missing, or from an older schema: create or upgrade it
+            return True
+
+        if self.db.run(is_current, single=True):
             self._schema_ready = True
             return
         try:
