@@ -30,7 +30,7 @@ from .errors import (
 )
 from .keeper import Keeper, keeper_for
 from .lease import Lease, holding
-from .message import DB_RETRY_HEADER, Message
+from .message import DB_RETRY_HEADER, KEY_HEADER, Message
 from .rows import Refused
 from .schema import CANCELLED, QUEUED
 from .store import Store
@@ -76,6 +76,10 @@ class Attempt:
     def claim(self, args: Any, kwargs: Any, keeper: Keeper) -> Lease:
         request, settings = self.request, self.settings
         delivery = Message.received(request, args, kwargs)
+        if delivery.key is None:  # sent by name: the task's own lease_key, if any
+            key = self.task.key_for(args, kwargs)
+            if key is not None:
+                delivery = delivery.with_headers(**{KEY_HEADER: key})
         self.delivery = delivery
         try:
             # Task.apply() runs the job now, as Celery does, even one that has ended.
@@ -109,7 +113,11 @@ class Attempt:
             stall_timeout=settings.stall_timeout,
             kill_when_stalled=settings.kill_stalled,
             checkpoint_age=outcome.checkpoint_age,
+            key=delivery.key,
         )
+        if lease.key is not None:
+            key_of_lease = lease.key
+            lease.read_cursor = lambda: self.store.cursor(key_of_lease)
         metrics.count("claims")
         if outcome.attempt > 1:
             metrics.count("resumes")
@@ -143,6 +151,14 @@ class Attempt:
                 delay,
             )
             delivery.send(self.task.app, countdown=delay)
+            raise Ignore()
+        if refused.reason == "coalesced":
+            logger.info(
+                "job %s: its lease key %s has a live job; coalesced into job %s",
+                request.id,
+                delivery.key,
+                refused.serving,
+            )
             raise Ignore()
         metrics.count("duplicates_dropped")
         logger.info("job %s: message dropped, %s", request.id, _refusal_text(refused))
@@ -203,6 +219,7 @@ class Attempt:
                 lease.job_id, lease.token, error=str(exc), state=CANCELLED
             ):
                 self.revoked(str(exc))
+                self.ended(lease)
             logger.info("job %s: cancelled at its checkpoint", lease.job_id)
             raise Ignore() from None
         except Preempted:
@@ -266,6 +283,7 @@ class Attempt:
                 lease.token,
             )
             raise Ignore() from None
+        self.ended(lease)
 
     def finish(self, lease: Lease, result: Any) -> None:
         if lease.released:
@@ -287,6 +305,12 @@ class Attempt:
                 lease.token,
             )
             raise Ignore()
+        self.ended(lease)
+
+    def ended(self, lease: Lease) -> None:
+        """The job has ended: start its key's follow-up run, if a trigger waits for one."""
+        if lease.key is not None:
+            start_followup(self.task, lease.job_id)
 
     def hand_back(self, lease: Lease, *, reap_in: float | None) -> str | None:
         """Give the lease back; the job's state after it (None: not handed back)."""
@@ -303,6 +327,8 @@ class Attempt:
         lease.released = state is not None
         lease.fenced_out = state is None  # a newer token holds the job, or it ended
         lease.lost = lease.lost or lease.fenced_out
+        if state == CANCELLED:
+            self.ended(lease)
         return state
 
     def revoked(self, reason: str) -> None:
@@ -314,6 +340,24 @@ class Attempt:
             )
         except Exception as exc:  # a backend that is down or disabled: the row is the truth
             logger.error("job %s: could not store REVOKED: %r", request.id, exc)
+
+
+def start_followup(task: Any, job_id: str) -> None:
+    """Record and send the follow-up run of the ended keyed job ``job_id``, if a trigger of
+    its key waits for one. A failure is logged: the reaper starts it then (``reap``)."""
+    try:
+        followup = task.lease_store.start_followup(job_id)
+        if followup is not None:
+            followup.send(task.app)
+            logger.info(
+                "job %s: ended; the follow-up run of its key is job %s", job_id, followup.id
+            )
+    except Exception as exc:
+        logger.error(
+            "job %s: could not start the follow-up run of its key (the reaper will): %r",
+            job_id,
+            exc,
+        )
 
 
 def until_deadline(

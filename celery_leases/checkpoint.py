@@ -27,21 +27,7 @@ def save(
     connection: Connection | None = None,
 ) -> None:
     """Save ``state`` for ``lease``'s job, fenced by its token (``LeasedTask.checkpoint``)."""
-    settings = task.lease_settings
-    try:
-        text = rows.dumps(state)
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(
-            f"checkpoint of job {lease.job_id} is not JSON-serializable ({exc}); "
-            f"the previous checkpoint is kept"
-        ) from exc
-    size = len(text.encode())
-    if size > settings.max_checkpoint_bytes:
-        raise CheckpointError(
-            f"checkpoint of job {lease.job_id} is {size} bytes, over "
-            f"leases_max_checkpoint_bytes ({settings.max_checkpoint_bytes}); "
-            f"the previous checkpoint is kept"
-        )
+    text = _encoded(task, lease, state, "checkpoint")
     done_total = _progress(progress)
     if lease.stop_seen:
         # The last checkpoint (in a transaction of the caller's) was told to stop, and the task
@@ -95,6 +81,60 @@ def save(
     lease.stop_seen = True
     if connection is None:
         stop_point(lease)
+
+
+def save_cursor(
+    task: Any, lease: Lease, state: Any, *, connection: Connection | None = None
+) -> None:
+    """Save ``state`` as the cursor of ``lease``'s key, fenced by its token
+    (``LeasedTask.save_cursor``)."""
+    if lease.key is None:
+        lease.cursor  # noqa: B018  (raises the no-key error)
+    text = _encoded(task, lease, state, "cursor")
+    if lease.lost:
+        raise LeaseLost(f"job {lease.job_id}: this attempt lost its lease; stop")
+    if not lease.detached:
+        store = task.lease_store
+        key = str(lease.key)
+        if connection is not None:
+            saved = store.save_cursor(key, lease.job_id, lease.token, text, connection=connection)
+        else:
+            saved = until_deadline(
+                lease,
+                lambda: store.save_cursor(key, lease.job_id, lease.token, text),
+                waiting=f"cursor of job {lease.job_id} waits for the database",
+                lost=True,
+            )
+        if not saved:
+            lease.lost = True
+            metrics.count("leases_lost")
+            logger.warning(
+                "lease lost on job %s (token %s): another attempt holds it; cursor not saved",
+                lease.job_id,
+                lease.token,
+            )
+            raise LeaseLost(f"job {lease.job_id}: another attempt holds the lease; stop")
+    lease.cursor = json.loads(text)
+
+
+def _encoded(task: Any, lease: Lease, state: Any, what: str) -> str:
+    """The JSON text of ``state``, or :class:`CheckpointError` (not JSON, or too large)."""
+    settings = task.lease_settings
+    try:
+        text = rows.dumps(state)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"{what} of job {lease.job_id} is not JSON-serializable ({exc}); "
+            f"the previous {what} is kept"
+        ) from exc
+    size = len(text.encode())
+    if size > settings.max_checkpoint_bytes:
+        raise CheckpointError(
+            f"{what} of job {lease.job_id} is {size} bytes, over "
+            f"leases_max_checkpoint_bytes ({settings.max_checkpoint_bytes}); "
+            f"the previous {what} is kept"
+        )
+    return text
 
 
 def stop_point(lease: Lease) -> None:

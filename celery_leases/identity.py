@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from .errors import ArgumentsError
 from .message import Message
-from .schema import FINISHED_STATES, MAX_ID_LENGTH
+from .schema import FINISHED_STATES, MAX_ID_LENGTH, MAX_KEY_LENGTH
 
 
 class Facts(NamedTuple):
@@ -58,3 +58,17 @@ def checked_id(job_id: str) -> str:
             f"{MAX_ID_LENGTH} characters (the table holds no more, and never truncates one)"
         )
     return job_id
+
+
+def checked_key(key: str | None) -> str | None:
+    """``key`` (a lease key, or None), or :class:`ArgumentsError` when the table cannot hold
+    it whole."""
+    if key is None:
+        return None
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
+        shown = repr(key) if len(str(key)) <= 60 else repr(str(key)[:57]) + "..."
+        raise ArgumentsError(
+            f"lease key {shown} cannot be stored: it must be a string of 1 to "
+            f"{MAX_KEY_LENGTH} characters (the table holds no more, and never truncates one)"
+        )
+    return key

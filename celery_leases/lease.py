@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+from .errors import LeaseError
+
+_UNREAD: Any = object()
 
 
 @dataclass
@@ -46,6 +50,11 @@ class Lease:
     idle_bounded: bool = False
     detached: bool = False
     stall_reported: bool = False
+    #: The resource the job works on (the task's ``lease_key``), or None.
+    key: str | None = None
+    #: Reads the key's cursor from the database (the first ``cursor`` read calls it).
+    read_cursor: Callable[[], Any] | None = field(default=None, repr=False)
+    _cursor: Any = field(default=_UNREAD, repr=False)
     # Monotonic times of this process: when the lease ends without a renewal, and the last
     # checkpoint (for the stall deadline). Never compared with a database time.
     deadline: float = field(default=0.0, repr=False)
@@ -55,6 +64,24 @@ class Lease:
         now = time.monotonic()
         self.deadline = self.deadline or now + self.duration
         self.last_progress = self.last_progress or now
+
+    @property
+    def cursor(self) -> Any:
+        """The cursor of the job's lease key: what the key's runs saved with
+        ``self.save_cursor()`` (None before the first), read at first use. It outlives the
+        job: the key's next run starts from it."""
+        if self.key is None:
+            raise LeaseError(
+                f"job {self.job_id} has no lease key: give its task a lease_key option (or "
+                f"apply_async(..., lease_key=...)) to keep a cursor per resource"
+            )
+        if self._cursor is _UNREAD:
+            self._cursor = self.read_cursor() if self.read_cursor is not None else None
+        return self._cursor
+
+    @cursor.setter
+    def cursor(self, value: Any) -> None:
+        self._cursor = value
 
     @property
     def stalled(self) -> bool:

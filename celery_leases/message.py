@@ -15,6 +15,8 @@ the same Celery job.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -32,6 +34,8 @@ from .errors import ArgumentsError, ConfigurationError
 VERSION_HEADER = "leases_message_id"
 #: Header counting the deliveries sent again while the leases database was down.
 DB_RETRY_HEADER = "leases_db_retries"
+#: Header naming the job's lease key (the resource it works on; ``LeasedTask.lease_key``).
+KEY_HEADER = "leases_key"
 
 #: Protocol 2 headers, as Celery's ``amqp.as_task_v2`` writes them.
 HEADERS = (
@@ -79,6 +83,18 @@ class Message:
         """The recorded version (``leases_message_id`` header), None for an unrecorded one."""
         found = self.headers.get(VERSION_HEADER)
         return None if found is None else str(found)
+
+    @property
+    def key(self) -> str | None:
+        """The lease key the message was published with (``leases_key`` header), or None."""
+        found = self.headers.get(KEY_HEADER)
+        return None if found is None else str(found)
+
+    @property
+    def workflow(self) -> list[str]:
+        """What of a canvas the message carries: callbacks, errbacks, chain, chord, group."""
+        found = [k for k in EMBED if self.embed.get(k)]
+        return found + (["group"] if self.headers.get("group") else [])
 
     @property
     def generation(self) -> int:
@@ -323,3 +339,30 @@ class RecordingProducer:
         return self._producer.publish(
             body, exchange=exchange, routing_key=routing_key, headers=headers, **options
         )
+
+
+def key_of(task: Any, key: Any, args: Any, kwargs: Any) -> str | None:
+    """The lease key ``key`` (a task's ``lease_key``: None, a format string or a callable)
+    gives a call of ``task`` with ``args`` and ``kwargs``: a format string is formatted with
+    the positional arguments and every argument by name (``"account:{account_id}"``)."""
+    if key is None:
+        return None
+    args, kwargs = list(args or ()), dict(kwargs or {})
+    try:
+        if callable(key):
+            found = key(*args, **kwargs)
+        else:
+            named = dict(kwargs)
+            with contextlib.suppress(TypeError, ValueError):  # a call the signature refuses
+                named = dict(inspect.signature(task.run).bind_partial(*args, **kwargs).arguments)
+            found = str(key).format(*args, **named)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise ArgumentsError(
+            f"lease_key {key!r} of {getattr(task, 'name', task)} cannot be computed from the "
+            f"call's arguments (args {args!r}, kwargs {kwargs!r}): {exc!r}"
+        ) from exc
+    if not isinstance(found, str):
+        raise ArgumentsError(
+            f"lease_key of {getattr(task, 'name', task)} must give a string, not {found!r}"
+        )
+    return found

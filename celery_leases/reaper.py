@@ -38,6 +38,8 @@ class ReapReport:
     expired: list[str] = field(default_factory=list)
     #: Jobs whose end (failed, cancelled, expired) was stored in the result backend.
     notified: list[str] = field(default_factory=list)
+    #: Follow-up runs of lease keys started for jobs that ended without starting theirs.
+    followups: list[str] = field(default_factory=list)
     purged: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -48,6 +50,7 @@ class ReapReport:
             "publish_failed": self.publish_failed,
             "expired": self.expired,
             "notified": self.notified,
+            "followups": self.followups,
             "purged": self.purged,
         }
 
@@ -108,10 +111,30 @@ def reap(app: Any) -> ReapReport:
         if len(batch.republish) + len(batch.gave_up) < settings.reap_batch:
             break
     report.notified = announce_pending(app, store, batch=settings.reap_batch)
+    report.followups = start_followups(app, store, batch=settings.reap_batch)
     report.purged = store.purge_all(
         older_than=settings.retention, batch=settings.reap_batch, max_batches=MAX_BATCHES
     )
     return report
+
+
+def start_followups(app: Any, store: Any, *, batch: int) -> list[str]:
+    """Start the follow-up runs that jobs of a lease key ended without starting (their
+    attempt died first, or they ended outside any: revoked, cancelled, given up); the ids of
+    the follow-ups sent. A failed send is re-published once its queued timeout has passed."""
+    sent: list[str] = []
+    for job_id in store.followups_pending(batch=batch):
+        try:
+            followup = store.start_followup(job_id)
+            if followup is not None:
+                followup.send(app)
+                sent.append(followup.id)
+                logger.info(
+                    "job %s: ended; the follow-up run of its key is job %s", job_id, followup.id
+                )
+        except Exception as exc:  # the next pass, or the follow-up's queued timeout, retries
+            logger.error("job %s: could not start the follow-up of its key: %r", job_id, exc)
+    return sent
 
 
 @shared_task(name="celery_leases.reap", bind=True, ignore_result=True)  # type: ignore[untyped-decorator]

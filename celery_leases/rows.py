@@ -30,11 +30,14 @@ class Claimed:
 @dataclass(frozen=True)
 class Refused:
     """A refused claim. ``reason`` is the job's state, ``held`` when a live lease holds it, or
-    ``stale`` when another message of the id is the recorded one (an older retry, a copy)."""
+    ``stale`` when another message of the id is the recorded one (an older retry, a copy), or
+    ``coalesced`` when the delivery is a trigger of a lease key whose live job serves it."""
 
     reason: str
     owner: str | None
     expires_in: float | None
+    #: ``coalesced``: the job of the delivery's lease key that serves it instead.
+    serving: str | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,11 @@ class Job:
     notify: str | None = None
     #: The database session its holder's keeper is bound to (``Store.expire_orphaned``).
     session: int | None = None
+    #: The resource it works on (``lease_key``); at most one live job per key.
+    lease_key: str | None = None
+    #: The id of the follow-up run a trigger of its key asked for while it ran (started when
+    #: it ends), or None.
+    followup_id: str | None = None
 
     @property
     def args(self) -> list[Any]:
@@ -176,4 +184,6 @@ def job(m: Any) -> Job:
         sends=m["sends"],
         notify=m["notify"],
         session=m["session"],
+        lease_key=m["lease_key"],
+        followup_id=m["followup_id"],
     )

@@ -16,7 +16,7 @@ from sqlalchemy.sql.expression import FunctionElement
 
 from .errors import ConfigurationError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 #: Job states. ``queued`` and ``running`` are live; the others are finished. A ``replaced``
 #: job handed its id to the signature it was replaced with (``Task.replace``); a ``revoked``
@@ -32,6 +32,8 @@ SESSION_LOCK_PREFIX = "celery_leases:"
 
 #: Longest job (task) id the table holds; a longer one is refused, never truncated.
 MAX_ID_LENGTH = 155
+#: Longest lease key (``lease_key``: the resource a job works on) the table holds.
+MAX_KEY_LENGTH = 255
 
 
 class db_now(FunctionElement[float]):
@@ -65,11 +67,37 @@ def _db_now_mysql(element: Any, compiler: Any, **kw: Any) -> str:
     return "UNIX_TIMESTAMP(NOW(6))"
 
 
-def jobs_table(metadata: sa.MetaData, name: str = "celery_leases_jobs") -> sa.Table:
-    """Define the jobs table called ``name`` on ``metadata`` (or return the one already there)."""
+def jobs_table(
+    metadata: sa.MetaData, name: str = "celery_leases_jobs", dialect: str = ""
+) -> sa.Table:
+    """Define the jobs table called ``name`` on ``metadata`` (or return the one already there).
+
+    ``dialect`` picks how "one live job per lease key" is enforced: a partial unique index on
+    PostgreSQL and SQLite (the default), a unique index on a generated column on MariaDB/MySQL,
+    which have no partial indexes."""
     if name in metadata.tables:
         return metadata.tables[name]
     text = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
+    live = sa.text(f"state IN ({', '.join(repr(s) for s in LIVE_STATES)})")
+    if dialect in ("mysql", "mariadb"):
+        one_live_job_per_key: tuple[Any, ...] = (
+            sa.Column(
+                "live_key",
+                sa.String(MAX_KEY_LENGTH),
+                sa.Computed(f"CASE WHEN {live.text} THEN lease_key END", persisted=True),
+            ),
+            sa.Index(f"ix_{name}_live_key", "live_key", unique=True),
+        )
+    else:
+        one_live_job_per_key = (
+            sa.Index(
+                f"ix_{name}_live_key",
+                "lease_key",
+                unique=True,
+                postgresql_where=live,
+                sqlite_where=live,
+            ),
+        )
     return sa.Table(
         name,
         metadata,
@@ -111,14 +139,44 @@ def jobs_table(metadata: sa.MetaData, name: str = "celery_leases_jobs") -> sa.Ta
         sa.Column("checkpoint_at", sa.Double),
         sa.Column("finished_at", sa.Double),
         sa.Column("schema_version", sa.Integer, nullable=False, default=SCHEMA_VERSION),
+        # The resource the job works on (the task's lease_key): at most one live job per key.
+        sa.Column("lease_key", sa.String(MAX_KEY_LENGTH)),
+        # The first trigger of the key that arrived while this job ran (its whole message, as
+        # ``message``), and its id: the follow-up run started when this job ends.
+        sa.Column("followup", text),
+        sa.Column("followup_id", sa.String(MAX_ID_LENGTH)),
+        *one_live_job_per_key,
         sa.Index(f"ix_{name}_expiry", "state", "expires_at"),
         sa.Index(f"ix_{name}_finished", "finished_at"),
+        sa.Index(f"ix_{name}_followup", "followup_id"),
+    )
+
+
+def keys_table(metadata: sa.MetaData, jobs: str = "celery_leases_jobs") -> sa.Table:
+    """Define ``<jobs>_keys``: the cursor of each lease key, which outlives the key's jobs.
+
+    Written only by the attempt holding the lease of a live job of the key (fenced by its
+    token), read by the key's next run (``self.lease.cursor``)."""
+    name = f"{jobs}_keys"
+    if name in metadata.tables:
+        return metadata.tables[name]
+    text = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("lease_key", sa.String(MAX_KEY_LENGTH), primary_key=True),
+        sa.Column("cursor_state", text),
+        # The job and token of the attempt that wrote it.
+        sa.Column("job_id", sa.String(MAX_ID_LENGTH)),
+        sa.Column("token", sa.BigInteger),
+        sa.Column("cursor_at", sa.Double),
     )
 
 
 #: Metadata holding the jobs table under its default name, for Alembic ``target_metadata``.
 metadata = sa.MetaData()
 jobs_table(metadata)
+keys_table(metadata)
 
 
 def create_or_upgrade(connection: Any, table: sa.Table, *, where: str) -> None:
@@ -126,11 +184,17 @@ def create_or_upgrade(connection: Any, table: sa.Table, *, where: str) -> None:
     (nullable, no default) to a table from an older one; refuse a table that lacks any other
     column (ConfigurationError naming them; ``where``: the database, for the message)."""
     table.create(connection, checkfirst=True)
-    present = {c["name"] for c in sa.inspect(connection).get_columns(table.name)}
+    keys_table(table.metadata, table.name).create(connection, checkfirst=True)
+    inspector = sa.inspect(connection)
+    present = {c["name"] for c in inspector.get_columns(table.name)}
     missing = [c for c in table.columns if c.name not in present]
-    if missing and all(c.nullable and c.default is None for c in missing):
+    if all(c.nullable and c.default is None for c in missing):
         for column in missing:
             _add_column(connection, table, column)
+        indexes = {i["name"] for i in inspector.get_indexes(table.name)}
+        for index in table.indexes:
+            if index.name not in indexes:
+                index.create(connection, checkfirst=True)
         return
     if missing:
         raise ConfigurationError(

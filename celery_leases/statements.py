@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.dml import Update
 
@@ -146,9 +146,9 @@ def _skip_locked_update(element: SkipLockedUpdate, compiler: Any, **kw: Any) -> 
 
 
 class Statements:
-    """The statements on one jobs table for one dialect."""
+    """The statements on one jobs table (and its keys table) for one dialect."""
 
-    def __init__(self, table: sa.Table, dialect: str) -> None:
+    def __init__(self, table: sa.Table, dialect: str, keys: sa.Table | None = None) -> None:
         self.table = t = table
         self.dialect = dialect
         self.returning = dialect not in ("mysql", "mariadb")
@@ -164,6 +164,7 @@ class Statements:
             "generation": param("generation", sa.Integer()),
             "version": param("version", t.c.version.type),
             "message": param("message", t.c.message.type),
+            "lease_key": param("key", t.c.lease_key.type),
             "stalled_attempts": 0,
             "sends": 0,
             "created_at": now,
@@ -541,6 +542,7 @@ class Statements:
         )
         finished_before = sa.and_(
             t.c.state.in_(FINISHED_STATES),
+            t.c.followup_id.is_(None),
             t.c.finished_at
             <= sa.select(db_now() - param("older_than", sa.Double())).scalar_subquery(),
         )
@@ -567,9 +569,83 @@ class Statements:
             .values(notify=None)
         )
 
+        # -- lease keys -------------------------------------------------------------------
+        # A trigger of a key whose live job exists: a job never claimed yet (attempts = 0)
+        # will start after it and absorbs it; one that has run keeps the first trigger that
+        # came while it ran as its follow-up. MySQL evaluates SET left to right: the follow-up
+        # text is decided before its id changes.
+        live_of_key = sa.and_(t.c.lease_key == param("key"), t.c.state.in_(LIVE_STATES))
+        takes_followup = sa.and_(t.c.attempts > 0, t.c.followup_id.is_(None))
+        coalesce = (
+            sa.update(t)
+            .where(live_of_key)
+            .ordered_values(
+                (t.c.followup, sa.case((takes_followup, param("message")), else_=t.c.followup)),
+                (t.c.followup_id, sa.case((takes_followup, param("id")), else_=t.c.followup_id)),
+            )
+        )
+        coalesced = (t.c.id, t.c.attempts, t.c.followup_id)
+        self.coalesce = coalesce.returning(*coalesced) if self.returning else coalesce
+        self.coalesced = sa.select(*coalesced).where(live_of_key)
+        finished_with_followup = sa.and_(
+            t.c.followup_id.is_not(None), t.c.state.in_(FINISHED_STATES)
+        )
+        self.followup_of = sa.select(t.c.followup, t.c.followup_id).where(
+            t.c.id == param("id"), finished_with_followup
+        )
+        self.followups_pending = (
+            sa.select(t.c.id).where(finished_with_followup).limit(param("batch"))
+        )
+        self.clear_followup = (
+            sa.update(t)
+            .where(t.c.id == param("id"), t.c.followup_id == param("followup_id"))
+            .values(followup=None, followup_id=None)
+        )
+        if keys is not None:
+            k = keys
+            self.cursor_of = sa.select(k.c.cursor_state).where(k.c.lease_key == param("key"))
+            # Fenced by the live job's token; the job's row is read with a share lock, so a
+            # claim that bumps the token waits for this write, or this write sees the new
+            # token and writes nothing (a stale attempt cannot move the cursor).
+            holder = (
+                sa.select(t.c.id)
+                .where(
+                    t.c.id == param("id"),
+                    t.c.token == param("token"),
+                    unindexed(t.c.state) == RUNNING,
+                    t.c.lease_key == param("key"),
+                )
+                .with_for_update(read=True)
+            )
+            written = sa.select(
+                param("key", k.c.lease_key.type),
+                param("cursor", k.c.cursor_state.type),
+                param("id", k.c.job_id.type),
+                param("token", sa.BigInteger()),
+                now,
+            ).where(sa.exists(holder))
+            columns = ["lease_key", "cursor_state", "job_id", "token", "cursor_at"]
+            # INSERT's rowcount is not reliable on every driver: RETURNING tells it was written.
+            if dialect in ("postgresql", "sqlite"):
+                dml = postgresql if dialect == "postgresql" else sqlite
+                upsert: Any = dml.insert(k).from_select(columns, written)
+                self.save_cursor = upsert.on_conflict_do_update(
+                    index_elements=[k.c.lease_key],
+                    set_={c: upsert.excluded[c] for c in columns[1:]},
+                ).returning(k.c.lease_key)
+            else:
+                upsert = mysql.insert(k).from_select(columns, written)
+                self.save_cursor = upsert.on_duplicate_key_update(
+                    {c: upsert.inserted[c] for c in columns[1:]}
+                )
+
         # -- reading jobs ---------------------------------------------------------------------
         self.job_columns = [
-            *(c for c in t.columns if c.name not in ("duration", "schema_version")),
+            *(
+                c
+                for c in t.columns
+                if c.name not in ("duration", "schema_version", "followup", "live_key")
+            ),
             (t.c.expires_at - now).label("expires_in"),
             (now - t.c.checkpoint_at).label("checkpoint_age"),
             (now - t.c.created_at).label("age"),
@@ -641,7 +717,8 @@ class Statements:
         return stmt.returning(self.table.c.stop_requested) if self.returning else stmt
 
     def _insert_ignore(self, values: dict[str, Any]) -> Any:
-        """INSERT that does nothing when the id exists, RETURNING the id where supported.
+        """INSERT that does nothing when the id exists, RETURNING the id where supported; a
+        second live job of a lease key is an IntegrityError (``Store.live_key_taken``).
 
         MySQL/MariaDB get a plain INSERT whose duplicate-key error the store reads as "exists":
         INSERT IGNORE would also turn a value the column cannot hold into a warning and a
@@ -649,7 +726,12 @@ class Statements:
         """
         t = self.table
         if self.dialect == "postgresql":
-            return postgresql.insert(t).values(values).on_conflict_do_nothing().returning(t.c.id)
-        if self.dialect == "sqlite":
-            return sqlite.insert(t).values(values).on_conflict_do_nothing().returning(t.c.id)
-        return sa.insert(t).values(values)
+            insert: Any = postgresql.insert(t)
+        elif self.dialect == "sqlite":
+            insert = sqlite.insert(t)
+        else:
+            return sa.insert(t).values(values)
+        # Only an existing id is "nothing to do": a second live job of a lease key must fail.
+        return (
+            insert.values(values).on_conflict_do_nothing(index_elements=[t.c.id]).returning(t.c.id)
+        )

@@ -15,6 +15,7 @@ import math
 import os
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -29,7 +30,7 @@ from .errors import (
     JobNotFound,
     LeaseError,
 )
-from .identity import Facts, checked_id, same_job, takes_over
+from .identity import Facts, checked_id, checked_key, same_job, takes_over
 from .message import Message
 from .rows import Claimed, Job, Reaped, Refused, Renewal
 from .schema import (
@@ -39,6 +40,7 @@ from .schema import (
     RUNNING,
     create_or_upgrade,
     jobs_table,
+    keys_table,
 )
 from .statements import Statements
 
@@ -52,8 +54,9 @@ class Store:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.db = Database(settings.database_url, settings.engine_options)
-        self.table = jobs_table(sa.MetaData(), settings.table)
-        self.sql = Statements(self.table, self.db.dialect)
+        self.table = jobs_table(sa.MetaData(), settings.table, self.db.dialect)
+        self.keys = keys_table(self.table.metadata, settings.table)
+        self.sql = Statements(self.table, self.db.dialect, self.keys)
         self._schema_ready = False
 
     @property
@@ -77,16 +80,34 @@ class Store:
         return int(self._run(lambda c: c.execute(stmt, params or {}).rowcount, single=True))
 
     def _insert(self, c: Connection, stmt: Any, params: dict[str, Any]) -> bool:
-        """Run an insert-unless-exists; True when it inserted."""
+        """Run an insert-unless-exists; True when it inserted. :class:`_KeyTaken` when another
+        live job holds the row's lease key."""
+        return bool(self._keyed(c, lambda: self._inserted(c, stmt, params)))
+
+    def _inserted(self, c: Connection, stmt: Any, params: dict[str, Any]) -> bool:
         if self.db.returning:  # INSERT's rowcount is not reliable on every driver; RETURNING is
             return c.execute(stmt, params).first() is not None
         try:
             c.execute(stmt, params)
         except sa.exc.IntegrityError as exc:
-            if _duplicate_key(exc):
+            if _duplicate_key(exc) and not self._live_key_taken(exc):
                 return False
             raise
         return True
+
+    def _keyed(self, c: Connection, write: Any) -> Any:
+        """Run ``write``, a statement that makes a job live; :class:`_KeyTaken` when another
+        live job holds its lease key (the unique index on live keys refused it)."""
+        try:
+            return write()
+        except sa.exc.IntegrityError as exc:
+            if self._live_key_taken(exc):
+                raise _KeyTaken() from exc
+            raise
+
+    def _live_key_taken(self, exc: sa.exc.IntegrityError) -> bool:
+        text = str(exc.orig)
+        return f"ix_{self.table.name}_live_key" in text or f"{self.table.name}.lease_key" in text
 
     def ensure_schema(self) -> None:
         """Create the jobs table if missing; add the columns a newer schema only adds to a
@@ -129,10 +150,12 @@ class Store:
         countdown: float | None = None,
         queued_timeout: float | None = None,
         fresh: bool = True,
-    ) -> str:
+    ) -> Registered:
         """Record the job of a message about to be published: ``new``, ``taken over`` (a new
-        job reusing the id of one that ended, or a replacement: :func:`takes_over`), or the
-        state of the job that keeps the id (this message is a copy, dropped at its claim).
+        job reusing the id of one that ended, or a replacement: :func:`takes_over`),
+        ``coalesced`` (its lease key has a live job, which serves it: see :meth:`coalesce`),
+        or the state of the job that keeps the id (this message is a copy, dropped at its
+        claim).
 
         ``fresh``: the message was built anew (not from a recorded one, as Celery's re-sends
         of a request are: a retry after a lost pool process carries the job's version)."""
@@ -145,17 +168,108 @@ class Store:
             "b_expires_in": expires_in,
         }
         for _ in range(3):
-            if self._run(lambda c: self._insert(c, self.sql.register, params), single=True):
-                return "new"
-            facts = self._facts(job_id)
-            if facts is None:
-                continue  # deleted in between
-            if not takes_over(message, facts, published=fresh):
-                return facts.state
-            seen = {"b_seen_token": facts.token, "b_seen_state": facts.state}
-            if self._count(self.sql.take_over, params | seen) == 1:
-                return "taken over"
+            try:
+                if self._run(lambda c: self._insert(c, self.sql.register, params), single=True):
+                    return Registered("new", job_id)
+                facts = self._facts(job_id)
+                if facts is None:
+                    continue  # deleted in between
+                if not takes_over(message, facts, published=fresh):
+                    return Registered(facts.state, job_id)
+                seen = params | {"b_seen_token": facts.token, "b_seen_state": facts.state}
+                if self._run(lambda c, p=seen: self._take_over(c, p), single=True):
+                    return Registered("taken over", job_id)
+            except _KeyTaken:
+                serving = self.coalesce(message, text)
+                if serving is not None:
+                    return Registered("coalesced", serving)
+                # The key's live job ended in between: record this one again.
         raise LeaseError(f"job {job_id}: its row kept changing while it was recorded; try again")
+
+    def _take_over(self, c: Connection, params: dict[str, Any]) -> bool:
+        return bool(self._keyed(c, lambda: c.execute(self.sql.take_over, params).rowcount == 1))
+
+    def coalesce(self, message: Message, text: str) -> str | None:
+        """Hand a trigger (``message``, of a lease key that has a live job) to that job: one
+        that has not started yet absorbs it (it starts after the trigger), one that has
+        keeps the first trigger that came while it ran as its follow-up (started when it
+        ends); the id of the job that serves the trigger. None when the key has no live job
+        any more (record it as a job of its own)."""
+        params = {"b_key": message.key, "b_message": text, "b_id": message.id}
+
+        def run(c: Connection) -> str | None:
+            if self.db.returning:
+                row = c.execute(self.sql.coalesce, params).first()
+            elif c.execute(self.sql.coalesce, params).rowcount:
+                row = c.execute(self.sql.coalesced, params).first()
+            else:
+                row = None
+            if row is None:
+                return None
+            live_id, attempts, followup_id = row
+            return str(live_id if attempts == 0 else followup_id)
+
+        return self._run(run, single=True)  # type: ignore[no-any-return]
+
+    def start_followup(self, job_id: str) -> Message | None:
+        """Record the follow-up run of an ended keyed job, if a trigger waits for it: the
+        message to publish, or None (none waits, it was coalesced into a live job of the key,
+        or another caller recorded it). Idempotent: the follow-up's id is the trigger's."""
+        found = self._run(lambda c: c.execute(self.sql.followup_of, {"b_id": job_id}).first())
+        if found is None:
+            return None
+        text, followup_id = found
+        try:
+            followup = rows.load_message(text, followup_id)
+        except CorruptJob:
+            followup = None
+        registered = None
+        if followup is not None:
+            eta = followup.eta_in()
+            registered = self.register(
+                followup,
+                countdown=max(eta, 0.0) if eta else None,
+                # Its message goes out right after this; if that publish is lost (the caller
+                # dies), the reaper sends it once this has passed.
+                queued_timeout=self.settings.queued_timeout or self.settings.reap_grace,
+                fresh=False,
+            )
+        self._count(self.sql.clear_followup, {"b_id": job_id, "b_followup_id": followup_id})
+        return followup if registered is not None and registered.outcome == "new" else None
+
+    def followups_pending(self, *, batch: int) -> list[str]:
+        """Ids of ended jobs whose follow-up run was not recorded yet (their ender died)."""
+        found = self._run(lambda c: c.execute(self.sql.followups_pending, {"b_batch": batch}))
+        return [r[0] for r in found]
+
+    def cursor(self, key: str) -> Any:
+        """The cursor saved for lease key ``key`` (JSON), None if none was."""
+        text = self._run(lambda c: c.execute(self.sql.cursor_of, {"b_key": key}).scalar())
+        return rows.loads(text, key, "cursor_state")
+
+    def save_cursor(
+        self,
+        key: str,
+        job_id: str,
+        token: int,
+        state: str,
+        *,
+        connection: Connection | None = None,
+    ) -> bool:
+        """Save the cursor of lease key ``key`` (JSON text), fenced by the lease ``token`` of
+        the running job ``job_id`` of that key: False if this attempt lost the lease. One
+        statement; with ``connection``, in the caller's transaction."""
+        params = {"b_key": key, "b_id": job_id, "b_token": token, "b_cursor": state}
+
+        def run(c: Connection) -> bool:
+            if self.db.returning:
+                return c.execute(self.sql.save_cursor, params).first() is not None
+            return bool(c.execute(self.sql.save_cursor, params).rowcount)
+
+        if connection is None:
+            return self._run(run, single=True)  # type: ignore[no-any-return]
+        with self.db.wrapped_errors("cursor not saved"):
+            return run(connection)
 
     def forget(self, job_id: str) -> bool:
         """Delete a job registered but never published (its publish failed)."""
@@ -218,7 +332,17 @@ class Store:
     ) -> Claimed | Refused | None:
         """The delivery matched no claimable recorded message: create the job, take the id
         over, claim the same job recorded without a version, or refuse. None when the row
-        changed in between (claim again)."""
+        changed in between (claim again). A delivery of a lease key that has another live
+        job is a trigger of that key (:meth:`coalesce`), refused as ``coalesced``."""
+        try:
+            return self._claim_new(delivery, params, fresh=fresh)
+        except _KeyTaken:
+            serving = self.coalesce(delivery, delivery.dumps())
+            return None if serving is None else Refused("coalesced", None, None, serving)
+
+    def _claim_new(
+        self, delivery: Message, params: dict[str, Any], *, fresh: bool
+    ) -> Claimed | Refused | None:
         facts = self._facts(params["b_id"])
         if facts is None:
             created = params | _job_params(delivery, delivery.dumps())
@@ -233,11 +357,11 @@ class Store:
             job |= {"b_seen_token": facts.token, "b_seen_state": facts.state}
 
             def take(c: Connection) -> int | None:
+                result = self._keyed(c, lambda: c.execute(self.sql.take_over_claimed, job))
                 if self.db.returning:
-                    row = c.execute(self.sql.take_over_claimed, job).first()
+                    row = result.first()
                     return None if row is None else int(row[0])
-                taken = c.execute(self.sql.take_over_claimed, job).rowcount == 1
-                return facts.token + 1 if taken else None
+                return facts.token + 1 if result.rowcount == 1 else None
 
             token = self._run(take, single=True)
             return None if token is None else Claimed(token, 1, None, None, created=True)
@@ -494,7 +618,17 @@ class Store:
             "b_from_states": list(from_states),
             "b_queued_timeout": queued_timeout,
         }
-        if self._count(self.sql.requeue, params) != 1:
+        try:
+            requeued = self._run(
+                lambda c: self._keyed(c, lambda: c.execute(self.sql.requeue, params).rowcount),
+                single=True,
+            )
+        except _KeyTaken:
+            raise InvalidJobState(
+                f"job {job_id}: another job of its lease key is queued or running; retry "
+                f"this one when that one has ended"
+            ) from None
+        if requeued != 1:
             job = self.get(job_id)
             if job is None:
                 raise JobNotFound(f"no job {job_id!r} in {self.table.name}")
@@ -652,11 +786,26 @@ class Store:
 
 def _job_params(message: Message, text: str) -> dict[str, Any]:
     return {
+        "b_key": checked_key(message.key),
         "b_task": message.task,
         "b_generation": message.generation,
         "b_version": message.version,
         "b_message": text,
     }
+
+
+class _KeyTaken(Exception):
+    """A write would make a second job of a lease key live (the unique index refused it)."""
+
+
+@dataclass(frozen=True)
+class Registered:
+    """What :meth:`Store.register` did with a message: ``outcome`` (``new``, ``taken over``,
+    ``coalesced``, or the state of the job that keeps the id), and ``job_id``, the job that
+    serves it (another job's id when coalesced)."""
+
+    outcome: str
+    job_id: str
 
 
 def like_prefix(prefix: str) -> str:

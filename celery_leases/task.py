@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from celery import Task, current_task
@@ -10,7 +12,7 @@ from sqlalchemy.engine import Connection
 
 from . import attempt, checkpoint, message
 from .config import Settings, settings_for
-from .errors import Cancelled, LeaseError, LeaseLost, StoreUnavailable
+from .errors import ArgumentsError, Cancelled, LeaseError, LeaseLost, StoreUnavailable
 from .lease import Lease, current, holding
 from .schema import CANCELLED
 from .store import Store, store_for
@@ -24,7 +26,16 @@ class LeasedTask(Task):  # type: ignore[misc]
     Use as ``@app.task(base=LeasedTask, bind=True)``. Task options ``lease_duration``,
     ``lease_renew_interval``, ``lease_stall_timeout`` (seconds), ``lease_max_checkpoint_bytes``
     and ``lease_kill_stalled`` override the app's ``leases_*`` settings for one task.
+
+    ``lease_key`` names the resource a job works on, so that at most one job per key is
+    queued or running at a time: a format string over the task's arguments
+    (``"account:{account_id}"``, ``"{0}"``) or a callable taking them; ``apply_async(...,
+    lease_key=...)`` sets it for one call. A call while the key has a live job is coalesced
+    into it (see :meth:`apply_async`).
     """
+
+    #: The resource of a job, from its arguments (None: jobs have no key).
+    lease_key: str | Callable[..., str] | None = None
 
     #: The worker's main process resumes the job at once when its pool process dies.
     Request = "celery_leases.request:LeasedRequest"
@@ -84,6 +95,20 @@ class LeasedTask(Task):  # type: ignore[misc]
         """
         checkpoint.save(self, self.lease, state, progress=progress, connection=connection)
 
+    def save_cursor(self, state: Any, *, connection: Connection | None = None) -> None:
+        """Save ``state`` (JSON-serializable) as the cursor of the job's lease key: where the
+        key's next run starts (``self.lease.cursor``). Fenced like a checkpoint: a stale
+        attempt gets :class:`LeaseLost` and writes nothing. With ``connection``, it joins that
+        SQLAlchemy transaction, as ``checkpoint`` does."""
+        checkpoint.save_cursor(self, self.lease, state, connection=connection)
+
+    def key_for(self, args: Any, kwargs: Any) -> str | None:
+        """The lease key of a call with ``args`` and ``kwargs`` (the task's ``lease_key``)."""
+        key = self.lease_key
+        if inspect.ismethod(key) and key.__self__ is self:
+            key = key.__func__  # a function given as the option became a method of the task
+        return message.key_of(self, key, args, kwargs)
+
     def stop_point(self) -> None:
         """Raise :class:`Cancelled` or :class:`Preempted` if the job was asked to stop.
 
@@ -105,11 +130,21 @@ class LeasedTask(Task):  # type: ignore[misc]
     ) -> Any:
         """Record the job (its whole message, state ``queued``) in the leases table, then
         publish that message. A retry of the running attempt hands its lease back instead,
-        with the retry's message as the job's message."""
+        with the retry's message as the job's message.
+
+        A job with a lease key (``lease_key=`` here, or the task's option) whose key already
+        has a live job is a trigger of that key, coalesced and never lost: a job that has not
+        started yet absorbs it; one that has started runs once more, as one follow-up job,
+        when it ends (with the arguments of the first trigger that waited). Nothing is
+        published then, and the result returned is that of the job that serves the trigger.
+        """
+        key = options.pop("lease_key", None)
         if self.app.conf.task_always_eager:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
+        if key is not None:
+            options["headers"] = {**(options.get("headers") or {}), message.KEY_HEADER: key}
         recorder = _Recorder(self)
         with self.app.producer_or_acquire(producer) as publisher:
             try:
@@ -123,6 +158,8 @@ class LeasedTask(Task):  # type: ignore[misc]
                     shadow,
                     **options,
                 )
+            except _Coalesced as coalesced:
+                return self.AsyncResult(coalesced.job_id)
             except BaseException:
                 recorder.undo()
                 raise
@@ -135,6 +172,8 @@ class LeasedTask(Task):  # type: ignore[misc]
             if not self.lease_store.replace(lease.job_id, lease.token):
                 raise LeaseLost(f"job {lease.job_id}: lost its lease; not replaced")
             lease.released = True
+            if lease.key is not None:
+                attempt.start_followup(self, lease.job_id)
         return super().on_replace(sig)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -176,6 +215,16 @@ class _Recorder:
         # process) carries that one's version; a fresh publish has none.
         fresh = published.version is None
         recorded = published.new_version()
+        key = recorded.key or self.task.key_for(recorded.args, recorded.kwargs)
+        if key is not None:
+            recorded = recorded.with_headers(**{message.KEY_HEADER: key})
+            if recorded.workflow:
+                raise ArgumentsError(
+                    f"{recorded.task} has a lease key ({key!r}), and its call carries "
+                    f"{', '.join(recorded.workflow)}: a keyed call may be coalesced into "
+                    f"another job of its key, which would lose that workflow. Call it "
+                    f"without a lease key inside a canvas"
+                )
         countdown = max(recorded.eta_in() or 0.0, 0.0)
         held = _held(recorded.id)
         if held is not None:
@@ -197,13 +246,21 @@ class _Recorder:
             queued_timeout=self.settings.queued_timeout,
             fresh=fresh,
         )
-        if outcome == "new":
+        if outcome.outcome == "coalesced":
+            _log.info(
+                "job %s: key %s has a live job, coalesced into job %s",
+                recorded.id,
+                key,
+                outcome.job_id,
+            )
+            raise _Coalesced(outcome.job_id)
+        if outcome.outcome == "new":
             self.registered = recorded.id
-        elif outcome != "taken over":
+        elif outcome.outcome != "taken over":
             _log.warning(
                 "job %s is %s with another message: this one is a copy, dropped at its claim",
                 recorded.id,
-                outcome,
+                outcome.outcome,
             )
         return recorded
 
@@ -211,6 +268,14 @@ class _Recorder:
         """The publish failed: leave no queued row that no message will ever claim."""
         if self.registered is not None:
             self.store.forget(self.registered)
+
+
+class _Coalesced(Exception):
+    """Raised through Celery's publish: the call was coalesced into job ``job_id``."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(job_id)
+        self.job_id = job_id
 
 
 def _held(job_id: str | None) -> Lease | None:

@@ -306,7 +306,7 @@ def test_a_job_of_a_task_no_worker_knows_ends_failed_with_the_reason_and_is_not_
                 routing_key=o.client.conf.task_default_queue,
             ),
             queued_timeout=0.5,
-        )
+        ).outcome
         == "new"
     )
     known = o.send(2, 0.1)

@@ -47,7 +47,7 @@ def message(job_id: str, task: str = "tests.job", args: Any = (1,)) -> Message:
 
 
 def register(store: Store, job_id: str, *, task: str = "tests.job", args: Any = (1,)) -> bool:
-    return store.register(message(job_id, task, args)) == "new"
+    return store.register(message(job_id, task, args)).outcome == "new"
 
 
 def claim(store: Store, job_id: str, *, owner: str = OWNER, duration: float = 30.0) -> Any:
@@ -83,7 +83,7 @@ def ids(jobs: list[Any]) -> list[str]:
 
 def test_registering_a_job_twice_keeps_the_first_record(store: Store) -> None:
     assert register(store, "j1", args=[1]) is True
-    assert store.register(job_message("j1", args=[2])) == "queued"
+    assert store.register(job_message("j1", args=[2])).outcome == "queued"
 
     job = store.get("j1")
     assert job is not None

@@ -33,7 +33,7 @@ def store(database_url: str, table_name: str) -> Iterator[Store]:
 def claimed(store: Store, job_id: str) -> int:
     """Register and claim ``job_id``; the token of the claim."""
     sent = job_message(job_id)
-    assert store.register(sent) == "new"
+    assert store.register(sent).outcome == "new"
     outcome = store.claim(sent, owner=OWNER, duration=30.0)
     assert isinstance(outcome, Claimed), outcome
     return outcome.token

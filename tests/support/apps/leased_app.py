@@ -25,6 +25,9 @@ Tasks (all write the unit log, see ``tests/support/unit_log.py``):
 - ``e2e.units(count, unit_seconds)``: ``count`` units of ``unit_seconds`` each; after each unit
   it checkpoints ``{"next": unit + 1}`` in the transaction that commits the unit's log row, and
   it resumes from ``self.lease.checkpoint``. Returns ``count``.
+- ``e2e.keyed_units(account, count, unit_seconds)``: as ``e2e.units``, for lease key
+  ``account:<account>``, also saving the key's cursor ``{"units": n}`` (units its runs
+  committed) with each checkpoint. Returns the cursor it ended at.
 - ``e2e.poison()``: logs unit 0, then SIGKILLs its own process, before any checkpoint.
 - ``e2e.bad_checkpoint()``: saves ``{"next": 1}``, then checkpoints a non-JSON object.
 - ``e2e.plain_units(count, unit_seconds)``: plain Celery (no lease), always from unit 0, each
@@ -186,6 +189,39 @@ def make_app(
                     time.sleep(3.0)
             self.stop_point()  # committed: stop here if asked to (cancel, shutdown)
         return count
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name="e2e.keyed_units",
+        lease_key="account:{account}",
+    )
+    def keyed_units(self: Task, account: str, count: int, unit_seconds: float) -> int:
+        """``count`` units of the job's lease key ``account:<account>``: each committed with
+        its checkpoint and the key's cursor ``{"units": <units the key's runs committed>}``
+        in one transaction. Returns the cursor it ended at."""
+        lease = self.lease
+        run = uuid.uuid4().hex
+        first = (lease.checkpoint or {}).get("next", 0)
+        done = int((lease.cursor or {}).get("units", 0))
+        for unit in range(first, count):
+            row = log.start(
+                lease.job_id,
+                unit,
+                run=run,
+                token=lease.token,
+                attempt=lease.attempt,
+                host=self.request.hostname or "",
+            )
+            time.sleep(unit_seconds)
+            with log.engine.begin() as connection:
+                log.end(connection, row)
+                self.save_cursor({"units": done + 1}, connection=connection)
+                self.checkpoint({"next": unit + 1}, connection=connection)
+            done += 1
+            self.stop_point()
+        return done
 
     @app.task(base=LeasedTask, bind=True, shared=False, name="e2e.poison")
     def poison(self: Task) -> None:

@@ -1,0 +1,378 @@
+"""Lease keys against real databases: one live job per key, coalesced triggers, follow-ups, and
+the fenced cursor of each key."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from celery_leases import LeasedTask
+from celery_leases.config import DEFAULTS, settings_for, validate
+from celery_leases.errors import ArgumentsError, InvalidJobState, LeaseError
+from celery_leases.keeper import all_keepers
+from celery_leases.message import KEY_HEADER, Message
+from celery_leases.rows import Claimed, Refused
+from celery_leases.store import Store, store_for
+from tests.support.message import job_message
+
+OWNER = "worker-a/1"
+KEY = "account:42"
+
+
+@pytest.fixture
+def store(database_url: str, table_name: str) -> Iterator[Store]:
+    store = Store(validate(DEFAULTS | {"database_url": database_url, "table": table_name}))
+    store.ensure_schema()
+    yield store
+    store.engine.dispose()
+
+
+def trigger(job_id: str, key: str = KEY, **options: Any) -> Message:
+    return job_message(job_id, "tests.sync", args=[key], **{KEY_HEADER: key}, **options)
+
+
+def claimed(store: Store, message: Message, owner: str = OWNER) -> Claimed:
+    outcome = store.claim(message, owner=owner, duration=30.0)
+    assert isinstance(outcome, Claimed), outcome
+    return outcome
+
+
+def live_jobs(store: Store, key: str = KEY) -> list[str]:
+    return [j.id for j in store.list_jobs(states=("queued", "running")) if j.lease_key == key]
+
+
+def test_a_trigger_while_the_keys_job_waits_unstarted_is_absorbed_by_it(store: Store) -> None:
+    assert store.register(trigger("t1")).outcome == "new"
+
+    second = store.register(trigger("t2"))
+
+    # The queued job has not started: it starts after the trigger, so it serves it
+    assert (second.outcome, second.job_id) == ("coalesced", "t1")
+    assert live_jobs(store) == ["t1"]
+    assert store.get("t2") is None
+    assert store.get("t1").followup_id is None  # type: ignore[union-attr]
+
+
+def test_triggers_during_a_run_leave_one_followup_the_first_of_them(store: Store) -> None:
+    first = trigger("t1")
+    store.register(first)
+    claimed(store, first)
+
+    served = [store.register(trigger(f"t{n}")) for n in range(2, 7)]
+
+    assert {(r.outcome, r.job_id) for r in served} == {("coalesced", "t2")}
+    job = store.get("t1")
+    assert job is not None and job.followup_id == "t2"
+    assert live_jobs(store) == ["t1"]
+
+
+def test_a_trigger_of_another_key_or_none_is_a_job_of_its_own(store: Store) -> None:
+    store.register(trigger("t1"))
+    assert store.register(trigger("t2", key="account:43")).outcome == "new"
+    assert store.register(job_message("t3", "tests.sync")).outcome == "new"
+    assert store.register(job_message("t4", "tests.sync")).outcome == "new"
+
+
+def test_the_followup_starts_when_the_run_ends_and_only_once(store: Store) -> None:
+    first = trigger("t1")
+    store.register(first)
+    lease = claimed(store, first)
+    store.register(trigger("t2"))
+    assert store.start_followup("t1") is None  # still running: nothing starts
+
+    assert store.finish("t1", lease.token, result=None)
+    followup = store.start_followup("t1")
+
+    assert followup is not None and followup.id == "t2" and followup.key == KEY
+    assert live_jobs(store) == ["t2"]
+    assert store.get("t1").followup_id is None  # type: ignore[union-attr]
+    assert store.start_followup("t1") is None
+    # The follow-up is claimed like any recorded job: its message is the recorded one
+    assert isinstance(store.claim(followup, owner=OWNER, duration=30.0), Claimed)
+
+
+@pytest.mark.parametrize("end", ["fail", "cancel", "give_up"])
+def test_a_run_that_ends_any_other_way_starts_its_followup_too(store: Store, end: str) -> None:
+    first = trigger("t1")
+    store.register(first)
+    lease = claimed(store, first)
+    store.register(trigger("t2"))
+
+    if end == "fail":
+        assert store.fail("t1", lease.token, error="boom")
+    elif end == "cancel":
+        assert store.end_live("t1", state="revoked", error="revoked")
+    else:
+        store.release("t1")
+        assert store.give_up("t1", error="gave up")
+
+    assert store.followups_pending(batch=10) == ["t1"]
+    followup = store.start_followup("t1")
+    assert followup is not None and followup.id == "t2"
+    assert store.followups_pending(batch=10) == []
+
+
+def test_a_followup_whose_key_got_a_new_live_job_meanwhile_is_coalesced_into_it(
+    store: Store,
+) -> None:
+    first = trigger("t1")
+    store.register(first)
+    lease = claimed(store, first)
+    store.register(trigger("t2"))
+    store.finish("t1", lease.token, result=None)
+    # A trigger that came after the end but before the follow-up was recorded: a new run
+    assert store.register(trigger("t3")).outcome == "new"
+
+    assert store.start_followup("t1") is None
+
+    assert live_jobs(store) == ["t3"]
+    assert store.followups_pending(batch=10) == []
+
+
+def test_concurrent_triggers_of_one_key_record_one_job(store: Store) -> None:
+    ids = [f"t{n}" for n in range(12)]
+    barrier = threading.Barrier(len(ids))
+
+    def send(job_id: str) -> tuple[str, str]:
+        barrier.wait()
+        registered = store.register(trigger(job_id))
+        return registered.outcome, registered.job_id
+
+    with ThreadPoolExecutor(len(ids)) as pool:
+        outcomes = list(pool.map(send, ids))
+
+    new = [job for outcome, job in outcomes if outcome == "new"]
+    assert len(new) == 1, outcomes
+    assert {job for outcome, job in outcomes if outcome == "coalesced"} <= set(new)
+    assert live_jobs(store) == new
+
+
+def test_a_delivery_sent_by_name_while_the_key_is_busy_is_coalesced(store: Store) -> None:
+    first = trigger("t1")
+    store.register(first)
+    claimed(store, first)
+
+    refused = store.claim(trigger("t9", recorded=False), owner="w2/2", duration=30.0)
+
+    assert isinstance(refused, Refused) and refused.reason == "coalesced"
+    assert refused.serving == "t9"
+    assert store.get("t1").followup_id == "t9"  # type: ignore[union-attr]
+    assert store.get("t9") is None
+
+
+def test_a_failed_keyed_job_is_not_retried_while_its_key_has_a_live_job(store: Store) -> None:
+    first = trigger("t1")
+    store.register(first)
+    store.fail("t1", claimed(store, first).token, error="boom")
+    store.register(trigger("t2"))
+
+    with pytest.raises(InvalidJobState, match="another job of its lease key"):
+        store.requeue("t1")
+
+
+def test_a_purge_keeps_an_ended_job_whose_followup_is_not_recorded_yet(store: Store) -> None:
+    first = trigger("t1")
+    store.register(first)
+    lease = claimed(store, first)
+    store.register(trigger("t2"))
+    store.finish("t1", lease.token, result=None)
+    with store.engine.begin() as connection:
+        connection.execute(sa.update(store.table).values(finished_at=time.time() - 3600))
+
+    assert store.purge(older_than=60.0, batch=10) == 0
+    assert store.start_followup("t1") is not None
+
+
+def test_a_key_the_table_cannot_hold_whole_is_refused(store: Store) -> None:
+    with pytest.raises(ArgumentsError, match="lease key"):
+        store.register(trigger("t1", key="k" * 256))
+    assert store.get("t1") is None
+
+
+# -- the cursor of a key ---------------------------------------------------------------------
+
+
+def test_the_holder_saves_the_keys_cursor_and_the_next_run_reads_it(store: Store) -> None:
+    first = trigger("t1")
+    store.register(first)
+    lease = claimed(store, first)
+    assert store.cursor(KEY) is None
+
+    assert store.save_cursor(KEY, "t1", lease.token, '{"since":10}')
+    assert store.save_cursor(KEY, "t1", lease.token, '{"since":20}')
+    store.finish("t1", lease.token, result=None)
+    store.purge(older_than=0.001, batch=10)
+
+    assert store.get("t1") is None
+    assert store.cursor(KEY) == {"since": 20}  # it outlives the job
+
+
+def test_a_stale_attempt_cannot_write_the_keys_cursor(store: Store) -> None:
+    first = trigger("t1")
+    store.register(first)
+    stale = claimed(store, first)
+    store.save_cursor(KEY, "t1", stale.token, '{"since":10}')
+    store.release("t1")
+    fresh = claimed(store, first, owner="worker-b/2")
+
+    assert not store.save_cursor(KEY, "t1", stale.token, '{"since":99}')
+    assert store.save_cursor(KEY, "t1", fresh.token, '{"since":11}')
+    store.finish("t1", fresh.token, result=None)
+    assert not store.save_cursor(KEY, "t1", fresh.token, '{"since":12}')  # ended
+    assert store.cursor(KEY) == {"since": 11}
+
+
+# SQLite runs one writer at a time: no claim can run beside the write.
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
+def test_a_cursor_write_racing_a_new_claim_is_fenced_out(store: Store) -> None:
+    first = trigger("t1")
+    store.register(first)
+    stale = claimed(store, first)
+    store.release("t1")
+    # Given a new claim of the job, not yet committed (it holds the row)
+    t = store.table
+    connection = store.engine.connect()
+    transaction = connection.begin()
+    connection.execute(sa.update(t).where(t.c.id == "t1").values(token=t.c.token + 1))
+
+    # When the stale attempt writes the cursor meanwhile, and the claim then commits
+    saved: list[bool] = []
+    writer = threading.Thread(
+        target=lambda: saved.append(store.save_cursor(KEY, "t1", stale.token, '{"since":9}'))
+    )
+    writer.start()
+    writer.join(0.5)
+    assert writer.is_alive(), "the write did not wait for the claim's lock on the job's row"
+    transaction.commit()
+    connection.close()
+    writer.join(10)
+
+    # Then the write saw the new token and wrote nothing
+    assert saved == [False]
+    assert store.cursor(KEY) is None
+
+
+# -- LeasedTask with a lease_key, in this process ---------------------------------------------
+
+
+@pytest.fixture
+def app(database_url: str, table_name: str) -> Iterator[Celery]:
+    app = Celery("keys_tests", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        leases_database_url=database_url,
+        leases_table=table_name,
+        task_ignore_result=True,
+        task_default_queue=table_name,  # memory:// queues live as long as this process
+    )
+
+    @app.task(
+        base=LeasedTask, bind=True, shared=False, name="tests.sync", lease_key="acct:{account}"
+    )
+    def sync(self: LeasedTask, account: str, pages: int = 3) -> Any:
+        since = (self.lease.cursor or {}).get("page", 0)
+        for page in range(since, since + pages):
+            self.save_cursor({"page": page + 1})
+        return {"from": since, "to": self.lease.cursor["page"]}
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name="tests.by_callable",
+        lease_key=lambda a, b: f"{a}-{b}",
+    )
+    def by_callable(self: LeasedTask, a: int, b: int) -> None:
+        return None
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.typo", lease_key="{acount}")
+    def typo(self: LeasedTask, account: str) -> None:
+        return None
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.unkeyed")
+    def unkeyed(self: LeasedTask) -> Any:
+        return self.lease.cursor
+
+    yield app
+    store = store_for(settings_for(app))
+    for keeper in all_keepers():
+        if keeper.store is store:
+            keeper.stop()
+            keeper.join(timeout=5)
+    store.engine.dispose()
+    app.close()
+
+
+def published(app: Celery) -> list[str]:
+    """Ids of the task messages waiting in the memory broker's default queue."""
+    with app.connection_for_write() as connection:
+        queue = connection.SimpleQueue(app.conf.task_default_queue, no_ack=True)
+        try:
+            found = []
+            while True:
+                try:
+                    found.append(queue.get(block=False).headers["id"])
+                except queue.Empty:
+                    return found
+        finally:
+            queue.close()
+
+
+def test_a_keyed_call_records_its_key_from_the_tasks_arguments(app: Celery) -> None:
+    store = store_for(settings_for(app))
+    first = app.tasks["tests.sync"].delay("42")
+    second = app.tasks["tests.by_callable"].apply_async((1, 2))
+    third = app.tasks["tests.sync"].apply_async(("42",), lease_key="acct:other")
+
+    assert [store.get(r.id).lease_key for r in (first, second, third)] == [  # type: ignore[union-attr]
+        "acct:42",
+        "1-2",
+        "acct:other",
+    ]
+    assert store.get(first.id).message.key == "acct:42"  # type: ignore[union-attr]
+
+
+def test_a_call_of_a_busy_key_publishes_nothing_and_returns_the_serving_job(app: Celery) -> None:
+    sync = app.tasks["tests.sync"]
+    first = sync.delay("42")
+
+    again = [sync.delay("42") for _ in range(3)]
+
+    assert {r.id for r in again} == {first.id}
+    assert published(app) == [first.id]
+
+
+def test_a_keyed_call_carrying_a_workflow_is_refused_and_records_nothing(app: Celery) -> None:
+    sync = app.tasks["tests.sync"]
+    store = store_for(settings_for(app))
+    with pytest.raises(ArgumentsError, match="callbacks"):
+        sync.apply_async(("42",), task_id="linked", link=app.tasks["tests.unkeyed"].si())
+    assert store.get("linked") is None
+    assert published(app) == []
+
+
+def test_a_lease_key_the_arguments_cannot_fill_is_a_clear_error(app: Celery) -> None:
+    store = store_for(settings_for(app))
+    with pytest.raises(ArgumentsError, match=r"cannot be computed.*acount"):
+        app.tasks["tests.typo"].apply_async(("42",), task_id="typo")
+    assert store.get("typo") is None
+
+
+def test_each_run_of_a_key_starts_from_the_cursor_the_last_one_saved(app: Celery) -> None:
+    sync = app.tasks["tests.sync"]
+    assert sync.apply(("42",)).get() == {"from": 0, "to": 3}
+    assert sync.apply(("42",), kwargs={"pages": 2}).get() == {"from": 3, "to": 5}
+    assert sync.apply(("7",)).get() == {"from": 0, "to": 3}
+
+
+def test_a_task_without_a_lease_key_has_no_cursor(app: Celery) -> None:
+    result = app.tasks["tests.unkeyed"].apply()
+    assert isinstance(result.result, LeaseError)
+    assert "no lease key" in str(result.result)
