@@ -242,6 +242,8 @@ def show(job_id: str, as_json: bool) -> None:
         attempts += f", {job.stalled_attempts} in a row ended without a checkpoint"
     fields = [
         ("task", job.task),
+        ("key", job.lease_key),
+        ("follow-up", f"job {job.followup_id}, when this one ends" if job.followup_id else None),
         ("state", status),
         ("owner", job.owner),
         ("attempts", attempts),
