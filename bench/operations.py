@@ -1,14 +1,14 @@
-"""Per-operation cost of the store against a raw baseline on the same pooled connection.
+"""Per-operation cost of the store against a raw baseline on the same DBAPI connection.
 
 Claim, renew (one lease), checkpoint (100 B, 10 KB, 1 MB) and finish, timed as the library
-calls them, alternate in blocks with the same work sent through the same DBAPI connection:
-on PostgreSQL and SQLite, where the store runs each as one statement in autocommit, ONE
-single-row autocommit UPDATE; on MariaDB, where it runs a transaction, as many single-row
-statements (UPDATE, then SELECTs by primary key) and a COMMIT. Statements and commit are read
-from SQLAlchemy's events; round trips are counted at the driver. Medians and p90 in ms.
+calls them, alternate in blocks with the same work sent by hand through the same DBAPI
+connection (the store's direct connection, ``celery_leases/direct.py``), as many statements
+and round trips as the library sends (counted at the driver): on PostgreSQL and SQLite ONE
+single-row autocommit UPDATE; on MariaDB, for claim and renew (no RETURNING there: they read
+their row back), BEGIN, UPDATE, SELECT by primary key, COMMIT. Medians and p90 in ms.
 This module is the one place in bench/ that calls the Store ("store calls" below).
 
-    python -m bench.operations [--quick]
+    python -m bench.operations [--quick] [--database postgresql mariadb sqlite]
 """
 
 from __future__ import annotations
@@ -105,62 +105,90 @@ def state_text(size: int) -> str:
     return '{"cursor":"' + os.urandom(size // 2).hex()[: size - 13] + '"}'
 
 
-def pooled(store: Store) -> Any:
-    """The one DBAPI connection in the store's pool (every call here is sequential)."""
-    fairy = engine(store).raw_connection()
-    conn = fairy.driver_connection
-    fairy.close()
-    pool: Any = engine(store).pool
-    if pool.checkedin() != 1:
-        raise RuntimeError("the store's pool holds more than one connection")
-    return conn
+def direct(store: Store) -> Any:
+    """The store's one direct DBAPI connection (every call here is sequential)."""
+    idle = store.db.direct._idle
+    if len(idle) != 1:
+        raise RuntimeError("the store has no direct connection, or several")
+    return idle[0].connection
 
 
 @contextlib.contextmanager
-def raw(store: Store, db: str, conn: Any, sent: Statements, commit: bool) -> Iterator[Call]:
-    """``conn``, checked out of the store's pool for one block, and a call that sends
-    ``sent(i)`` through its cursor, then COMMIT if the store commits."""
-    fairy = engine(store).raw_connection()
-    if fairy.driver_connection is not conn:
-        fairy.close()
-        raise RuntimeError("the raw baseline must run on the store's own connection")
-    switch = {"postgresql": ("autocommit", True, False), "sqlite": ("isolation_level", None, "")}
-    name, on, off = switch.get(db, ("", None, None))
-    if name:  # the store's one-statement operations run in autocommit here
-        setattr(conn, name, on)
+def raw(conn: Any, sent: Statements, transaction: bool) -> Iterator[Call]:
+    """A call that sends ``sent(i)`` through ``conn``'s cursor (in autocommit, as the store's
+    direct connection is), between BEGIN and COMMIT if the store's operation is a
+    transaction."""
 
     def call(i: int) -> None:
-        cursor = fairy.cursor()
+        cursor = conn.cursor()
+        if transaction:
+            cursor.execute("BEGIN")
         for sql, params in sent(i):
             cursor.execute(sql, params)
             if cursor.description is not None:
                 cursor.fetchall()
+        if transaction:
+            cursor.execute("COMMIT")
         cursor.close()
-        if commit:
-            fairy.commit()
 
-    try:
-        yield call
-    finally:
-        if name:
-            setattr(conn, name, off)
-        fairy.close()
+    yield call
 
 
 def shape(store: Store, call: Callable[[], Any]) -> tuple[int, bool]:
-    """How many statements ``call`` sends and whether it commits (SQLAlchemy's events)."""
-    seen: list[str] = []
-    listeners = [
-        (e, lambda *_, e=e, **__: seen.append(e)) for e in ("before_cursor_execute", "commit")
-    ]
-    for event, listener in listeners:
-        sa.event.listen(engine(store), event, listener)
-    try:
+    """How many statements ``call`` sends on the store's direct connection, and whether in
+    a transaction (seen at the driver)."""
+    with traced(store) as seen:
         call()
+    statements = [s for s in seen if not s.strip().upper().startswith(CONTROL)]
+    return len(statements), len(statements) < len(seen)
+
+
+@contextlib.contextmanager
+def traced(store: Store) -> Iterator[list[str]]:
+    """Every statement text the store's direct connection sends during the block (on
+    PostgreSQL, from the libpq trace: simple-protocol queries by text, extended-protocol
+    executions as ``EXECUTE``)."""
+    conn, db = direct(store), store.db.dialect
+    seen: list[str] = []
+    if db == "postgresql":
+        with tempfile.TemporaryFile("w+") as trace:
+            conn.pgconn.trace(os.dup(trace.fileno()))
+            try:
+                yield seen
+            finally:
+                conn.pgconn.untrace()
+                trace.seek(0)
+                for line in trace:
+                    if "\tF\t" not in line:
+                        continue
+                    if "\tQuery\t" in line:
+                        seen.append(line.split("\tQuery\t", 1)[1].split('"')[1])
+                    elif "\tExecute\t" in line:
+                        seen.append("EXECUTE")
+        return
+    if db == "sqlite":
+        conn.set_trace_callback(seen.append)
+        try:
+            yield seen
+        finally:
+            conn.set_trace_callback(None)
+        return
+    cls = type(conn)
+    original = cls._execute_command
+
+    def spy(self: Any, command: int, sql: Any) -> Any:
+        if self is conn:
+            seen.append(sql.decode() if isinstance(sql, bytes) else str(sql))
+        return original(self, command, sql)
+
+    cls._execute_command = spy
+    try:
+        yield seen
     finally:
-        for event, listener in listeners:
-            sa.event.remove(engine(store), event, listener)
-    return seen.count("before_cursor_execute"), "commit" in seen
+        cls._execute_command = original
+
+
+CONTROL = ("BEGIN", "COMMIT", "ROLLBACK")
 
 
 def round_trips(db: str, conn: Any, call: Callable[[], Any]) -> int:
@@ -205,11 +233,11 @@ def measure(db: str, url: str, *, calls: int, block: int, big_calls: int) -> lis
         held = ("held", claim(store, "held"))
         for job_id in RAW_ROWS:
             claim(store, job_id)
-        conn = pooled(store)
+        conn = direct(store)
         p = "?" if db == "sqlite" else "%s"
 
         def compare(name: str, library: Call, state: str | None = None) -> None:
-            statements, commit = shape(store, lambda: library(calls))
+            statements, transaction = shape(store, lambda: library(calls))
             raw_row = RAW_ROWS[state is not None]
             sets = f"renewed_at = {p}" + ("" if state is None else f", checkpoint = {p}")
             update = f"UPDATE {table} SET {sets} WHERE id = {p}"
@@ -220,7 +248,7 @@ def measure(db: str, url: str, *, calls: int, block: int, big_calls: int) -> lis
                 return [(update, (*values, raw_row)), *[select] * (statements - 1)]
 
             def baseline() -> contextlib.AbstractContextManager[Call]:
-                return raw(store, db, conn, sent, commit)
+                return raw(conn, sent, transaction)
 
             library_trips = round_trips(db, conn, lambda: library(calls + 1))
             with baseline() as call:
@@ -251,14 +279,21 @@ def measure(db: str, url: str, *, calls: int, block: int, big_calls: int) -> lis
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parser(__doc__).parse_args(argv)
+    command = parser(__doc__)
+    command.add_argument(
+        "--database",
+        nargs="+",
+        choices=("postgresql", "mariadb", "sqlite"),
+        default=("postgresql", "mariadb", "sqlite"),
+    )
+    args = command.parse_args(argv)
     calls, block, big = (200, 25, 20) if args.quick else (1000, 50, 100)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-operations-") as folder:
         sqlite = f"sqlite:///{folder}/leases.sqlite3"
         urls = {"postgresql": available("postgres"), "mariadb": available("mariadb")}
         for db, url in (urls | {"sqlite": sqlite}).items():
-            if url:
+            if url and db in args.database:
                 print(f"{db}: {calls} calls per operation and side (1 MB: {big})...", flush=True)
                 rows += measure(db, url, calls=calls, block=block, big_calls=big)
     title = "Store operations vs the raw baseline on the same connection (median ms)"

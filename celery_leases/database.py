@@ -6,7 +6,6 @@ Driver errors are wrapped here, once: an unreachable or restarting server become
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -18,6 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from .config import redact
+from .direct import Connections, Direct
 from .errors import ConfigurationError, LeaseError, StoreUnavailable
 from .schema import SESSION_LOCK_PREFIX
 
@@ -47,11 +47,14 @@ class Database:
         #: the one the connection was opened with; None when it is, or before the first
         #: connection.
         self.pooler: str | None = None
+        #: This process's own connections for the one-statement hot path (``direct.py``).
+        self.direct = Connections(lambda: self.engine)
+        self._safe_url = redact(self.url.render_as_string(hide_password=False))
 
     @property
     def safe_url(self) -> str:
         """The database URL with its password hidden."""
-        return redact(self.url.render_as_string(hide_password=False))
+        return self._safe_url
 
     @property
     def engine(self) -> Engine:
@@ -79,6 +82,8 @@ class Database:
         hook = _ON_CONNECT.get(self.dialect)
         if hook is not None:
             sa.event.listen(engine, "connect", hook)
+        # Disposing of the engine closes this process's direct connections too.
+        sa.event.listen(engine, "engine_disposed", lambda _: self.direct.close())
         if self.dialect == "postgresql":
             self.pooler = None
             sa.event.listen(engine, "first_connect", self._find_pooler)
@@ -104,19 +109,24 @@ class Database:
         if self.pooler is not None and hasattr(dbapi_connection, "prepare_threshold"):
             dbapi_connection.prepare_threshold = None  # psycopg 3: never prepare
 
-    def run(self, operation: Callable[[Connection], T], *, single: bool = False) -> T:
+    def run(
+        self, operation: Callable[[Any], T], *, single: bool = False, direct: bool = False
+    ) -> T:
         """Run ``operation`` in one transaction, retrying once on a connection the server had
         closed. ``single``: its outcome rests on one statement, so where the dialect allows it
-        runs in autocommit."""
+        runs in autocommit. ``direct``: ``operation`` only executes statements and reads their
+        rows (``direct.Direct``), so it runs on this process's direct connection, in
+        autocommit if ``single``, else in a transaction."""
+        execute = self.direct.run if direct else self._execute
         with self.wrapped_errors():
             try:
-                return self._execute(operation, single=single)
+                return execute(operation, single=single)
             except sa.exc.DBAPIError as exc:
                 if not exc.connection_invalidated:
                     raise
-            # A pooled connection the server had closed (a restart, an idle timeout): the pool
-            # is now invalidated, so run once more on a fresh connection.
-            return self._execute(operation, single=single)
+            # A connection the server had closed (a restart, an idle timeout): it is gone,
+            # so run once more on a fresh connection.
+            return execute(operation, single=single)
 
     def _execute(self, operation: Callable[[Connection], T], *, single: bool) -> T:
         if single and self.dialect in AUTOCOMMIT:
@@ -146,7 +156,7 @@ class Session:
 
     def __init__(self, db: Database) -> None:
         self.db = db
-        self._connection: Connection | None = None
+        self._direct: Direct | None = None
         self._ident: int | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -176,9 +186,10 @@ class Session:
                 )
             return None
 
-    def run(self, operation: Callable[[Connection], T]) -> T:
-        """Run ``operation`` on the session's connection in autocommit (a transaction on
-        SQLite), reconnecting once if the server had closed it."""
+    def run(self, operation: Callable[[Any], T]) -> T:
+        """Run ``operation`` on the session's connection (``direct.Direct``): in autocommit
+        where one statement tells its outcome (PostgreSQL, SQLite), else in a transaction;
+        reconnecting once if the server had closed it."""
         with self._lock, self.db.wrapped_errors():
             try:
                 return self._execute(operation)
@@ -188,35 +199,39 @@ class Session:
                 self._close()
             return self._execute(operation)
 
-    def _execute(self, operation: Callable[[Connection], T]) -> T:
-        connection = self._open()
-        if self.db.dialect in AUTOCOMMIT and self.db.dialect != "sqlite":
-            return operation(connection)
-        with connection.begin():
-            return operation(connection)
+    def _execute(self, operation: Callable[[Any], T]) -> T:
+        direct = self._open()
+        if self.db.returning:
+            return operation(direct)
+        direct.begin()
+        try:
+            result = operation(direct)
+            direct.commit()
+            return result
+        except BaseException:
+            direct.rollback()
+            raise
 
-    def _open(self) -> Connection:
-        if self._connection is not None and self._pid == os.getpid():
-            return self._connection
+    def _open(self) -> Direct:
+        if self._direct is not None and self._pid == os.getpid():
+            return self._direct
         self._pid = os.getpid()
-        connection = self.db.engine.connect()
+        direct = self.db.direct.open()
         try:
             if self.db.dialect in ("mysql", "mariadb"):
-                self._ident = connection.exec_driver_sql(
+                self._ident = direct.query(
                     "SELECT CONNECTION_ID(), GET_LOCK(CONCAT(%s, CONNECTION_ID()), 0)",
                     (SESSION_LOCK_PREFIX,),
-                ).scalar_one()
-                connection.commit()
+                )[0][0]
             elif self.db.dialect == "postgresql":
-                connection = connection.execution_options(isolation_level="AUTOCOMMIT")
-                self._ident = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+                self._ident = direct.query("SELECT pg_backend_pid()")[0][0]
             else:
                 self._ident = os.getpid()
         except BaseException:
-            connection.invalidate()
+            direct.close()
             raise
-        self._connection = connection
-        return connection
+        self._direct = direct
+        return direct
 
     def close(self) -> None:
         """Give the connection up (the session, and the lock, end with it)."""
@@ -224,10 +239,9 @@ class Session:
             self._close()
 
     def _close(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            with contextlib.suppress(Exception):  # already broken
-                connection.invalidate()  # never back to the pool: its lock must go too
+        direct, self._direct = self._direct, None
+        if direct is not None:
+            direct.close()  # never back to a pool: its lock must go too
 
 
 def local_process_gone(owner: str | None, pid: int | None) -> bool:

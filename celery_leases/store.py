@@ -76,8 +76,16 @@ class Store:
             self.ensure_schema()
         return self.db.run(operation, single=single)
 
+    def _hot(self, operation: Any, *, reads_back: bool = False) -> Any:
+        """Run an operation of the hot path on this process's direct connection: one
+        statement, in autocommit; with ``reads_back``, one that reads its row back where
+        the dialect has no RETURNING (MariaDB), in a transaction."""
+        if not self._schema_ready:
+            self.ensure_schema()
+        return self.db.run(operation, single=self.db.returning or not reads_back, direct=True)
+
     def _count(self, stmt: Any, params: dict[str, Any] | None = None) -> int:
-        return int(self._run(lambda c: c.execute(stmt, params or {}).rowcount, single=True))
+        return int(self._hot(lambda c: c.execute(stmt, params or {}).rowcount))
 
     def _insert(self, c: Connection, stmt: Any, params: dict[str, Any]) -> bool:
         """Run an insert-unless-exists; True when it inserted. :class:`_KeyTaken` when another
@@ -129,7 +137,7 @@ class Store:
                 return False  # missing, or from an older schema: create or upgrade it
             return True
 
-        if self.db.run(is_current, single=True):
+        if self.db.run(is_current, single=True, direct=True):
             self._schema_ready = True
             return
         try:
@@ -169,7 +177,7 @@ class Store:
         }
         for _ in range(3):
             try:
-                if self._run(lambda c: self._insert(c, self.sql.register, params), single=True):
+                if self._hot(lambda c: self._insert(c, self.sql.register, params)):
                     return Registered("new", job_id)
                 facts = self._facts(job_id)
                 if facts is None:
@@ -177,7 +185,7 @@ class Store:
                 if not takes_over(message, facts, published=fresh):
                     return Registered(facts.state, job_id)
                 seen = params | {"b_seen_token": facts.token, "b_seen_state": facts.state}
-                if self._run(lambda c, p=seen: self._take_over(c, p), single=True):
+                if self._hot(lambda c, p=seen: self._take_over(c, p)):
                     return Registered("taken over", job_id)
             except _KeyTaken:
                 serving = self.coalesce(message, text)
@@ -209,13 +217,13 @@ class Store:
             live_id, attempts, followup_id = row
             return str(live_id if attempts == 0 else followup_id)
 
-        return self._run(run, single=True)  # type: ignore[no-any-return]
+        return self._hot(run, reads_back=True)  # type: ignore[no-any-return]
 
     def start_followup(self, job_id: str) -> Message | None:
         """Record the follow-up run of an ended keyed job, if a trigger waits for it: the
         message to publish, or None (none waits, it was coalesced into a live job of the key,
         or another caller recorded it). Idempotent: the follow-up's id is the trigger's."""
-        found = self._run(lambda c: c.execute(self.sql.followup_of, {"b_id": job_id}).first())
+        found = self._hot(lambda c: c.execute(self.sql.followup_of, {"b_id": job_id}).first())
         if found is None:
             return None
         text, followup_id = found
@@ -244,7 +252,7 @@ class Store:
 
     def cursor(self, key: str) -> Any:
         """The cursor saved for lease key ``key`` (JSON), None if none was."""
-        text = self._run(lambda c: c.execute(self.sql.cursor_of, {"b_key": key}).scalar())
+        text = self._hot(lambda c: c.execute(self.sql.cursor_of, {"b_key": key}).scalar())
         return rows.loads(text, key, "cursor_state")
 
     def save_cursor(
@@ -267,7 +275,7 @@ class Store:
             return bool(c.execute(self.sql.save_cursor, params).rowcount)
 
         if connection is None:
-            return self._run(run, single=True)  # type: ignore[no-any-return]
+            return self._hot(run)  # type: ignore[no-any-return]
         with self.db.wrapped_errors("cursor not saved"):
             return run(connection)
 
@@ -325,7 +333,7 @@ class Store:
             checkpoint = rows.loads(row[2], params["b_id"], "checkpoint")
             return Claimed(row[0], row[1], checkpoint, row[3], created=False)
 
-        return self._run(run, single=True)  # type: ignore[no-any-return]
+        return self._hot(run, reads_back=True)  # type: ignore[no-any-return]
 
     def _claim_other(
         self, delivery: Message, params: dict[str, Any], *, fresh: bool
@@ -346,9 +354,7 @@ class Store:
         facts = self._facts(params["b_id"])
         if facts is None:
             created = params | _job_params(delivery, delivery.dumps())
-            inserted = self._run(
-                lambda c: self._insert(c, self.sql.create_claimed, created), single=True
-            )
+            inserted = self._hot(lambda c: self._insert(c, self.sql.create_claimed, created))
             return Claimed(1, 1, None, None, created=True) if inserted else None
         if facts.state == RUNNING and (facts.expires_in or 0.0) > 0:
             return Refused("held", facts.owner, facts.expires_in)
@@ -363,7 +369,7 @@ class Store:
                     return None if row is None else int(row[0])
                 return facts.token + 1 if result.rowcount == 1 else None
 
-            token = self._run(take, single=True)
+            token = self._hot(take)
             return None if token is None else Claimed(token, 1, None, None, created=True)
         if facts.state not in LIVE_STATES:
             return Refused(facts.state, facts.owner, facts.expires_in)
@@ -372,7 +378,7 @@ class Store:
         return Refused("stale", facts.owner, facts.expires_in)
 
     def _facts(self, job_id: str) -> Facts | None:
-        row = self._run(lambda c: c.execute(self.sql.facts, {"b_id": job_id}).first())
+        row = self._hot(lambda c: c.execute(self.sql.facts, {"b_id": job_id}).first())
         return None if row is None else Facts(*row)
 
     def renew(
@@ -384,6 +390,7 @@ class Store:
             return Renewal(frozenset(), {})
         params = {
             "b_ids": [i for i, _ in leases],
+            "b_tokens": [k for _, k in leases],
             "b_leases": [(i, k) for i, k in leases],
             "b_pid": os.getpid(),
         }
@@ -404,7 +411,7 @@ class Store:
 
         if session is not None:
             return session.run(run)
-        return self._run(run, single=True)  # type: ignore[no-any-return]
+        return self._hot(run, reads_back=True)  # type: ignore[no-any-return]
 
     def checkpoint(
         self,
@@ -444,7 +451,7 @@ class Store:
             return (c.execute(stmt, params).rowcount == 1, None)
 
         if connection is None:
-            return self._run(run, single=True)  # type: ignore[no-any-return]
+            return self._hot(run)  # type: ignore[no-any-return]
         with self.db.wrapped_errors("checkpoint failed"):
             self._guard_idle_writes(connection, idle_limit)
             return run(connection)
@@ -504,7 +511,7 @@ class Store:
                 return None
             return str(c.execute(self.sql.state_of, params).scalar_one())
 
-        return self._run(run, single=True)  # type: ignore[no-any-return]
+        return self._hot(run, reads_back=True)  # type: ignore[no-any-return]
 
     def hand_back_owned(
         self, job_id: str, owner: str, *, reap_in: float
@@ -529,7 +536,7 @@ class Store:
                 row = None
             return (None, None) if row is None else (str(row[0]), row[1])
 
-        return self._run(run, single=True)  # type: ignore[no-any-return]
+        return self._hot(run, reads_back=True)  # type: ignore[no-any-return]
 
     def hand_back_retry(
         self, job_id: str, token: int, message: Message, *, reap_in: float
@@ -619,9 +626,8 @@ class Store:
             "b_queued_timeout": queued_timeout,
         }
         try:
-            requeued = self._run(
-                lambda c: self._keyed(c, lambda: c.execute(self.sql.requeue, params).rowcount),
-                single=True,
+            requeued = self._hot(
+                lambda c: self._keyed(c, lambda: c.execute(self.sql.requeue, params).rowcount)
             )
         except _KeyTaken:
             raise InvalidJobState(
@@ -657,7 +663,7 @@ class Store:
 
     def now(self) -> float:
         """The database clock, in epoch seconds."""
-        return float(self._run(lambda c: c.execute(self.sql.now).scalar_one()))
+        return float(self._hot(lambda c: c.execute(self.sql.now).scalar_one()))
 
     # -- the reaper ------------------------------------------------------------------------
 

@@ -135,7 +135,7 @@ def test_an_error_that_is_not_a_disconnect_keeps_the_session(store: Store) -> No
     session = store.db.session()
     before = session.ident()
     with pytest.raises(LeaseError):
-        session.run(lambda c: c.exec_driver_sql("SELECT no_such_column FROM no_such_table"))
+        session.run(lambda c: c.query("SELECT no_such_column FROM no_such_table"))
     assert session.ident() == before
     if store.dialect != "sqlite":
         assert not _session_gone(store, before)  # the session, and its lock, are still there
@@ -178,10 +178,10 @@ def _session_gone(store: Store, ident: int) -> bool:
     other = store.db.session()
     try:
         if store.dialect == "postgresql":
-            sql = "SELECT count(*) FROM pg_stat_activity WHERE pid = %(p)s"
-            return other.run(lambda c: c.exec_driver_sql(sql, {"p": ident}).scalar_one()) == 0
+            sql = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+            return other.run(lambda c: c.query(sql, (ident,))[0][0]) == 0
         sql = "SELECT IS_USED_LOCK(CONCAT('celery_leases:', %s))"
-        return other.run(lambda c: c.exec_driver_sql(sql, (ident,)).scalar_one()) is None
+        return other.run(lambda c: c.query(sql, (ident,))[0][0]) is None
     finally:
         other.close()
 

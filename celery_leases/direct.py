@@ -1,0 +1,289 @@
+"""The hot path: the store's one-statement operations run straight on a DBAPI connection.
+
+A call through SQLAlchemy's ``Connection.execute`` costs this process ~0.15-0.3 ms of Python
+(pool checkout and reset, the execution context, the result object), about what the database
+spends on a checkpoint (docs/benchmarks.md). Here each statement is compiled once to the
+driver's SQL, its parameters are put in order with no other work, and it runs on a DBAPI
+connection of this process's own, kept in autocommit outside the pool. Driver errors are raised
+as SQLAlchemy's (``DBAPIError.instance``), so callers handle them as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+T = TypeVar("T")
+
+#: Compiled statements kept per connection kind; a store has a few dozen.
+MAX_COMPILED = 512
+#: Execution option of a statement the driver must never prepare (False).
+NOT_PREPARED = "leases_prepare"
+
+
+class Compiled:
+    """A statement in the driver's SQL, and how to order its parameters."""
+
+    __slots__ = (
+        "compiled", "defaults", "execute_options", "expanding", "names", "positional",
+        "processors", "sql",
+    )  # fmt: skip
+
+    def __init__(self, statement: Any, dialect: Any) -> None:
+        compiled = statement.compile(dialect=dialect)
+        self.compiled = compiled
+        self.sql: str = compiled.string
+        self.positional = bool(compiled.positional)
+        self.processors: dict[str, Callable[[Any], Any]] = dict(compiled._bind_processors)
+        required = {name for name, bind in compiled.binds.items() if bind.required}
+        # Values the statement carries itself (literals SQLAlchemy binds: '' in coalesce, ...).
+        given = compiled.construct_params({}, _check=False)
+        names = compiled.positiontup if self.positional else list(compiled.bind_names.values())
+        expanding = compiled.post_compile_params or compiled.literal_execute_params
+        self.expanding = any(bind.required for bind in expanding)
+        if expanding and not self.expanding:
+            # Lists the statement gives itself (``state IN ('running', 'done')``): expanded
+            # once here, not at every call.
+            state = compiled._process_parameters_for_postcompile(given)
+            self.sql, given = state.statement, dict(state.parameters)
+            self.processors.update(state.processors)
+            names = state.positiontup if self.positional else list(given)
+        self.defaults = {name: value for name, value in given.items() if name not in required}
+        self.names: Sequence[str] = tuple(names or ())
+        # psycopg prepares a statement run often on a connection; PostgreSQL then plans it
+        # once for any values, which a statement over arrays of any length must not get
+        # (``statements.NOT_PREPARED``).
+        self.execute_options: dict[str, Any] = {}
+        prepared = statement.get_execution_options().get(NOT_PREPARED, True)
+        if not prepared and dialect.driver == "psycopg":
+            self.execute_options = {"prepare": False}
+
+    def parameters(self, params: dict[str, Any]) -> tuple[str, Any]:
+        """(SQL, parameters) to send for ``params`` (the statement's ``b_*`` values)."""
+        merged = {**self.defaults, **params} if self.defaults else params
+        if self.expanding:
+            state = self.compiled._process_parameters_for_postcompile(
+                self.compiled.construct_params(merged, _check=False)
+            )
+            processors = {**self.processors, **state.processors}
+            expanded = state.parameters
+            if self.positional:
+                return state.statement, tuple(
+                    _processed(processors, key, expanded[key]) for key in state.positiontup
+                )
+            return state.statement, {
+                key: _processed(processors, key, value) for key, value in expanded.items()
+            }
+        processors = self.processors
+        if self.positional:
+            if processors:
+                return self.sql, tuple(_processed(processors, k, merged[k]) for k in self.names)
+            return self.sql, tuple(merged[k] for k in self.names)
+        if processors:
+            return self.sql, {k: _processed(processors, k, merged[k]) for k in self.names}
+        return self.sql, {k: merged[k] for k in self.names}
+
+
+def _processed(processors: dict[str, Callable[[Any], Any]], key: str, value: Any) -> Any:
+    processor = processors.get(key)
+    return value if processor is None else processor(value)
+
+
+class Result:
+    """What a statement gave back: its rows (read at once) and its row count."""
+
+    __slots__ = ("rowcount", "rows")
+
+    def __init__(self, rows: list[tuple[Any, ...]], rowcount: int) -> None:
+        self.rows = rows
+        self.rowcount = rowcount
+
+    def first(self) -> tuple[Any, ...] | None:
+        return self.rows[0] if self.rows else None
+
+    def all(self) -> list[tuple[Any, ...]]:
+        return self.rows
+
+    def scalar(self) -> Any:
+        return self.rows[0][0] if self.rows else None
+
+    def scalar_one(self) -> Any:
+        if len(self.rows) != 1:
+            raise sa.exc.NoResultFound(f"expected one row, got {len(self.rows)}")
+        return self.rows[0][0]
+
+
+class Direct:
+    """One DBAPI connection of this process, in autocommit, and the statements run on it.
+
+    Used by one thread at a time (``Connections`` lends it out). ``execute`` has the shape of
+    SQLAlchemy's ``Connection.execute`` for what the store's hot operations use of it."""
+
+    def __init__(self, engine: Engine, compiled: dict[Any, Compiled]) -> None:
+        self.dialect = engine.dialect
+        self._compiled = compiled
+        fairy = engine.raw_connection()  # the engine's connect hooks run (time zone, pragmas)
+        self.connection: Any = fairy.driver_connection
+        self._dbapi_connection: Any = fairy.dbapi_connection
+        fairy.detach()  # its own now: never reset or handed out by the pool
+        self._fairy = fairy
+        self.pid = os.getpid()
+        self.in_transaction = False
+        self.broken = False
+        self._autocommit(True)
+
+    def execute(self, statement: Any, params: dict[str, Any] | None = None) -> Result:
+        compiled = self._compiled.get(statement)
+        if compiled is None:
+            if len(self._compiled) > MAX_COMPILED:
+                self._compiled.clear()
+            compiled = self._compiled[statement] = Compiled(statement, self.dialect)
+        sql, parameters = compiled.parameters(params or {})
+        cursor = self._dbapi_connection.cursor()
+        try:
+            cursor.execute(sql, parameters, **compiled.execute_options)
+            rows = cursor.fetchall() if cursor.description is not None else []
+            return Result([tuple(r) for r in rows], cursor.rowcount)
+        except self.dialect.loaded_dbapi.Error as exc:
+            raise self._wrapped(exc, sql, parameters, cursor) from exc
+        finally:
+            cursor.close()
+
+    def query(self, sql: str, parameters: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Rows of ``sql`` (the driver's SQL and parameters), for statements of no table."""
+        cursor = self._dbapi_connection.cursor()
+        try:
+            cursor.execute(sql, parameters)
+            return [tuple(r) for r in cursor.fetchall()] if cursor.description else []
+        except self.dialect.loaded_dbapi.Error as exc:
+            raise self._wrapped(exc, sql, parameters, cursor) from exc
+        finally:
+            cursor.close()
+
+    def begin(self) -> None:
+        """Open a transaction (for an operation of more than one statement)."""
+        self._send("BEGIN")
+        self.in_transaction = True
+
+    def commit(self) -> None:
+        self.in_transaction = False
+        self._send("COMMIT")
+
+    def rollback(self) -> None:
+        self.in_transaction = False
+        if not self.broken:
+            try:
+                self._send("ROLLBACK")
+            except sa.exc.DBAPIError:
+                self.broken = True
+
+    def close(self) -> None:
+        """Close the connection, unless it is a forked parent's (its socket is the parent's)."""
+        if self.pid == os.getpid():
+            with contextlib.suppress(self.dialect.loaded_dbapi.Error):
+                self._dbapi_connection.close()
+
+    def _send(self, sql: str) -> None:
+        cursor = self._dbapi_connection.cursor()
+        try:
+            cursor.execute(sql)
+        except self.dialect.loaded_dbapi.Error as exc:
+            raise self._wrapped(exc, sql, (), cursor) from exc
+        finally:
+            cursor.close()
+
+    def _autocommit(self, on: bool) -> None:
+        connection, name = self.connection, self.dialect.name
+        if name == "postgresql":
+            connection.autocommit = on
+        elif name == "sqlite":
+            connection.isolation_level = None if on else ""
+        else:
+            connection.autocommit(on)
+
+    def _wrapped(self, exc: Any, sql: str, parameters: Any, cursor: Any) -> Any:
+        """``exc`` as SQLAlchemy's error (a ``DBAPIError``), noting a lost connection."""
+        lost = self.dialect.is_disconnect(exc, self._dbapi_connection, cursor)
+        self.broken = self.broken or lost
+        return sa.exc.DBAPIError.instance(
+            sql,
+            parameters,
+            exc,
+            self.dialect.loaded_dbapi.Error,
+            hide_parameters=True,
+            connection_invalidated=lost,
+            dialect=self.dialect,
+        )
+
+
+class Connections:
+    """This process's direct connections, lent to one operation at a time: one per thread
+    that is running an operation, kept for the next (a prefork pool process keeps one)."""
+
+    def __init__(self, engine: Callable[[], Engine], *, keep: int = 5) -> None:
+        self._engine = engine
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._idle: list[Direct] = []
+        self._compiled: dict[Any, Compiled] = {}
+        self._pid = os.getpid()
+
+    def run(self, operation: Callable[[Direct], T], *, single: bool) -> T:
+        """Run ``operation`` on a direct connection: in autocommit if it is ``single`` (one
+        statement), else in a transaction committed at its end."""
+        direct = self._take()
+        try:
+            if single:
+                return operation(direct)
+            direct.begin()
+            result = operation(direct)
+            direct.commit()
+            return result
+        except BaseException:
+            if direct.in_transaction:
+                direct.rollback()
+            raise
+        finally:
+            self._give_back(direct)
+
+    def open(self) -> Direct:
+        """A direct connection of the caller's own, not lent by this pool (a keeper's
+        session): the caller closes it."""
+        engine = self._engine()
+        dbapi = engine.dialect.loaded_dbapi
+        try:
+            return Direct(engine, self._compiled)
+        except dbapi.Error as exc:  # cannot connect: the same error SQLAlchemy would raise
+            raise sa.exc.DBAPIError.instance(
+                None, None, exc, dbapi.Error, hide_parameters=True, dialect=engine.dialect
+            ) from exc
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for direct in idle:
+            direct.close()
+
+    def _take(self) -> Direct:
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's connections are its own
+                self._idle, self._pid = [], os.getpid()
+            if self._idle:
+                return self._idle.pop()
+        return self.open()
+
+    def _give_back(self, direct: Direct) -> None:
+        if direct.broken or direct.pid != os.getpid():
+            direct.close()
+            return
+        with self._lock:
+            if len(self._idle) < self._keep:
+                self._idle.append(direct)
+                return
+        direct.close()
