@@ -18,6 +18,7 @@ from kombu.utils import json as kombu_json
 
 from .config import Settings, settings_for
 from .errors import InvalidJobState, JobNotFound, LeaseError, StoreUnavailable
+from .migrations import upgrade
 from .notice import announce_pending
 from .reaper import reap as reap_pass
 from .rows import Job
@@ -390,10 +391,24 @@ def _jobs_text(ids: Sequence[str]) -> str:
 
 @leases.command("init-db")
 def init_db() -> None:
-    """Create the jobs table if missing, and say where it is."""
-    store = _store()
-    store.ensure_schema()
-    click.echo(f"leases table {store.table.name} is ready in {store.safe_url}")
+    """Create the jobs table and its migration history, and say where (a table that exists
+    is brought up to date)."""
+    click.echo(upgrade(_store()).describe())
+
+
+@leases.command("upgrade")
+@click.option(
+    "--to",
+    "revision",
+    default="head",
+    show_default=True,
+    metavar="REVISION",
+    help="Stop at this revision.",
+)
+def upgrade_db(revision: str) -> None:
+    """Apply the schema migrations the jobs table lacks (a table made by an older
+    celery-leases is brought under them, its jobs kept)."""
+    click.echo(upgrade(_store(), revision=revision).describe())
 
 
 @leases.command()

@@ -162,6 +162,12 @@ class Settings:
     preempt_on_shutdown: bool = setting(
         True, flag, "on warm shutdown, running jobs hand back at their next checkpoint"
     )
+    migrate_on_start: bool = setting(
+        False,
+        flag,
+        "a starting worker creates or upgrades the table (one host, development); off: "
+        "run `celery -A proj leases upgrade` when you deploy",
+    )
 
     def with_task_options(self, task: Any) -> Settings:
         """These settings with the task's own ``lease_*`` options applied and re-validated."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import threading
@@ -20,10 +21,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from . import rows
+from . import migrations, rows
 from .config import Settings, settings_for
 from .database import Database, Session, local_process_gone
 from .errors import (
+    ConfigurationError,
     CorruptJob,
     InvalidJobState,
     JobNotFound,
@@ -37,10 +39,11 @@ from .schema import (
     FAILED,
     LIVE_STATES,
     RUNNING,
-    create_or_upgrade,
     jobs_table,
 )
 from .statements import Statements
+
+logger = logging.getLogger("celery_leases")
 
 #: Key in a caller's connection's ``info``: the idle-write bound this store set on it.
 IDLE_WRITE_GUARD = "celery_leases_idle_write_timeout"
@@ -70,7 +73,7 @@ class Store:
 
     def _run(self, operation: Any, *, single: bool = False) -> Any:
         if not self._schema_ready:
-            self.ensure_schema()
+            self.check_schema()
         return self.db.run(operation, single=single)
 
     def _count(self, stmt: Any, params: dict[str, Any] | None = None) -> int:
@@ -88,37 +91,57 @@ class Store:
             raise
         return True
 
-    def ensure_schema(self) -> None:
-        """Create the jobs table if missing; add the columns a newer schema only adds to a
-        table from an older one; refuse a table that lacks any other column."""
+    def check_schema(self) -> None:
+        """Check, in one round trip (a read of ``<table>_version``), that the table exists and
+        is at the revision this code needs. Creates nothing: a missing or older table raises
+        :class:`ConfigurationError` naming the command that migrates it."""
 
-        def create(connection: Connection) -> None:
-            create_or_upgrade(connection, self.table, where=self.safe_url)
-
-        # The usual case, a table of this schema, in one round trip: a process's first
-        # operation (a worker's first claim after a crash) does not wait for reflection.
-        current = sa.select(*self.table.columns).where(sa.false())
-
-        def is_current(connection: Connection) -> bool:
+        def read(connection: Connection) -> list[str] | None:
             try:
-                connection.execute(current).all()
+                return list(connection.execute(self.sql.schema_revision).scalars().all())
             except sa.exc.DBAPIError as exc:
                 if exc.connection_invalidated:
                     raise  # the server went away: not a question of schema
-                return False  # missing, or from an older schema: create or upgrade it
-            return True
+                return None  # no version table
 
-        if self.db.run(is_current, single=True):
+        found = self.db.run(read, single=True)
+        head = migrations.head()
+        if found and found[0] == head:
             self._schema_ready = True
             return
-        try:
-            self.db.run(create)
-        except LeaseError as exc:
-            if not isinstance(exc.__cause__, sa.exc.DBAPIError):
-                raise
-            # Another process created or upgraded the table at the same moment: look again.
-            self.db.run(create)
-        self._schema_ready = True
+        name, where = self.table.name, self.safe_url
+        if found and found[0] not in migrations.revisions():
+            # A newer celery-leases migrated it: revisions only add what older code ignores,
+            # so a rolling deploy's older workers go on.
+            logger.warning(
+                "celery-leases: table %s in %s is at revision %s, newer than this "
+                "celery-leases knows (%s): upgrade celery-leases",
+                name,
+                where,
+                found[0],
+                head,
+            )
+            self._schema_ready = True
+            return
+        if found:
+            raise ConfigurationError(
+                f"leases table {name!r} in {where} is at revision {found[0]}, older than this "
+                f"celery-leases needs ({head}): run {migrations.UPGRADE_COMMAND}"
+            )
+        exists = self.db.run(lambda c: sa.inspect(c).has_table(name))
+        if exists:
+            raise ConfigurationError(
+                f"leases table {name!r} in {where} has no migration history (made by an "
+                f"older celery-leases, or its migration failed): bring it under the "
+                f"migrations, jobs kept, with {migrations.UPGRADE_COMMAND}"
+            )
+        raise ConfigurationError(
+            f"no leases table {name!r} in {where}: create it with {migrations.INIT_COMMAND}"
+        )
+
+    def schema_changed(self) -> None:
+        """The table was migrated: check it again at the next operation."""
+        self._schema_ready = False
 
     # -- writes of the client -------------------------------------------------------------
 

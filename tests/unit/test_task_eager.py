@@ -301,15 +301,47 @@ def test_under_task_always_eager_a_published_job_is_recorded_and_run_under_its_l
 # -- schema -------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def legacy_app(database_url: str, fresh_table_name: str) -> Iterator[Celery]:
+    """An app whose table does not exist yet: the test makes it as an older release did."""
+    app = Celery("eager_legacy", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        result_backend="cache+memory://",
+        leases_database_url=database_url,
+        leases_table=fresh_table_name,
+    )
+    define_tasks(app)
+    yield app
+    store_for(settings_for(app)).engine.dispose()
+    app.close()
+
+
+def make_legacy_table(app: Celery, *, schema: int, job_id: str | None = None) -> None:
+    """The table a celery-leases older than the migrations made at first use (no version
+    table): schema 3, or schema 2 (every column but ``session``), with one queued job."""
+    store = store_for(settings_for(app))
+    table = app.conf.leases_table
+    celery_leases.jobs_table(sa.MetaData(), table).create(store.engine)
+    if job_id is not None:
+        store._schema_ready = True  # an older release used the table as it found it
+        app.tasks["tests.count_to"].apply_async(args=(3,), task_id=job_id)
+        store.schema_changed()
+    if schema == 2:
+        with store.engine.begin() as connection:
+            connection.execute(sa.text(f"ALTER TABLE {table} DROP COLUMN session"))
+
+
 def test_a_table_from_an_older_schema_is_refused_naming_its_missing_columns(
-    app: Celery, table_name: str
+    legacy_app: Celery,
 ) -> None:
-    engine = sa.create_engine(app.conf.leases_database_url)
+    table = legacy_app.conf.leases_table
+    engine = sa.create_engine(legacy_app.conf.leases_database_url)
     try:
         with engine.begin() as connection:
             connection.execute(
                 sa.text(
-                    f"CREATE TABLE {table_name} "
+                    f"CREATE TABLE {table} "
                     "(id VARCHAR(155) PRIMARY KEY, task VARCHAR(255), state VARCHAR(16))"
                 )
             )
@@ -317,37 +349,59 @@ def test_a_table_from_an_older_schema_is_refused_naming_its_missing_columns(
         engine.dispose()
 
     with pytest.raises(ConfigurationError) as raised:
-        get_job(app, "job-1")
+        celery_leases.migrate(legacy_app)
 
     message = str(raised.value)
-    assert f"table {table_name!r}" in message
+    assert f"table {table!r}" in message
     assert "missing columns: generation, version, message, owner, session, token" in message
     assert "checkpoint" in message and "schema_version" in message
     assert ", id," not in message and ", state," not in message
+    # And nothing uses the table until it is dealt with
+    with pytest.raises(ConfigurationError, match="has no migration history"):
+        get_job(legacy_app, "job-1")
 
 
 def test_a_table_from_schema_2_gets_the_session_column_and_keeps_its_jobs(
-    app: Celery, table_name: str
+    legacy_app: Celery,
 ) -> None:
-    # Given a table of schema 2 (every column but ``session``)
-    engine = sa.create_engine(app.conf.leases_database_url)
-    try:
-        with engine.begin() as connection:
-            celery_leases.jobs_table(sa.MetaData(), table_name).create(connection)
-            connection.execute(sa.text(f"ALTER TABLE {table_name} DROP COLUMN session"))
-    finally:
-        engine.dispose()
+    # Given a table of schema 2 (every column but ``session``) holding a queued job
+    table = legacy_app.conf.leases_table
+    make_legacy_table(legacy_app, schema=2, job_id="before-upgrade")
+    with pytest.raises(ConfigurationError, match="celery -A proj leases upgrade"):
+        get_job(legacy_app, "before-upgrade")
 
-    # When celery-leases first uses it
-    assert app.tasks["tests.count_to"].apply(args=(3,), task_id="after-upgrade").get() == 3
+    # When the migrations run
+    migrated = celery_leases.migrate(legacy_app)
 
-    # Then the column was added in place and the job ran on the upgraded table
-    store = store_for(settings_for(app))
+    # Then the column was added in place, the job kept, and jobs run on the upgraded table
+    assert (migrated.existed, migrated.before, migrated.after) == (True, None, "0001")
+    store = store_for(settings_for(legacy_app))
     with store.engine.connect() as connection:
-        names = {c["name"] for c in sa.inspect(connection).get_columns(table_name)}
+        names = {c["name"] for c in sa.inspect(connection).get_columns(table)}
     assert "session" in names
-    job = get_job(app, "after-upgrade")
-    assert (job.state, job.result, job.checkpoint) == ("done", 3, 3)
+    kept = get_job(legacy_app, "before-upgrade")
+    assert kept is not None and (kept.state, kept.args) == ("queued", [3])
+    assert legacy_app.tasks["tests.count_to"].apply(args=(3,), task_id="after-upgrade").get() == 3
+    job = get_job(legacy_app, "after-upgrade")
+    assert job is not None and (job.state, job.result, job.checkpoint) == ("done", 3, 3)
+
+
+def test_a_table_from_schema_3_is_brought_under_the_migrations_unchanged(
+    legacy_app: Celery,
+) -> None:
+    make_legacy_table(legacy_app, schema=3, job_id="kept")
+    store = store_for(settings_for(legacy_app))
+    with store.engine.connect() as connection:
+        before = sa.inspect(connection).get_columns(legacy_app.conf.leases_table)
+
+    migrated = celery_leases.migrate(legacy_app)
+
+    assert "brought under migrations (revision 0001), jobs kept" in migrated.describe()
+    with store.engine.connect() as connection:
+        after = sa.inspect(connection).get_columns(legacy_app.conf.leases_table)
+    assert [c["name"] for c in after] == [c["name"] for c in before]
+    job = get_job(legacy_app, "kept")
+    assert job is not None and job.state == "queued"
 
 
 # -- security -----------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 import sqlalchemy as sa
 
-from celery_leases import LeaseError
+from celery_leases import LeaseError, migrations
 from celery_leases.config import settings_for
 from celery_leases.store import store_for
 from tests.support.apps.chaos_app import (
@@ -289,7 +289,7 @@ class Chaos:
                 + ", ".join(f"{i.split('-')[2]} +{s:.1f}" for i, s in self.expiring.items())
             )
         try:
-            store.ensure_schema()
+            migrations.upgrade(store)
             log.create()
             callbacks.create()
             checkpoint_log = install_checkpoint_log(store.engine, self.table)
