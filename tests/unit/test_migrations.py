@@ -257,3 +257,32 @@ def close(app: Any) -> None:
 
     store_for(settings_for(app)).engine.dispose()
     app.close()
+
+
+@pytest.mark.parametrize("setting", [True, False])
+def test_a_starting_worker_migrates_only_with_leases_migrate_on_start(
+    database_url: str, fresh_table_name: str, setting: bool
+) -> None:
+    from types import SimpleNamespace
+
+    from celery_leases import LeasedTask
+    from celery_leases.worker import migrate_on_start
+
+    app = celery_leases_app(database_url, fresh_table_name)
+    app.conf.leases_migrate_on_start = setting
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.on_start")
+    def job(self: LeasedTask) -> None:
+        pass
+
+    try:
+        # When a worker of the app starts (its worker_init handler, in its main process)
+        migrate_on_start(sender=SimpleNamespace(app=app))
+    finally:
+        close(app)
+
+    store = new_store(database_url, fresh_table_name)
+    try:
+        assert (fresh_table_name in tables(store)) is setting
+    finally:
+        store.engine.dispose()
