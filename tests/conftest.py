@@ -23,8 +23,7 @@ from typing import Any
 
 import pytest
 
-from celery_leases import migrations
-from tests.support.cli import leases_settings, store_of
+from tests.support.cli import leases_settings, migrate_table
 from tests.support.service import (
     delete_rabbitmq_entities,
     drop_tables,
@@ -72,17 +71,8 @@ def fresh_table_name(request: pytest.FixtureRequest, database_url: str) -> Itera
 def table_name(database_url: str, fresh_table_name: str) -> str:
     """The name of this test's jobs table, created by the migrations (as
     ``celery -A proj leases init-db`` would) and dropped at teardown."""
-    migrate(database_url, fresh_table_name)
+    migrate_table(database_url, fresh_table_name)
     return fresh_table_name
-
-
-def migrate(url: str, table: str) -> None:
-    """Create (or upgrade) the jobs table ``table`` in ``url`` with the migrations."""
-    store = store_of({"leases_database_url": url, "leases_table": table})
-    try:
-        migrations.upgrade(store)
-    finally:
-        store.engine.dispose()
 
 
 # -- brokers -------------------------------------------------------------------------------------
@@ -162,7 +152,7 @@ def filesystem_broker(tmp_path: Path) -> dict[str, Any]:
 @pytest.fixture
 def sqlite_settings(tmp_path: Path, filesystem_broker: dict[str, Any]) -> dict[str, Any]:
     url = f"sqlite:///{tmp_path}/leases.sqlite3"
-    migrate(url, "leases_cli")
+    migrate_table(url, "leases_cli")
     return leases_settings(url, "leases_cli", filesystem_broker)
 
 

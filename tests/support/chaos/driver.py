@@ -74,7 +74,7 @@ from tests.support.chaos.check import (
     check_all,
 )
 from tests.support.scenario import freeze, kill_all, start_all, thaw
-from tests.support.service import close_app, sqlite_result_backend
+from tests.support.service import close_app, drop_tables, sqlite_result_backend
 from tests.support.worker import Beat, Spawner, Worker
 
 CHAOS_APP = "tests.support.apps.chaos_app"
@@ -1048,21 +1048,8 @@ def filesystem_broker(root: Path) -> dict[str, Any]:
 
 
 def _drop_tables(url: str, table: str) -> None:
-    if url.startswith("sqlite"):
-        return
-    engine = sa.create_engine(url)
-    try:
-        with engine.begin() as connection:
-            for name in (
-                f"{table}_units",
-                f"{table}_checkpoints",
-                f"{table}_states",
-                f"{table}_callbacks",
-                table,
-            ):
-                sa.Table(name, sa.MetaData()).drop(connection, checkfirst=True)
-    finally:
-        engine.dispose()
+    if not url.startswith("sqlite"):
+        drop_tables(url, table)  # the jobs table, its migrations' objects and the test logs
 
 
 if __name__ == "__main__":
