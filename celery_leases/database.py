@@ -340,15 +340,17 @@ SERVER_CLOSED_CONNECTION = (2006, 2013, 4031)
 
 
 def ended_idle_transaction(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an error it was raised from) is the database ending a transaction
-    that sat idle too long: PostgreSQL's idle-in-transaction timeout, or a MySQL/MariaDB
-    connection the server closed (MariaDB's idle-write timeout looks no different)."""
+    """Whether ``exc`` (or an error it was raised from: SQLAlchemy's, the driver's, Django's)
+    is the database ending a transaction that sat idle too long: PostgreSQL's
+    idle-in-transaction timeout, or a MySQL/MariaDB connection the server closed (MariaDB's
+    idle-write timeout looks no different)."""
     seen: set[int] = set()
     error: BaseException | None = exc
     while error is not None and id(error) not in seen:  # the error and what raised it
         seen.add(id(error))
-        orig = getattr(error, "orig", None)
-        if isinstance(error, sa.exc.DBAPIError) and orig is not None:
+        # SQLAlchemy's error wraps the driver's; another library's (Django's) is raised from it.
+        orig = error.orig if isinstance(error, sa.exc.DBAPIError) else error
+        if orig is not None:
             state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
             if state == IDLE_IN_TRANSACTION_TIMEOUT:
                 return True

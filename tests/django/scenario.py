@@ -215,6 +215,45 @@ def admin() -> dict[str, Any]:
     return seen
 
 
+@scenario
+def idle_in_atomic() -> dict[str, Any]:
+    """PostgreSQL: a block that sits idle past the lease after its checkpoint is ended by the
+    database (the checkpoint's idle-in-transaction bound), and the attempt sees it as such."""
+    import time
+
+    from billing.models import Invoice
+    from billing.tasks import invoice_orders
+    from django.db import connections, transaction
+
+    from celery_leases.database import ended_idle_transaction
+    from celery_leases.lease import Lease, current
+    from tests.support.message import job_message
+
+    job_id = f"idle-{uuid.uuid4().hex}"
+    store = invoice_orders.lease_store
+    sent = job_message(job_id, invoice_orders.name, args=[job_id, 2])
+    store.register(sent)
+    claimed = store.claim(sent, owner="w1/1", duration=30.0)
+    lease = Lease(job_id, claimed.token, claimed.attempt, None, "w1/1", 1.0, 0.3)
+    seen: dict[str, Any] = {}
+    current.stack.append(lease)
+    try:
+        with transaction.atomic():
+            Invoice.objects.create(batch=job_id, number=0, attempt=1, token=lease.token)
+            invoice_orders.checkpoint({"next": 1})
+            time.sleep(2.0)  # idle inside the transaction, past the 1 s lease
+    except Exception as exc:
+        seen["error"] = type(exc).__name__
+        seen["ended idle"] = ended_idle_transaction(exc)
+    finally:
+        current.stack.remove(lease)
+        connections["default"].close()
+    seen["idle bounded"] = lease.idle_bounded
+    seen["invoices"] = Invoice.objects.filter(batch=job_id).count()
+    seen["checkpoint"] = store.get(job_id).checkpoint
+    return seen
+
+
 def main() -> None:
     name, args = sys.argv[1], json.loads(sys.argv[2])
     django.setup()

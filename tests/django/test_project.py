@@ -4,6 +4,7 @@ delay_on_commit, and the admin (Django's test client)."""
 
 from __future__ import annotations
 
+import pytest
 import sqlalchemy as sa
 
 from celery_leases import migrations
@@ -97,3 +98,14 @@ def test_the_admin_lists_filters_and_searches_jobs_and_its_actions_use_the_store
     assert seen["after"]["failed"][0] == "queued"
     assert seen["after"]["done"][0] == "done"
     assert seen["failed job's checkpoint"] == {"next": 4}
+
+
+@pytest.mark.parametrize("shop", ["postgres"], indirect=True)
+def test_a_block_idle_past_the_lease_after_its_checkpoint_is_ended_and_seen_as_such(
+    shop: Shop,
+) -> None:
+    seen = shop.run("idle_in_atomic")
+
+    assert seen["idle bounded"] is True
+    assert seen["ended idle"] is True, seen
+    assert (seen["invoices"], seen["checkpoint"]) == (0, None)
