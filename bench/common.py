@@ -137,13 +137,26 @@ def _cell(value: Any) -> str:
 
 
 @contextlib.contextmanager
-def scratch(url: str, tag: str) -> Iterator[str]:
-    """A table name of this run's own in ``url``; on exit that table and any ``<name>_*``
-    table (a unit log) are dropped."""
+def scratch(url: str, tag: str, *, leases: bool = True) -> Iterator[str]:
+    """A table name of this run's own in ``url``; with ``leases`` the migrations make it a
+    jobs table. On exit that table (and its migrations) and any ``<name>_*`` table (a unit
+    log) are dropped."""
+    from celery_leases import migrations
+    from celery_leases.config import DEFAULTS, validate
+    from celery_leases.store import Store
+
     name = f"bench_{tag}_{uuid.uuid4().hex[:6]}"
+    store = Store(validate(DEFAULTS | {"database_url": url, "table": name}))
     try:
+        if leases:
+            migrations.upgrade(store)
         yield name
     finally:
+        try:
+            if leases:
+                migrations.downgrade(store)
+        finally:
+            store.engine.dispose()
         engine = sa.create_engine(url)
         try:
             with engine.begin() as connection:

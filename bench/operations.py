@@ -32,6 +32,7 @@ from bench.common import (
     scratch,
     steady,
 )
+from celery_leases import migrations
 from celery_leases.config import DEFAULTS, validate
 from celery_leases.store import Store
 from tests.support.message import job_message
@@ -47,7 +48,7 @@ OWNER, TASK = "bench@host/1", "bench.noop"
 def open_store(url: str, table: str, **settings: Any) -> Store:
     """A Store of its own for ``table`` in ``url``, schema created; ``settings`` override."""
     store = Store(validate(DEFAULTS | {"database_url": url, "table": table} | settings))
-    store.ensure_schema()
+    migrations.upgrade(store)
     return store
 
 

@@ -20,6 +20,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .lease import Lease
+from .migrations import Migrated, migrate
 from .reaper import ReapReport, reap, reap_task, schedule_reaper
 from .rows import Job
 from .schema import jobs_table, metadata
@@ -46,6 +47,8 @@ __all__ = [  # noqa: RUF022  (grouped by what a user does with each name)
     # Configuration and schema
     "DEFAULTS",
     "Settings",
+    "migrate",
+    "Migrated",
     "jobs_table",
     "metadata",
     # Errors

@@ -16,12 +16,13 @@ from typing import Any, NoReturn
 import click
 from kombu.utils import json as kombu_json
 
+from . import control
 from .config import Settings, settings_for
-from .errors import InvalidJobState, JobNotFound, LeaseError, StoreUnavailable
-from .notice import announce_pending
+from .errors import JobNotFound, LeaseError, StoreUnavailable
+from .migrations import upgrade
 from .reaper import reap as reap_pass
 from .rows import Job
-from .schema import CANCELLED, FAILED, FINISHED_STATES, MAX_ID_LENGTH, QUEUED, RUNNING, STATES
+from .schema import CANCELLED, FAILED, MAX_ID_LENGTH, RUNNING, STATES
 from .store import Store, store_for
 from .view import (
     JOB_COLUMNS,
@@ -287,24 +288,7 @@ def _compact(value: Any) -> str:
 def retry(job_id: str) -> None:
     """Re-publish a failed or cancelled job from its checkpoint."""
     store = _store()
-    job = store.requeue(
-        find_job(store, job_id).id, queued_timeout=settings_for(_app()).queued_timeout
-    )
-    try:
-        job.message.send(_app())
-    except Exception as exc:
-        store.cancel_queued(job.id)
-        raise LeaseError(
-            f"job {job.id} could not be published ({exc}); it is left cancelled, retry it again"
-        ) from exc
-    start = (
-        "from its checkpoint"
-        if job.checkpoint is not None
-        else "from the start (it has no checkpoint)"
-    )
-    click.echo(
-        f"job {job.id} ({job.task}) queued again: attempt {job.attempts + 1} resumes {start}"
-    )
+    click.echo(control.retry(_app(), store, find_job(store, job_id).id))
 
 
 @leases.command()
@@ -312,27 +296,7 @@ def retry(job_id: str) -> None:
 def cancel(job_id: str) -> None:
     """Cancel a job (a running one stops at its next checkpoint)."""
     store = _store()
-    job = find_job(store, job_id)
-    for _ in range(3):  # the job may change state between the read and the write
-        if job.state == QUEUED and store.cancel_queued(job.id):
-            announce_pending(_app(), store, batch=_settings().reap_batch)
-            click.echo(
-                f"job {job.id} ({job.task}) cancelled: its message is dropped when a worker "
-                f"receives it"
-            )
-            return
-        if job.state == RUNNING and store.request_stop([job.id], "cancel"):
-            click.echo(
-                f"job {job.id} ({job.task}) running on {job.owner}: it stops at its next "
-                f"checkpoint and ends cancelled"
-            )
-            return
-        if job.state in FINISHED_STATES:
-            break
-        job = find_job(store, job.id)
-    raise InvalidJobState(
-        f"job {job.id} is {job.state}; only queued or running jobs can be cancelled"
-    )
+    click.echo(control.cancel(_app(), store, find_job(store, job_id).id))
 
 
 @leases.command()
@@ -343,15 +307,7 @@ def release(job_id: str) -> None:
     The next reaper pass (or ``leases reap``) re-publishes the job to resume elsewhere.
     """
     store = _store()
-    job = find_job(store, job_id)
-    if not store.release(job.id):
-        job = find_job(store, job.id)
-        raise InvalidJobState(f"job {job.id} is {job.state}; only a running job holds a lease")
-    click.echo(
-        f"job {job.id} ({job.task}): lease of {job.owner} expired; the next reaper pass "
-        f"re-publishes it ('leases reap' does it now). If {job.owner} is alive after all, its "
-        f"next renewal takes the lease back."
-    )
+    click.echo(control.release(store, find_job(store, job_id).id))
 
 
 @leases.command()
@@ -392,10 +348,24 @@ def _jobs_text(ids: Sequence[str]) -> str:
 
 @leases.command("init-db")
 def init_db() -> None:
-    """Create the jobs table if missing, and say where it is."""
-    store = _store()
-    store.ensure_schema()
-    click.echo(f"leases table {store.table.name} is ready in {store.safe_url}")
+    """Create the jobs table and its migration history, and say where (a table that exists
+    is brought up to date)."""
+    click.echo(upgrade(_store()).describe())
+
+
+@leases.command("upgrade")
+@click.option(
+    "--to",
+    "revision",
+    default="head",
+    show_default=True,
+    metavar="REVISION",
+    help="Stop at this revision.",
+)
+def upgrade_db(revision: str) -> None:
+    """Apply the schema migrations the jobs table lacks (a table made by an older
+    celery-leases is brought under them, its jobs kept)."""
+    click.echo(upgrade(_store(), revision=revision).describe())
 
 
 @leases.command()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -162,6 +163,12 @@ class Settings:
     preempt_on_shutdown: bool = setting(
         True, flag, "on warm shutdown, running jobs hand back at their next checkpoint"
     )
+    migrate_on_start: bool = setting(
+        False,
+        flag,
+        "a starting worker creates or upgrades the table (one host, development); off: "
+        "run `celery -A proj leases upgrade` when you deploy",
+    )
 
     def with_task_options(self, task: Any) -> Settings:
         """These settings with the task's own ``lease_*`` options applied and re-validated."""
@@ -208,11 +215,23 @@ def validate(raw: dict[str, Any], *, where: str = "") -> Settings:
 
 
 def settings_for(app: Any) -> Settings:
-    """The validated ``leases_*`` settings of a Celery app."""
+    """The validated ``leases_*`` settings of a Celery app.
+
+    Without ``leases_database_url``, a Django project with ``celery_leases.contrib.django``
+    installed keeps its leases in its own database (``CELERY_LEASES_DATABASE_ALIAS``)."""
     conf = app.conf
-    return validate(
-        {name: conf.get(f"leases_{name}", default) for name, default in DEFAULTS.items()}
-    )
+    raw = {name: conf.get(f"leases_{name}", default) for name, default in DEFAULTS.items()}
+    if conf.get("leases_database_url") is None:
+        raw["database_url"] = _framework_database_url() or raw["database_url"]
+    return validate(raw)
+
+
+def _framework_database_url() -> str | None:
+    if "django.conf" not in sys.modules:  # not a Django process: nothing to ask
+        return None
+    from .contrib.django.database import default_url
+
+    return default_url()
 
 
 def redact(url: Any) -> str:

@@ -2,7 +2,9 @@
 
 Every time in the table is a float of epoch seconds read from the database clock, so lease
 arithmetic never compares a worker's clock with a stored time and keeps sub-second resolution
-on every backend.
+on every backend. The table is created and changed by the migrations (``migrations/``), never
+at first use; this is the shape the code reads and writes, which the migrations' head must
+match (tests/unit/test_migrations.py compares them).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
 
-from .errors import ConfigurationError
+from .migrations import version_table_name
 
 SCHEMA_VERSION = 4
 
@@ -173,58 +175,15 @@ def keys_table(metadata: sa.MetaData, jobs: str = "celery_leases_jobs") -> sa.Ta
     )
 
 
+def version_table(metadata: sa.MetaData, name: str) -> sa.Table:
+    """The Alembic version table of the jobs table ``name`` (``<name>_version``)."""
+    versions = version_table_name(name)
+    if versions in metadata.tables:
+        return metadata.tables[versions]
+    return sa.Table(versions, metadata, sa.Column("version_num", sa.String(32), primary_key=True))
+
+
 #: Metadata holding the jobs table under its default name, for Alembic ``target_metadata``.
 metadata = sa.MetaData()
 jobs_table(metadata)
 keys_table(metadata)
-
-
-def create_or_upgrade(connection: Any, table: sa.Table, *, where: str) -> None:
-    """Create the jobs ``table`` if missing; add the columns a newer schema only adds
-    (nullable, no default) to a table from an older one; refuse a table that lacks any other
-    column (ConfigurationError naming them; ``where``: the database, for the message)."""
-    table.create(connection, checkfirst=True)
-    keys_table(table.metadata, table.name).create(connection, checkfirst=True)
-    inspector = sa.inspect(connection)
-    present = {c["name"] for c in inspector.get_columns(table.name)}
-    missing = [c for c in table.columns if c.name not in present]
-    if all(c.nullable and c.default is None for c in missing):
-        for column in missing:
-            _add_column(connection, table, column)
-        indexes = {i["name"] for i in inspector.get_indexes(table.name)}
-        for index in table.indexes:
-            if index.name not in indexes:
-                index.create(connection, checkfirst=True)
-        return
-    if missing:
-        raise ConfigurationError(
-            f"table {table.name!r} in {where} was created by another schema (missing "
-            f"columns: {', '.join(c.name for c in missing)}); this celery-leases needs schema "
-            f"version {SCHEMA_VERSION}: migrate it with celery_leases.metadata, or set "
-            f"leases_table to a new name"
-        )
-
-
-def _add_column(connection: Any, table: sa.Table, column: sa.Column[Any]) -> None:
-    """ALTER TABLE ... ADD COLUMN, waiting at most 5 s for the table's lock (a deploy must
-    not queue every renewal behind it); a failure says what to run by hand."""
-    dialect = connection.dialect
-    name = dialect.identifier_preparer.format_table(table)
-    spec = sa.schema.CreateColumn(column).compile(dialect=dialect)
-    alter = f"ALTER TABLE {name} ADD COLUMN {spec}"
-    guarded = f"ALTER TABLE {name} ADD COLUMN IF NOT EXISTS {spec}"  # a concurrent start
-    if dialect.name == "postgresql":
-        connection.exec_driver_sql("SET LOCAL lock_timeout = '5s'")
-        statement = guarded
-    elif getattr(dialect, "is_mariadb", False):
-        statement = f"SET STATEMENT lock_wait_timeout=5 FOR {guarded}"
-    else:
-        statement = alter
-    try:
-        connection.exec_driver_sql(statement)
-    except sa.exc.DBAPIError as exc:
-        raise ConfigurationError(
-            f"table {table.name!r} needs the column {column.name!r} of schema version "
-            f"{SCHEMA_VERSION}, and adding it failed ({str(exc.orig).strip().splitlines()[0]}); "
-            f"add it yourself: {alter}"
-        ) from exc

@@ -27,6 +27,7 @@ from .schema import (
     SCHEMA_VERSION,
     SESSION_LOCK_PREFIX,
     db_now,
+    version_table,
 )
 
 GAVE_UP_NO_PROGRESS = (
@@ -155,6 +156,8 @@ class Statements:
         self.returning = dialect not in ("mysql", "mariadb")
         now = db_now()
         self.now = sa.select(now)
+        # The table's migration revision, read once by a process's first operation.
+        self.schema_revision = sa.select(version_table(t.metadata, t.name).c.version_num)
         seconds: Any = param("duration", sa.Double())
 
         # -- a job's row: written by the client, claimed, kept and ended by a worker ----------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import threading
@@ -21,10 +22,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from . import rows
+from . import migrations, rows
 from .config import Settings, settings_for
-from .database import Database, Session, local_process_gone
+from .database import Database, ForeignConnection, Session, local_process_gone
 from .errors import (
+    ConfigurationError,
     CorruptJob,
     InvalidJobState,
     JobNotFound,
@@ -38,11 +40,12 @@ from .schema import (
     FAILED,
     LIVE_STATES,
     RUNNING,
-    create_or_upgrade,
     jobs_table,
     keys_table,
 )
 from .statements import Statements
+
+logger = logging.getLogger("celery_leases")
 
 #: Key in a caller's connection's ``info``: the idle-write bound this store set on it.
 IDLE_WRITE_GUARD = "celery_leases_idle_write_timeout"
@@ -73,7 +76,7 @@ class Store:
 
     def _run(self, operation: Any, *, single: bool = False) -> Any:
         if not self._schema_ready:
-            self.ensure_schema()
+            self.check_schema()
         return self.db.run(operation, single=single)
 
     def _hot(self, operation: Any, *, reads_back: bool = False) -> Any:
@@ -81,7 +84,7 @@ class Store:
         statement, in autocommit; with ``reads_back``, one that reads its row back where
         the dialect has no RETURNING (MariaDB), in a transaction."""
         if not self._schema_ready:
-            self.ensure_schema()
+            self.check_schema()
         return self.db.run(operation, single=self.db.returning or not reads_back, direct=True)
 
     def _count(self, stmt: Any, params: dict[str, Any] | None = None) -> int:
@@ -117,37 +120,57 @@ class Store:
         text = str(exc.orig)
         return f"ix_{self.table.name}_live_key" in text or f"{self.table.name}.lease_key" in text
 
-    def ensure_schema(self) -> None:
-        """Create the jobs table if missing; add the columns a newer schema only adds to a
-        table from an older one; refuse a table that lacks any other column."""
+    def check_schema(self) -> None:
+        """Check, in one round trip (a read of ``<table>_version``), that the table exists and
+        is at the revision this code needs. Creates nothing: a missing or older table raises
+        :class:`ConfigurationError` naming the command that migrates it."""
 
-        def create(connection: Connection) -> None:
-            create_or_upgrade(connection, self.table, where=self.safe_url)
-
-        # The usual case, a table of this schema, in one round trip: a process's first
-        # operation (a worker's first claim after a crash) does not wait for reflection.
-        current = sa.select(*self.table.columns).where(sa.false())
-
-        def is_current(connection: Connection) -> bool:
+        def read(connection: Connection) -> list[str] | None:
             try:
-                connection.execute(current).all()
+                return [row[0] for row in connection.execute(self.sql.schema_revision).all()]
             except sa.exc.DBAPIError as exc:
                 if exc.connection_invalidated:
                     raise  # the server went away: not a question of schema
-                return False  # missing, or from an older schema: create or upgrade it
-            return True
+                return None  # no version table
 
-        if self.db.run(is_current, single=True, direct=True):
+        found = self.db.run(read, single=True, direct=True)
+        head = migrations.head()
+        if found and found[0] == head:
             self._schema_ready = True
             return
-        try:
-            self.db.run(create)
-        except LeaseError as exc:
-            if not isinstance(exc.__cause__, sa.exc.DBAPIError):
-                raise
-            # Another process created or upgraded the table at the same moment: look again.
-            self.db.run(create)
-        self._schema_ready = True
+        name, where = self.table.name, self.safe_url
+        if found and found[0] not in migrations.revisions():
+            # A newer celery-leases migrated it: revisions only add what older code ignores,
+            # so a rolling deploy's older workers go on.
+            logger.warning(
+                "celery-leases: table %s in %s is at revision %s, newer than this "
+                "celery-leases knows (%s): upgrade celery-leases",
+                name,
+                where,
+                found[0],
+                head,
+            )
+            self._schema_ready = True
+            return
+        if found:
+            raise ConfigurationError(
+                f"leases table {name!r} in {where} is at revision {found[0]}, older than this "
+                f"celery-leases needs ({head}): run {migrations.UPGRADE_COMMAND}"
+            )
+        exists = self.db.run(lambda c: sa.inspect(c).has_table(name))
+        if exists:
+            raise ConfigurationError(
+                f"leases table {name!r} in {where} has no migration history (made by an "
+                f"older celery-leases, or its migration failed): bring it under the "
+                f"migrations, jobs kept, with {migrations.UPGRADE_COMMAND}"
+            )
+        raise ConfigurationError(
+            f"no leases table {name!r} in {where}: create it with {migrations.INIT_COMMAND}"
+        )
+
+    def schema_changed(self) -> None:
+        """The table was migrated: check it again at the next operation."""
+        self._schema_ready = False
 
     # -- writes of the client -------------------------------------------------------------
 
@@ -420,7 +443,7 @@ class Store:
         state: str,
         *,
         progress: tuple[int, int | None] | None = None,
-        connection: Connection | None = None,
+        connection: Connection | ForeignConnection | None = None,
         idle_limit: float | None = None,
     ) -> tuple[bool, str | None]:
         """Save a checkpoint (JSON text) and renew, fenced by ``token``.
@@ -428,7 +451,8 @@ class Store:
         Returns (saved, stop request). With ``connection`` the statement joins the caller's
         transaction, so the caller's own writes and the checkpoint commit or roll back together;
         that transaction may then sit idle ``idle_limit`` seconds at most (the lease's length;
-        default ``leases_duration``) before the database ends it.
+        default ``leases_duration``) before the database ends it. A :class:`ForeignConnection`
+        (Django's, inside ``transaction.atomic()``) joins that library's transaction the same way.
         """
         idle_limit = self.settings.duration if idle_limit is None else idle_limit
         params: dict[str, Any] = {"b_id": job_id, "b_token": token, "b_checkpoint": state}
@@ -442,7 +466,7 @@ class Store:
         if progress is not None:
             params["b_done"], params["b_total"] = progress
 
-        def run(c: Connection) -> tuple[bool, str | None]:
+        def run(c: Connection | ForeignConnection) -> tuple[bool, str | None]:
             if self.db.returning:
                 row = c.execute(stmt, params).first()
                 return (row is not None, row[0] if row is not None else None)
@@ -457,13 +481,15 @@ class Store:
             return run(connection)
 
     @staticmethod
-    def bounds_idle(connection: Connection) -> bool:
+    def bounds_idle(connection: Connection | ForeignConnection) -> bool:
         """Whether a transactional checkpoint on ``connection`` bounds how long its
         transaction may sit idle (PostgreSQL, MariaDB; not MySQL, not SQLite)."""
         dialect = connection.dialect
         return dialect.name == "postgresql" or bool(getattr(dialect, "is_mariadb", False))
 
-    def _guard_idle_writes(self, connection: Connection, idle_limit: float) -> None:
+    def _guard_idle_writes(
+        self, connection: Connection | ForeignConnection, idle_limit: float
+    ) -> None:
         """MariaDB's bound on how long the caller's transaction may sit idle after writing
         (PostgreSQL's is in the checkpoint statement itself, transaction-local): a worker
         frozen before its commit then loses the connection, and the row's lock, after about
@@ -476,9 +502,18 @@ class Store:
         if connection.info.get(IDLE_WRITE_GUARD) != seconds:
             connection.exec_driver_sql(f"SET SESSION idle_write_transaction_timeout = {seconds}")
             connection.info[IDLE_WRITE_GUARD] = seconds
+            if isinstance(connection, ForeignConnection):
+                return  # its owner gives the default back (unguard_idle_writes)
             pool = connection.engine.pool
             if not sa.event.contains(pool, "checkin", _unguard_idle_writes):
                 sa.event.listen(pool, "checkin", _unguard_idle_writes)
+
+    @staticmethod
+    def unguard_idle_writes(connection: ForeignConnection) -> None:
+        """Give a foreign connection the server's default idle-write bound back, if a
+        transactional checkpoint had set its own (MariaDB; call it outside any transaction)."""
+        if connection.info.pop(IDLE_WRITE_GUARD, None) is not None:
+            connection.exec_driver_sql("SET SESSION idle_write_transaction_timeout = DEFAULT")
 
     def finish(self, job_id: str, token: int, *, result: str | None) -> bool:
         """Mark the job done, fenced by ``token``. False if this attempt lost the lease."""

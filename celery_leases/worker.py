@@ -14,6 +14,7 @@ from celery.signals import (
     task_failure,
     task_revoked,
     task_unknown,
+    worker_init,
     worker_process_shutdown,
     worker_shutting_down,
 )
@@ -21,6 +22,7 @@ from celery.signals import (
 from .config import settings_for
 from .errors import LeaseError
 from .keeper import all_keepers
+from .migrations import upgrade
 from .schema import FAILED, REVOKED
 from .store import store_for
 
@@ -29,6 +31,21 @@ logger = logging.getLogger("celery_leases")
 #: Set in a worker's main process once it is shutting down: a leased job's message it
 #: receives from then on goes back to the queue for another worker (``LeasedRequest``).
 SHUTTING_DOWN = threading.Event()
+
+
+@worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
+def migrate_on_start(sender: Any = None, **_: Any) -> None:
+    """``leases_migrate_on_start``: create or upgrade the leases table before the worker
+    consumes (its main process, before the pool starts)."""
+    app = getattr(sender, "app", None) or current_app
+    if not _uses_leases(app):
+        return
+    try:
+        settings = settings_for(app)
+        if settings.migrate_on_start:
+            logger.warning("celery-leases: %s", upgrade(store_for(settings)).describe())
+    except LeaseError as exc:
+        logger.error("celery-leases: leases_migrate_on_start failed: %s", exc)
 
 
 @worker_process_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]

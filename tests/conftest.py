@@ -1,7 +1,9 @@
 """Shared fixtures: real databases, real brokers, real worker processes.
 
 - ``database_url`` (sqlite | postgres | mariadb) and ``table_name`` (pass it as the
-  ``leases_table`` setting; dropped at teardown).
+  ``leases_table`` setting): the jobs table, created by the migrations before the test
+  (nothing creates it at first use) and dropped at teardown; ``fresh_table_name`` is a
+  name of the test's own with no table yet.
 - ``broker_url`` (redis | rabbitmq), ``queue_name`` (pass it as ``task_default_queue``),
   ``celery_settings`` (both of those plus a private remote-control exchange), and
   ``filesystem_broker`` (settings for kombu's ``filesystem://`` transport, no server needed).
@@ -20,15 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
-from tests.support.cli import leases_settings
-from tests.support.service import delete_rabbitmq_entities, private_redis_url, require
+from tests.support.cli import leases_settings, migrate_table
+from tests.support.service import (
+    delete_rabbitmq_entities,
+    drop_tables,
+    private_redis_url,
+    require,
+)
 from tests.support.worker import CeleryProcess, Spawner
-
-# Seconds a teardown DROP TABLE waits for locks. A lock still held then means the test leaked
-# an open transaction (an engine it did not dispose of, a worker still alive).
-DROP_LOCK_TIMEOUT = 10
 
 _spawners = pytest.StashKey[Spawner]()
 
@@ -53,40 +55,24 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def table_name(request: pytest.FixtureRequest, database_url: str) -> Iterator[str]:
-    """A table name of this test's own (``leases_t_<8 hex>``); that table, and any whose name
-    starts with it plus ``_``, is dropped at teardown."""
+def fresh_table_name(request: pytest.FixtureRequest, database_url: str) -> Iterator[str]:
+    """A table name of this test's own (``leases_t_<8 hex>``), no table made yet; that table,
+    and any table, view or function whose name starts with it plus ``_``, is dropped at
+    teardown."""
     name = f"leases_t_{uuid.uuid4().hex[:8]}"
     yield name
     _stop_spawned(request.node)
     if database_url.startswith("sqlite"):
         return
-    _drop_tables(database_url, name)
+    drop_tables(database_url, name)
 
 
-def _drop_tables(url: str, name: str) -> None:
-    engine = sa.create_engine(url)
-    try:
-        with engine.begin() as connection:
-            if engine.dialect.name == "postgresql":
-                connection.execute(sa.text(f"SET lock_timeout = '{DROP_LOCK_TIMEOUT}s'"))
-            elif engine.dialect.name in ("mysql", "mariadb"):
-                connection.execute(sa.text(f"SET SESSION lock_wait_timeout = {DROP_LOCK_TIMEOUT}"))
-            tables = [
-                table
-                for table in sa.inspect(connection).get_table_names()
-                if table == name or table.startswith(f"{name}_")
-            ]
-            for table in tables:
-                sa.Table(table, sa.MetaData()).drop(connection, checkfirst=True)
-    except sa.exc.OperationalError as exc:
-        pytest.fail(
-            f"could not drop {name} on {engine.dialect.name} within {DROP_LOCK_TIMEOUT} s; did "
-            f"the test leave a transaction open (an engine not disposed of)? {exc}",
-            pytrace=False,
-        )
-    finally:
-        engine.dispose()
+@pytest.fixture
+def table_name(database_url: str, fresh_table_name: str) -> str:
+    """The name of this test's jobs table, created by the migrations (as
+    ``celery -A proj leases init-db`` would) and dropped at teardown."""
+    migrate_table(database_url, fresh_table_name)
+    return fresh_table_name
 
 
 # -- brokers -------------------------------------------------------------------------------------
@@ -165,7 +151,9 @@ def filesystem_broker(tmp_path: Path) -> dict[str, Any]:
 
 @pytest.fixture
 def sqlite_settings(tmp_path: Path, filesystem_broker: dict[str, Any]) -> dict[str, Any]:
-    return leases_settings(f"sqlite:///{tmp_path}/leases.sqlite3", "leases_cli", filesystem_broker)
+    url = f"sqlite:///{tmp_path}/leases.sqlite3"
+    migrate_table(url, "leases_cli")
+    return leases_settings(url, "leases_cli", filesystem_broker)
 
 
 # -- processes -----------------------------------------------------------------------------------

@@ -265,14 +265,24 @@ class Demo:
     def reset_database(self) -> None:
         import sqlalchemy as sa
 
+        import celery_leases
+        from celery_leases import migrations
+        from celery_leases.config import settings_for
+        from celery_leases.store import store_for
+
         from . import sink
 
         example = self.example
         try:
             engine = sink.engine(example.DATABASE)
-            sink.reset(engine, example.EVENTS, example.LEASES_TABLE)
+            # The leases table of an earlier run goes with its migrations (on PostgreSQL its
+            # view too), then the migrations make it anew: what `leases init-db` runs.
+            migrations.downgrade(store_for(settings_for(example.app)))
+            leases_version = migrations.version_table_name(example.LEASES_TABLE)
+            sink.reset(engine, example.EVENTS, example.LEASES_TABLE, leases_version)
+            celery_leases.migrate(example.app)
             sink.create(engine, example.EVENTS)
-        except sa.exc.SQLAlchemyError as exc:
+        except (sa.exc.SQLAlchemyError, celery_leases.LeaseError) as exc:
             raise DemoError(f"cannot prepare the database: {exc}".splitlines()[0]) from exc
 
     def purge_queue(self) -> None:

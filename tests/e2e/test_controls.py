@@ -43,13 +43,14 @@ from celery_leases import ArgumentsError, GaveUp, Job, get_job
 from celery_leases.config import settings_for
 from celery_leases.statements import GAVE_UP_NO_PROGRESS
 from celery_leases.store import Store, store_for
-from tests.conftest import _drop_tables
 from tests.support.apps.control_app import PARTIAL_ENV, add_control_tasks, call_log_for
 from tests.support.apps.leased_app import app_env, unit_log_for
 from tests.support.apps.leased_app import make_app as make_leased_app
+from tests.support.cli import migrate_table
 from tests.support.scenario import Run, close_app, kill_all, runs_of, start_all, wait_for
 from tests.support.service import (
     delete_rabbitmq_entities,
+    drop_tables,
     private_redis_url,
     require,
     sqlite_result_backend,
@@ -380,12 +381,13 @@ def bed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
             backend = sqlite_result_backend(root / "results.sqlite3")
         else:
             database = require("postgres")
-            stack.callback(_drop_tables, database, table)
+            stack.callback(drop_tables, database, table)
             backend = stack.enter_context(private_redis_url())
             if kind == "postgres-redis":
                 broker = {"broker_url": backend}
             else:
                 broker = {"broker_url": require("rabbitmq")}
+        migrate_table(database, table)
         extra = {k: v for k, v in broker.items() if k != "broker_url"} | {
             "leases_reap_grace": 1.0,
             "task_routes": {

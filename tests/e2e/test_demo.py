@@ -14,9 +14,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 
-from tests.support.service import private_redis_url, require
+from tests.support.service import drop_tables, private_redis_url, require
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO = [sys.executable, "-m", "examples.webhook_sync.demo"]
@@ -82,17 +81,7 @@ def test_the_demo_resumes_the_killed_sync_on_redis_and_postgresql(tmp_path: Path
         with private_redis_url() as broker:
             done = run_demo(data, "--broker", broker, "--database", database, name=name)
     finally:
-        _drop_tables(database, f"{name}_leases", f"{name}_synced_events")
+        drop_tables(database, name)
 
     assert_verdict_holds(done, data)
     assert "postgresql+psycopg://" in done.stdout
-
-
-def _drop_tables(url: str, *names: str) -> None:
-    engine = sa.create_engine(url)
-    try:
-        with engine.begin() as connection:
-            for name in names:
-                sa.Table(name, sa.MetaData()).drop(connection, checkfirst=True)
-    finally:
-        engine.dispose()

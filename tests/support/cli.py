@@ -13,6 +13,7 @@ import sys
 import uuid
 from typing import Any
 
+from celery_leases import migrations
 from celery_leases.config import DEFAULTS, validate
 from celery_leases.message import Message
 from celery_leases.rows import Refused
@@ -88,6 +89,16 @@ def leases_settings(url: str, table: str, broker: dict[str, Any]) -> dict[str, A
 def store_of(settings: dict[str, Any]) -> Store:
     raw = {**DEFAULTS, **{k.removeprefix("leases_"): v for k, v in settings.items()}}
     return Store(validate({k: raw[k] for k in DEFAULTS}))
+
+
+def migrate_table(url: str, table: str) -> None:
+    """Create (or upgrade) the jobs table ``table`` in ``url`` with the migrations, as
+    ``celery -A proj leases init-db`` does."""
+    store = store_of({"leases_database_url": url, "leases_table": table})
+    try:
+        migrations.upgrade(store)
+    finally:
+        store.engine.dispose()
 
 
 def record(store: Store, *, task: str = "cli.count", n: int = 5) -> str:

@@ -118,6 +118,47 @@ _CHECKS = {
 }
 
 
+# Seconds a teardown DROP TABLE waits for locks. A lock still held then means the test leaked
+# an open transaction (an engine it did not dispose of, a worker still alive).
+DROP_LOCK_TIMEOUT = 10
+
+
+def drop_tables(url: str, name: str) -> None:
+    """Drop the table ``name`` and every table, view and function whose name starts with
+    ``name`` plus ``_`` (its version table, PostgreSQL's view, a unit log), failing the test
+    when a lock holds them longer than ``DROP_LOCK_TIMEOUT`` seconds."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as connection:
+            if engine.dialect.name == "postgresql":
+                connection.execute(sa.text(f"SET lock_timeout = '{DROP_LOCK_TIMEOUT}s'"))
+            elif engine.dialect.name in ("mysql", "mariadb"):
+                connection.execute(sa.text(f"SET SESSION lock_wait_timeout = {DROP_LOCK_TIMEOUT}"))
+            inspector = sa.inspect(connection)
+            ours = [n for n in inspector.get_view_names() if n == name or n.startswith(f"{name}_")]
+            for view in ours:  # PostgreSQL's <table>_view
+                connection.execute(sa.text(f"DROP VIEW IF EXISTS {view}"))
+            if engine.dialect.name == "postgresql":
+                connection.execute(sa.text(f"DROP FUNCTION IF EXISTS {name}_jsonb(text)"))
+            tables = [
+                table
+                for table in inspector.get_table_names()
+                if table == name or table.startswith(f"{name}_")
+            ]
+            for table in tables:
+                sa.Table(table, sa.MetaData()).drop(connection, checkfirst=True)
+    except sa.exc.OperationalError as exc:
+        pytest.fail(
+            f"could not drop {name} on {engine.dialect.name} within {DROP_LOCK_TIMEOUT} s; did "
+            f"the test leave a transaction open (an engine not disposed of)? {exc}",
+            pytrace=False,
+        )
+    finally:
+        engine.dispose()
+
+
 def sqlite_result_backend(path: str | os.PathLike[str]) -> str:
     """A ``db+sqlite://`` result backend URL for the file ``path``, created in WAL mode (kept
     by the file): readers never wait for a writer, so a worker frozen in the middle of

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+import celery_leases
+from celery_leases import migrations
 from celery_leases.rows import Refused
 from celery_leases.store import Store
 from tests.support.cli import (
@@ -22,6 +24,7 @@ from tests.support.cli import (
     recorded,
     store_of,
 )
+from tests.support.legacy import drop_lease_keys
 from tests.support.message import job_message
 
 
@@ -35,7 +38,6 @@ def settings(
 @pytest.fixture
 def store(settings: dict[str, Any]) -> Iterator[Store]:
     store = store_of(settings)
-    store.ensure_schema()
     yield store
     store.engine.dispose()
 
@@ -298,19 +300,74 @@ def test_purge_deletes_only_jobs_finished_longer_ago_than_older_than(
     assert left == set(ids.values()) - {ids["done"], ids["failed"]}
 
 
-def test_init_db_creates_the_table_and_says_where(
-    cli: Cli, settings: dict[str, Any], database_url: str
+@pytest.fixture
+def fresh_settings(
+    database_url: str, fresh_table_name: str, filesystem_broker: dict[str, Any]
+) -> dict[str, Any]:
+    """Settings naming a table that does not exist yet."""
+    return leases_settings(database_url, fresh_table_name, filesystem_broker)
+
+
+def test_init_db_creates_the_table_and_its_history_and_says_where(
+    fresh_settings: dict[str, Any], database_url: str
 ) -> None:
-    table = settings["leases_table"]
+    table = fresh_settings["leases_table"]
+    cli = Cli(fresh_settings)
 
     output = cli.ok("init-db")
 
-    assert output.startswith(f"leases table {table} is ready in ")
+    assert output.startswith(f"leases table {table} in ")
+    assert output.endswith(f": created (revision {migrations.head()})\n")
     engine = sa.create_engine(database_url)
     try:
-        assert table in sa.inspect(engine).get_table_names()
+        names = sa.inspect(engine).get_table_names()
+        assert table in names and f"{table}_version" in names
     finally:
         engine.dispose()
+    # And running it again changes nothing
+    assert cli.ok("init-db").endswith(f": up to date (revision {migrations.head()})\n")
+
+
+def test_a_command_on_a_missing_table_says_to_run_init_db_and_creates_nothing(
+    fresh_settings: dict[str, Any], database_url: str
+) -> None:
+    table = fresh_settings["leases_table"]
+
+    line = assert_one_error_line(Cli(fresh_settings)("list"), 1)
+
+    assert f"no leases table '{table}' in " in line
+    assert "create it with celery -A proj leases init-db" in line
+    engine = sa.create_engine(database_url)
+    try:
+        assert table not in sa.inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_brings_a_table_made_by_an_older_release_under_the_migrations(
+    fresh_settings: dict[str, Any], database_url: str
+) -> None:
+    # Given a table an older celery-leases made at first use (schema 3, no history), one job in
+    table = fresh_settings["leases_table"]
+    store = store_of(fresh_settings)
+    try:
+        celery_leases.jobs_table(sa.MetaData(), table).create(store.engine)
+        store._schema_ready = True  # what an older release did: use it as it was
+        job_id = record(store)
+        drop_lease_keys(store.engine, table)
+    finally:
+        store.engine.dispose()
+    cli = Cli(fresh_settings)
+    assert "celery -A proj leases upgrade" in assert_one_error_line(cli("list"), 1)
+
+    # When the operator runs the command the error names
+    output = cli.ok("upgrade")
+
+    # Then the table is under the migrations and its job is still there
+    assert output.endswith(
+        f": brought under migrations (revision {migrations.head()}), jobs kept\n"
+    )
+    assert job_id[:8] in cli.ok("list")
 
 
 # -- bad input ------------------------------------------------------------------------------------
@@ -352,7 +409,9 @@ def test_bad_input_exits_with_one_line_on_stderr(
         "mysql+pymysql://leases:s3cret-pw@127.0.0.1:9/test",
     ],
 )
-@pytest.mark.parametrize("command", [("list",), ("show", "some-id"), ("init-db",), ("reap",)])
+@pytest.mark.parametrize(
+    "command", [("list",), ("show", "some-id"), ("init-db",), ("upgrade",), ("reap",)]
+)
 def test_an_unreachable_database_is_one_line_without_the_password(
     sqlite_settings: dict[str, Any], url: str, command: tuple[str, ...]
 ) -> None:

@@ -63,7 +63,6 @@ def two_attempts(store: Store) -> tuple[Claimed, Claimed]:
 
 def test_a_stale_attempts_fenced_write_is_refused_and_the_newer_value_stays(app: Celery) -> None:
     store = store_for(settings_for(app))
-    store.ensure_schema()
     accounts.create(store.engine, checkfirst=True)
     with store.engine.begin() as connection:
         connection.execute(sa.insert(accounts).values(id="acct", balance=0, last_token=0))
@@ -89,7 +88,6 @@ def test_a_stale_attempts_transactional_checkpoint_rolls_back_its_own_writes(app
         pass
 
     store = store_for(settings_for(app))
-    store.ensure_schema()
     accounts.create(store.engine, checkfirst=True)
     first, _ = two_attempts(store)
     stale = Lease("job", first.token, 1, None, "a/1", 30.0, 10.0)

@@ -29,7 +29,6 @@ KEY = "account:42"
 @pytest.fixture
 def store(database_url: str, table_name: str) -> Iterator[Store]:
     store = Store(validate(DEFAULTS | {"database_url": database_url, "table": table_name}))
-    store.ensure_schema()
     yield store
     store.engine.dispose()
 

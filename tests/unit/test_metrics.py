@@ -8,6 +8,7 @@ import prometheus_client
 import pytest
 from celery import Celery
 
+import celery_leases
 from celery_leases import LeasedTask
 from celery_leases.config import settings_for
 from celery_leases.store import store_for
@@ -18,6 +19,7 @@ from tests.support.message import job_message
 def app(tmp_path: object) -> Iterator[Celery]:
     app = Celery("metrics", broker="memory://", set_as_current=False)
     app.conf.leases_database_url = f"sqlite:///{tmp_path}/leases.sqlite3"
+    celery_leases.migrate(app)
     yield app
     store_for(settings_for(app)).engine.dispose()
 

@@ -96,7 +96,6 @@ class Race:
 @pytest.fixture
 def store(database_url: str, table_name: str) -> Iterator[Store]:
     store = Store(settings_of(database_url, table_name))
-    store.ensure_schema()
     yield store
     store.engine.dispose()
 

@@ -32,7 +32,6 @@ def settings(database_url: str, table_name: str) -> Settings:
 @pytest.fixture
 def store(settings: Settings) -> Iterator[Store]:
     store = Store(settings)
-    store.ensure_schema()
     yield store
     store.engine.dispose()
 

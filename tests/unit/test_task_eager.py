@@ -28,6 +28,8 @@ from celery_leases import (
 from celery_leases.config import settings_for
 from celery_leases.keeper import all_keepers
 from celery_leases.store import Store, store_for
+from tests.support.legacy import make_schema_3_table
+from tests.support.message import job_message
 
 SQL = "x'); DROP TABLE {table}; --"
 
@@ -301,15 +303,54 @@ def test_under_task_always_eager_a_published_job_is_recorded_and_run_under_its_l
 # -- schema -------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def legacy_app(database_url: str, fresh_table_name: str) -> Iterator[Celery]:
+    """An app whose table does not exist yet: the test makes it as an older release did."""
+    app = Celery("eager_legacy", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        result_backend="cache+memory://",
+        leases_database_url=database_url,
+        leases_table=fresh_table_name,
+    )
+    define_tasks(app)
+    yield app
+    store_for(settings_for(app)).engine.dispose()
+    app.close()
+
+
+def make_legacy_table(app: Celery, *, schema: int, job_id: str | None = None) -> None:
+    """The table a celery-leases older than the migrations made at first use (no version
+    table): schema 3, or schema 2 (every column but ``session``), with one queued job."""
+    store = store_for(settings_for(app))
+    table = app.conf.leases_table
+    make_schema_3_table(store.engine, table)
+    if job_id is not None:
+        # An older release used the table as it found it (its register wrote no lease key).
+        with store.engine.begin() as connection:
+            connection.execute(
+                sa.text(
+                    f"INSERT INTO {table} (id, task, generation, message, state, token, "
+                    "attempts, stalled_attempts, sends, created_at, schema_version) "
+                    "VALUES (:id, 'tests.count_to', 0, :message, 'queued', 0, 0, 0, 0, 1.0, 3)"
+                ),
+                {"id": job_id, "message": job_message(job_id, "tests.count_to", args=[3]).dumps()},
+            )
+    if schema == 2:
+        with store.engine.begin() as connection:
+            connection.execute(sa.text(f"ALTER TABLE {table} DROP COLUMN session"))
+
+
 def test_a_table_from_an_older_schema_is_refused_naming_its_missing_columns(
-    app: Celery, table_name: str
+    legacy_app: Celery,
 ) -> None:
-    engine = sa.create_engine(app.conf.leases_database_url)
+    table = legacy_app.conf.leases_table
+    engine = sa.create_engine(legacy_app.conf.leases_database_url)
     try:
         with engine.begin() as connection:
             connection.execute(
                 sa.text(
-                    f"CREATE TABLE {table_name} "
+                    f"CREATE TABLE {table} "
                     "(id VARCHAR(155) PRIMARY KEY, task VARCHAR(255), state VARCHAR(16))"
                 )
             )
@@ -317,37 +358,63 @@ def test_a_table_from_an_older_schema_is_refused_naming_its_missing_columns(
         engine.dispose()
 
     with pytest.raises(ConfigurationError) as raised:
-        get_job(app, "job-1")
+        celery_leases.migrate(legacy_app)
 
     message = str(raised.value)
-    assert f"table {table_name!r}" in message
+    assert f"table {table!r}" in message
     assert "missing columns: generation, version, message, owner, session, token" in message
     assert "checkpoint" in message and "schema_version" in message
     assert ", id," not in message and ", state," not in message
+    # And nothing uses the table until it is dealt with
+    with pytest.raises(ConfigurationError, match="has no migration history"):
+        get_job(legacy_app, "job-1")
 
 
 def test_a_table_from_schema_2_gets_the_session_column_and_keeps_its_jobs(
-    app: Celery, table_name: str
+    legacy_app: Celery,
 ) -> None:
-    # Given a table of schema 2 (every column but ``session``)
-    engine = sa.create_engine(app.conf.leases_database_url)
-    try:
-        with engine.begin() as connection:
-            celery_leases.jobs_table(sa.MetaData(), table_name).create(connection)
-            connection.execute(sa.text(f"ALTER TABLE {table_name} DROP COLUMN session"))
-    finally:
-        engine.dispose()
+    # Given a table of schema 2 (every column but ``session``) holding a queued job
+    table = legacy_app.conf.leases_table
+    make_legacy_table(legacy_app, schema=2, job_id="before-upgrade")
+    with pytest.raises(ConfigurationError, match="celery -A proj leases upgrade"):
+        get_job(legacy_app, "before-upgrade")
 
-    # When celery-leases first uses it
-    assert app.tasks["tests.count_to"].apply(args=(3,), task_id="after-upgrade").get() == 3
+    # When the migrations run
+    migrated = celery_leases.migrate(legacy_app)
 
-    # Then the column was added in place and the job ran on the upgraded table
-    store = store_for(settings_for(app))
+    # Then the column was added in place, the job kept, and jobs run on the upgraded table
+    assert (migrated.existed, migrated.before) == (True, None)
+    assert migrated.after == celery_leases.migrations.head()
+    store = store_for(settings_for(legacy_app))
     with store.engine.connect() as connection:
-        names = {c["name"] for c in sa.inspect(connection).get_columns(table_name)}
+        names = {c["name"] for c in sa.inspect(connection).get_columns(table)}
     assert "session" in names
-    job = get_job(app, "after-upgrade")
-    assert (job.state, job.result, job.checkpoint) == ("done", 3, 3)
+    kept = get_job(legacy_app, "before-upgrade")
+    assert kept is not None and (kept.state, kept.args) == ("queued", [3])
+    assert legacy_app.tasks["tests.count_to"].apply(args=(3,), task_id="after-upgrade").get() == 3
+    job = get_job(legacy_app, "after-upgrade")
+    assert job is not None and (job.state, job.result, job.checkpoint) == ("done", 3, 3)
+
+
+def test_a_table_from_schema_3_is_brought_under_the_migrations_and_gains_lease_keys(
+    legacy_app: Celery,
+) -> None:
+    make_legacy_table(legacy_app, schema=3, job_id="kept")
+    store = store_for(settings_for(legacy_app))
+    with store.engine.connect() as connection:
+        before = sa.inspect(connection).get_columns(legacy_app.conf.leases_table)
+
+    migrated = celery_leases.migrate(legacy_app)
+
+    head = celery_leases.migrations.head()
+    assert f"brought under migrations (revision {head}), jobs kept" in migrated.describe()
+    with store.engine.connect() as connection:
+        after = sa.inspect(connection).get_columns(legacy_app.conf.leases_table)
+    names = [c["name"] for c in after]
+    assert names[: len(before)] == [c["name"] for c in before]
+    assert {"lease_key", "followup", "followup_id"} <= set(names[len(before) :])
+    job = get_job(legacy_app, "kept")
+    assert job is not None and job.state == "queued"
 
 
 # -- security -----------------------------------------------------------------------------------

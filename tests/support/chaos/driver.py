@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 import sqlalchemy as sa
 
-from celery_leases import LeaseError
+from celery_leases import LeaseError, migrations
 from celery_leases.config import settings_for
 from celery_leases.store import store_for
 from tests.support.apps.chaos_app import (
@@ -74,7 +74,7 @@ from tests.support.chaos.check import (
     check_all,
 )
 from tests.support.scenario import freeze, kill_all, start_all, thaw
-from tests.support.service import close_app, sqlite_result_backend
+from tests.support.service import close_app, drop_tables, sqlite_result_backend
 from tests.support.worker import Beat, Spawner, Worker
 
 CHAOS_APP = "tests.support.apps.chaos_app"
@@ -289,7 +289,7 @@ class Chaos:
                 + ", ".join(f"{i.split('-')[2]} +{s:.1f}" for i, s in self.expiring.items())
             )
         try:
-            store.ensure_schema()
+            migrations.upgrade(store)
             log.create()
             callbacks.create()
             checkpoint_log = install_checkpoint_log(store.engine, self.table)
@@ -1048,21 +1048,8 @@ def filesystem_broker(root: Path) -> dict[str, Any]:
 
 
 def _drop_tables(url: str, table: str) -> None:
-    if url.startswith("sqlite"):
-        return
-    engine = sa.create_engine(url)
-    try:
-        with engine.begin() as connection:
-            for name in (
-                f"{table}_units",
-                f"{table}_checkpoints",
-                f"{table}_states",
-                f"{table}_callbacks",
-                table,
-            ):
-                sa.Table(name, sa.MetaData()).drop(connection, checkfirst=True)
-    finally:
-        engine.dispose()
+    if not url.startswith("sqlite"):
+        drop_tables(url, table)  # the jobs table, its migrations' objects and the test logs
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Integrations of celery-leases with other frameworks (optional extras)."""

@@ -1,0 +1,148 @@
+"""A read-only admin of the leased jobs, with retry / cancel / release actions that call the
+store's operations (``celery_leases.control``), as ``celery leases`` does."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.utils.html import format_html
+
+from ... import control
+from ...errors import LeaseError
+from . import database
+from .models import Job, moment
+
+
+def _celery_app() -> Any:
+    from celery import current_app
+
+    return current_app._get_current_object()
+
+
+def _each(request: HttpRequest, jobs: QuerySet[Job], act: Callable[[str], str]) -> None:
+    for job_id in jobs.values_list("id", flat=True):
+        try:
+            messages.success(request, act(job_id))
+        except LeaseError as exc:
+            messages.error(request, str(exc))
+
+
+@admin.action(description="Retry: queue again from the checkpoint", permissions=["change"])
+def retry(modeladmin: Any, request: HttpRequest, jobs: QuerySet[Job]) -> None:
+    store = database.store()
+    _each(request, jobs, lambda job_id: control.retry(_celery_app(), store, job_id))
+
+
+@admin.action(description="Cancel: stop at the next checkpoint", permissions=["change"])
+def cancel(modeladmin: Any, request: HttpRequest, jobs: QuerySet[Job]) -> None:
+    store = database.store()
+    _each(request, jobs, lambda job_id: control.cancel(_celery_app(), store, job_id))
+
+
+@admin.action(description="Release: expire the lease (its worker is dead)", permissions=["change"])
+def release(modeladmin: Any, request: HttpRequest, jobs: QuerySet[Job]) -> None:
+    store = database.store()
+    _each(request, jobs, lambda job_id: control.release(store, job_id))
+
+
+@admin.register(Job)
+class JobAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Jobs newest first; filters by state and task, search by id (or its start)."""
+
+    list_display = (
+        "id",
+        "task",
+        "state",
+        "owner",
+        "attempts",
+        "progress",
+        "created",
+        "checkpointed",
+    )
+    list_filter = ("state", "task")
+    search_fields = ("^id",)
+    actions = (retry, cancel, release)
+    readonly_fields = (
+        "id", "task", "state", "owner", "attempts", "token", "progress", "checkpoint_json",
+        "error", "stop_requested", "result_json", "created", "claimed", "renewed",
+        "checkpointed", "finished", "lease_expires",
+    )  # fmt: skip
+    fields = readonly_fields
+    list_per_page = 50
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Job]:
+        return super().get_queryset(request).using(database.alias())
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Job | None = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Job | None = None) -> bool:
+        # The list's actions need the change permission; a job itself is never edited.
+        return obj is None and super().has_change_permission(request)
+
+    @admin.display(description="progress")
+    def progress(self, job: Job) -> str:
+        if job.progress_done is None:
+            return "-"
+        if not job.progress_total:
+            return f"{job.progress_done:,}"
+        percent = min(100, round(100 * job.progress_done / job.progress_total))
+        return format_html(
+            '<progress value="{}" max="{}"></progress> <span class="leases-progress">{}% '
+            "({} / {})</span>",
+            job.progress_done,
+            job.progress_total,
+            percent,
+            f"{job.progress_done:,}",
+            f"{job.progress_total:,}",
+        )
+
+    @admin.display(description="checkpoint")
+    def checkpoint_json(self, job: Job) -> str:
+        return _pretty(job.checkpoint)
+
+    @admin.display(description="result")
+    def result_json(self, job: Job) -> str:
+        return _pretty(job.result)
+
+    @admin.display(description="created", ordering="created_at")
+    def created(self, job: Job) -> Any:
+        return moment(job.created_at)
+
+    @admin.display(description="claimed")
+    def claimed(self, job: Job) -> Any:
+        return moment(job.claimed_at)
+
+    @admin.display(description="renewed")
+    def renewed(self, job: Job) -> Any:
+        return moment(job.renewed_at)
+
+    @admin.display(description="last checkpoint", ordering="checkpoint_at")
+    def checkpointed(self, job: Job) -> Any:
+        return moment(job.checkpoint_at)
+
+    @admin.display(description="finished")
+    def finished(self, job: Job) -> Any:
+        return moment(job.finished_at)
+
+    @admin.display(description="lease expires")
+    def lease_expires(self, job: Job) -> Any:
+        return moment(job.expires_at) if job.state == "running" else None
+
+
+def _pretty(text: str | None) -> str:
+    if text is None:
+        return "-"
+    try:
+        shown = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+    except ValueError:
+        shown = text  # not JSON: shown as stored
+    return format_html("<pre>{}</pre>", shown)

@@ -1,0 +1,41 @@
+"""The Django app: ``INSTALLED_APPS = [..., "celery_leases.contrib.django"]``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.apps import AppConfig
+from django.db.models.signals import post_migrate
+
+
+class LeasesConfig(AppConfig):
+    """Celery leases: the jobs table's migrations and a read-only admin of the jobs."""
+
+    name = "celery_leases.contrib.django"
+    label = "celery_leases"
+    verbose_name = "Celery leases"
+    default_auto_field = "django.db.models.AutoField"
+
+    def ready(self) -> None:
+        post_migrate.connect(upgrade_after_migrate, sender=self)
+
+
+def upgrade_after_migrate(
+    using: str = "default", verbosity: int = 1, apps: Any = None, **_: Any
+) -> None:
+    """Every ``manage.py migrate`` of the leases database also applies the celery-leases
+    revisions a newer release brought (one schema history: the package's Alembic revisions),
+    unless it just unapplied this app (``migrate celery_leases zero``)."""
+    from .migration import migrate_database
+
+    if apps is not None and not _applied(apps):
+        return
+    migrate_database(using, verbosity=verbosity)
+
+
+def _applied(apps: Any) -> bool:
+    try:
+        apps.get_model("celery_leases", "Job")
+    except LookupError:
+        return False
+    return True

@@ -1,0 +1,149 @@
+"""Where a Django project's leases live: by default in its own database (``DATABASES``).
+
+The Django side reads the same settings as the Celery app that loads them with
+``app.config_from_object("django.conf:settings", namespace="CELERY")``: ``CELERY_LEASES_TABLE``
+is ``leases_table``, and so on. ``CELERY_LEASES_DATABASE_ALIAS`` (default ``"default"``) names
+the database; without ``CELERY_LEASES_DATABASE_URL`` the SQLAlchemy URL is built from that
+database's ``DATABASES`` entry, with the driver Django itself uses, so a checkpoint can run on
+Django's own connection (``transaction.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import sqlalchemy as sa
+
+from ...config import DEFAULTS, Settings, validate
+from ...errors import ConfigurationError
+from ...store import Store, store_for
+
+APP = "celery_leases.contrib.django"
+#: Django settings of their own (every other ``CELERY_LEASES_<NAME>`` is ``leases_<name>``).
+ALIAS_SETTING = "CELERY_LEASES_DATABASE_ALIAS"
+
+#: PostgreSQL ``OPTIONS`` that are Django's, not libpq's.
+_DJANGO_ONLY_OPTIONS = ("isolation_level", "server_side_binding", "pool", "assume_role")
+
+
+def alias() -> str:
+    """The Django database alias the leases live in (``CELERY_LEASES_DATABASE_ALIAS``)."""
+    from django.conf import settings
+
+    name = getattr(settings, ALIAS_SETTING, "default")
+    if name not in settings.DATABASES:
+        raise ConfigurationError(
+            f"{ALIAS_SETTING} is {name!r}, which is not in DATABASES "
+            f"({', '.join(settings.DATABASES)})"
+        )
+    return str(name)
+
+
+def url_for(name: str) -> str:
+    """The SQLAlchemy URL of Django's database ``name``, with the driver Django uses."""
+    from django.db import connections
+
+    config = connections[name].settings_dict
+    engine = config["ENGINE"]
+    options = dict(config.get("OPTIONS") or {})
+    if engine == "django.db.backends.sqlite3":
+        path = str(config["NAME"])
+        if path == ":memory:" or "mode=memory" in path:
+            raise ConfigurationError(
+                f"database {name!r} is an in-memory SQLite database, which no second "
+                f"connection can see: give it a file (in tests: DATABASES[...]['TEST']['NAME'])"
+            )
+        return f"sqlite:///{path}"
+    if engine == "django.db.backends.postgresql":
+        # Django prefers psycopg 3, as SQLAlchemy's postgresql+psycopg does.
+        driver = "psycopg" if importlib.util.find_spec("psycopg") else "psycopg2"
+        query = {
+            k: str(v)
+            for k, v in options.items()
+            if k not in _DJANGO_ONLY_OPTIONS and isinstance(v, str | int)
+        }
+        return _url(f"postgresql+{driver}", config, query)
+    if engine == "django.db.backends.mysql":
+        return _url(
+            f"mysql+{_mysql_driver()}", config, {"charset": options.get("charset", "utf8mb4")}
+        )
+    raise ConfigurationError(
+        f"database {name!r} uses {engine}, which celery-leases does not support: set "
+        f"CELERY_LEASES_DATABASE_URL (PostgreSQL, MariaDB/MySQL or SQLite)"
+    )
+
+
+def _mysql_driver() -> str:
+    """``mysqldb`` (mysqlclient, Django's driver) or ``pymysql`` when PyMySQL stands in for it
+    (``pymysql.install_as_MySQLdb()``)."""
+    try:
+        import MySQLdb
+    except ImportError:
+        return "pymysql"
+    return "pymysql" if MySQLdb.__name__ == "pymysql" else "mysqldb"
+
+
+def _url(driver: str, config: dict[str, Any], query: dict[str, str]) -> str:
+    port = config.get("PORT")
+    url = sa.engine.URL.create(
+        driver,
+        username=config.get("USER") or None,
+        password=config.get("PASSWORD") or None,
+        host=config.get("HOST") or None,
+        port=int(port) if port else None,
+        database=config.get("NAME") or None,
+        query=query,
+    )
+    return url.render_as_string(hide_password=False)
+
+
+def installed() -> bool:
+    """Whether this is a configured Django project with the leases app installed."""
+    from django.conf import settings
+
+    if not settings.configured:
+        return False
+    apps = getattr(settings, "INSTALLED_APPS", ())
+    return any(a == APP or a.startswith(f"{APP}.") for a in apps)
+
+
+def default_url() -> str | None:
+    """The leases database URL when the Celery app names none (``config.settings_for``): the
+    Django database's, in a project with the leases app installed; None elsewhere."""
+    try:
+        if not installed():
+            return None
+    except ImportError:
+        return None
+    return url_for(alias())
+
+
+def leases_url() -> str:
+    """Where the leases live: ``CELERY_LEASES_DATABASE_URL``, or the Django database's URL."""
+    from django.conf import settings
+
+    explicit = getattr(settings, "CELERY_LEASES_DATABASE_URL", None)
+    return str(explicit) if explicit else url_for(alias())
+
+
+def in_django_database(url: str) -> bool:
+    """Whether leases at ``url`` live in the Django database ``alias()`` (so a checkpoint can
+    join its transactions)."""
+    return url == url_for(alias())
+
+
+def settings() -> Settings:
+    """The leases settings as the Celery app reads them from Django's (``CELERY_LEASES_*``)."""
+    from django.conf import settings as django
+
+    raw = {
+        name: getattr(django, f"CELERY_LEASES_{name.upper()}", d) for name, d in DEFAULTS.items()
+    }
+    raw["database_url"] = leases_url()
+    return validate(raw)
+
+
+def store() -> Store:
+    """The store of the project's leases table (shared with the tasks in this process)."""
+    return store_for(settings())

@@ -1,0 +1,1 @@
+"""Django migrations of the leases app: each runs the package's Alembic revisions."""

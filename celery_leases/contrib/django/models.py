@@ -1,0 +1,63 @@
+"""The jobs table as a read-only, unmanaged Django model (its schema is the migrations')."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, NoReturn
+
+from django.conf import settings
+from django.db import models
+
+from ...config import DEFAULTS
+from ...errors import LeaseError
+from ...schema import MAX_ID_LENGTH, STATES
+
+
+def table_name() -> str:
+    """The leases table (``CELERY_LEASES_TABLE``, as ``leases_table``)."""
+    return str(getattr(settings, "CELERY_LEASES_TABLE", DEFAULTS["table"]))
+
+
+def moment(seconds: float | None) -> datetime | None:
+    """A stored time (epoch seconds, database clock) as an aware datetime."""
+    return None if seconds is None else datetime.fromtimestamp(seconds, tz=UTC)
+
+
+class Job(models.Model):
+    """One leased job, as the store keeps it. Never saved or deleted through the ORM: the
+    admin's actions call the store's fenced operations."""
+
+    id = models.CharField(primary_key=True, max_length=MAX_ID_LENGTH)
+    task = models.CharField(max_length=255)
+    state = models.CharField(max_length=16, choices=[(s, s) for s in STATES])
+    owner = models.CharField(max_length=255, null=True)
+    token = models.BigIntegerField()
+    attempts = models.IntegerField()
+    stalled_attempts = models.IntegerField()
+    progress_done = models.BigIntegerField(null=True)
+    progress_total = models.BigIntegerField(null=True)
+    checkpoint = models.TextField(null=True)
+    result = models.TextField(null=True)
+    error = models.TextField(null=True)
+    stop_requested = models.CharField(max_length=16, null=True)
+    created_at = models.FloatField()
+    claimed_at = models.FloatField(null=True)
+    renewed_at = models.FloatField(null=True)
+    checkpoint_at = models.FloatField(null=True)
+    finished_at = models.FloatField(null=True)
+    expires_at = models.FloatField(null=True)
+
+    class Meta:
+        managed = False
+        db_table = table_name()
+        ordering = ("-created_at",)
+        verbose_name = "leased job"
+
+    def __str__(self) -> str:
+        return f"{self.task} {self.id}"
+
+    def save(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise LeaseError("leased jobs are changed by the store's operations only, never saved")
+
+    def delete(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise LeaseError("leased jobs are deleted by the reaper's retention only")

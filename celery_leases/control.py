@@ -1,0 +1,74 @@
+"""An operator's actions on one job: retry, cancel, release. The ``celery leases`` commands and
+the Django admin both call these; each goes through the store's conditional operations (never
+a raw edit of the row) and returns one line saying what happened, or raises
+:class:`LeaseError` (:class:`InvalidJobState` when the job is not in a state that allows it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import settings_for
+from .errors import InvalidJobState, LeaseError
+from .notice import announce_pending
+from .schema import FINISHED_STATES, QUEUED, RUNNING
+from .store import Store
+
+
+def retry(app: Any, store: Store, job_id: str) -> str:
+    """Queue a ``failed`` or ``cancelled`` job again and publish its message: it resumes from
+    its checkpoint. A publish that fails leaves the job cancelled, to be retried again."""
+    job = store.requeue(job_id, queued_timeout=settings_for(app).queued_timeout)
+    try:
+        job.message.send(app)
+    except Exception as exc:
+        store.cancel_queued(job.id)
+        raise LeaseError(
+            f"job {job.id} could not be published ({exc}); it is left cancelled, retry it again"
+        ) from exc
+    start = (
+        "from its checkpoint"
+        if job.checkpoint is not None
+        else "from the start (it has no checkpoint)"
+    )
+    return f"job {job.id} ({job.task}) queued again: attempt {job.attempts + 1} resumes {start}"
+
+
+def cancel(app: Any, store: Store, job_id: str) -> str:
+    """Cancel a job: a queued one will not run (the result backend is told REVOKED), a
+    running one stops at its next checkpoint and ends ``cancelled``."""
+    job = store.get(job_id)
+    for _ in range(3):  # the job may change state between the read and the write
+        if job is None:
+            break
+        if job.state == QUEUED and store.cancel_queued(job.id):
+            announce_pending(app, store, batch=settings_for(app).reap_batch)
+            return (
+                f"job {job.id} ({job.task}) cancelled: its message is dropped when a worker "
+                f"receives it"
+            )
+        if job.state == RUNNING and store.request_stop([job.id], "cancel"):
+            return (
+                f"job {job.id} ({job.task}) running on {job.owner}: it stops at its next "
+                f"checkpoint and ends cancelled"
+            )
+        if job.state in FINISHED_STATES:
+            break
+        job = store.get(job.id)
+    state = "gone" if job is None else job.state
+    raise InvalidJobState(f"job {job_id} is {state}; only queued or running jobs can be cancelled")
+
+
+def release(store: Store, job_id: str) -> str:
+    """Expire a running job's lease now (its host is dead): the next reaper pass publishes
+    the job again, to resume elsewhere."""
+    job = store.get(job_id)
+    if job is None or not store.release(job_id):
+        job = store.get(job_id)
+        state = "gone" if job is None else job.state
+        raise InvalidJobState(f"job {job_id} is {state}; only a running job holds a lease")
+    return (
+        f"job {job.id} ({job.task}): lease of {job.owner} expired; the next reaper pass "
+        f"re-publishes it ('leases reap' does it now). If {job.owner} is alive after all, its "
+        f"next renewal takes the lease back."
+    )

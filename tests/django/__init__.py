@@ -1,0 +1,1 @@
+"""The Django integration, run in the example project (examples/django_project)."""

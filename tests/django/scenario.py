@@ -1,0 +1,265 @@
+"""Scenarios run inside the example Django project, one process each (Django is set up once
+per process): ``python -m tests.django.scenario NAME ARGS_JSON`` prints what the scenario
+returns as JSON on its last line. ``tests/django/conftest.py`` (``Shop.run``) runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import django
+
+SCENARIOS: dict[str, Callable[..., Any]] = {}
+
+
+def scenario(function: Callable[..., Any]) -> Callable[..., Any]:
+    SCENARIOS[function.__name__] = function
+    return function
+
+
+def _two_attempts(job_id: str) -> tuple[Any, Any]:
+    """A recorded job claimed twice (the first lease released in between): (stale, fresh)."""
+    from billing.tasks import invoice_orders
+
+    from celery_leases.lease import Lease
+    from tests.support.message import job_message
+
+    store = invoice_orders.lease_store
+    sent = job_message(job_id, invoice_orders.name, args=[job_id, 2])
+    store.register(sent)
+    first = store.claim(sent, owner="w1/1", duration=30.0)
+    assert store.release(job_id)
+    second = store.claim(sent, owner="w2/2", duration=30.0)
+    stale = Lease(job_id, first.token, first.attempt, None, "w1/1", 30.0, 10.0)
+    fresh = Lease(job_id, second.token, second.attempt, None, "w2/2", 30.0, 10.0)
+    return stale, fresh
+
+
+@scenario
+def where() -> dict[str, Any]:
+    """Where the Celery app of the project keeps its leases."""
+    from celery import current_app
+
+    from celery_leases.config import settings_for
+    from celery_leases.contrib.django import database
+
+    settings = settings_for(current_app)
+    return {
+        "celery_url": settings.database_url,
+        "django_url": database.url_for("default"),
+        "table": settings.table,
+    }
+
+
+@scenario
+def orm_checkpoint() -> dict[str, Any]:
+    """An invoice and the checkpoint after it, in one ``atomic()`` block: a stale attempt's,
+    a fresh attempt's that rolls back, and a fresh attempt's that commits."""
+    from billing.models import Invoice
+    from billing.tasks import invoice_orders
+    from django.db import transaction
+
+    from celery_leases import LeaseLost
+    from celery_leases.lease import current
+
+    job_id = f"orm-{uuid.uuid4().hex}"
+    store = invoice_orders.lease_store
+    stale, fresh = _two_attempts(job_id)
+    seen: dict[str, Any] = {}
+
+    def invoice(lease: Any, number: int) -> None:
+        Invoice.objects.create(
+            batch=job_id, number=number, attempt=lease.attempt, token=lease.token
+        )
+        invoice_orders.checkpoint({"next": number + 1}, progress=(number + 1, 2))
+
+    current.stack.append(stale)
+    try:
+        with transaction.atomic():
+            invoice(stale, 0)
+    except LeaseLost as exc:
+        seen["stale"] = type(exc).__name__
+    finally:
+        current.stack.remove(stale)
+    seen["invoices after the stale attempt"] = Invoice.objects.filter(batch=job_id).count()
+
+    current.stack.append(fresh)
+    try:
+        try:
+            with transaction.atomic():
+                invoice(fresh, 0)
+                raise RuntimeError("the block fails after the checkpoint")
+        except RuntimeError:
+            pass
+        job = store.get(job_id)
+        seen["checkpoint after a rolled-back block"] = job.checkpoint
+        seen["invoices after a rolled-back block"] = Invoice.objects.filter(batch=job_id).count()
+        with transaction.atomic():
+            invoice(fresh, 0)
+            # Another connection (the store's own) does not see it before the commit.
+            seen["checkpoint seen before the commit"] = store.get(job_id).checkpoint
+        job = store.get(job_id)
+        seen["checkpoint after the commit"] = job.checkpoint
+        seen["progress after the commit"] = [job.progress_done, job.progress_total]
+    finally:
+        current.stack.remove(fresh)
+    seen["invoices"] = list(
+        Invoice.objects.filter(batch=job_id).values_list("number", "token").order_by("id")
+    )
+    seen["fresh token"] = fresh.token
+    return seen
+
+
+@scenario
+def delay_on_commit() -> dict[str, Any]:
+    """``delay_on_commit`` of a leased task: recorded and sent only when the block commits."""
+    from billing.tasks import invoice_orders
+    from django.db import transaction
+
+    store = invoice_orders.lease_store
+
+    def recorded(batch: str) -> list[str]:
+        jobs = store.list_jobs(task=invoice_orders.name, limit=1000)
+        return [job.state for job in jobs if job.args[:1] == [batch]]
+
+    batch = f"delay-{uuid.uuid4().hex[:8]}"
+    with transaction.atomic():
+        invoice_orders.delay_on_commit(batch, 3)
+        inside = recorded(batch)
+    rolled = f"rolled-{uuid.uuid4().hex[:8]}"
+    try:
+        with transaction.atomic():
+            invoice_orders.delay_on_commit(rolled, 3)
+            raise RuntimeError("rolled back")
+    except RuntimeError:
+        pass
+    return {
+        "inside the block": inside,
+        "after the commit": recorded(batch),
+        "after a rollback": recorded(rolled),
+    }
+
+
+@scenario
+def admin() -> dict[str, Any]:
+    """The admin, through Django's test client: what a staff user sees and what the actions
+    do to a queued, a running and a failed job."""
+    from billing.tasks import invoice_orders
+    from django.contrib.auth.models import User
+    from django.test import Client
+    from django.test.utils import setup_test_environment
+
+    from tests.support.message import job_message
+
+    store = invoice_orders.lease_store
+    tag = uuid.uuid4().hex[:8]
+    ids = {state: f"{state}-{tag}" for state in ("queued", "running", "failed", "done")}
+    for state, job_id in ids.items():
+        sent = job_message(job_id, invoice_orders.name, args=[job_id, 10])
+        store.register(sent)
+        if state == "queued":
+            continue
+        claimed = store.claim(sent, owner=f"w@host/{tag}", duration=300.0)
+        store.checkpoint(job_id, claimed.token, '{"next": 4}', progress=(4, 10))
+        if state == "failed":
+            store.fail(job_id, claimed.token, error="ValueError: boom")
+        elif state == "done":
+            store.finish(job_id, claimed.token, result="10")
+    setup_test_environment()  # the client records each response's context
+    user = User.objects.create_superuser(f"admin-{tag}", f"{tag}@example.com", "pw")
+    client = Client()
+    client.force_login(user)
+    page = "/admin/celery_leases/job/"
+    seen: dict[str, Any] = {}
+
+    def listed(query: str) -> list[str]:
+        response = client.get(page + query)
+        assert response.status_code == 200, response.status_code
+        text = response.content.decode()
+        return sorted(state for state, job_id in ids.items() if job_id in text)
+
+    everything = client.get(page).content.decode()
+    seen["listed"] = listed("")
+    seen["progress shown"] = "40% (4 / 10)" in everything
+    seen["filtered by state running"] = listed("?state__exact=running")
+    seen["filtered by task"] = listed(f"?task__exact={invoice_orders.name}")
+    seen["searched by id prefix"] = listed(f"?q=running-{tag[:4]}")
+    detail = client.get(f"{page}{ids['running']}/change/")
+    seen["detail status"] = detail.status_code
+    seen["detail has a save button"] = 'name="_save"' in detail.content.decode()
+    seen["detail shows the checkpoint"] = "&quot;next&quot;: 4" in detail.content.decode()
+    seen["detail post status"] = client.post(f"{page}{ids['running']}/change/", {}).status_code
+    seen["add status"] = client.get(f"{page}add/").status_code
+
+    def act(action: str, *states: str) -> list[str]:
+        response = client.post(
+            page,
+            {"action": action, "_selected_action": [ids[s] for s in states], "index": 0},
+            follow=True,
+        )
+        return [str(m) for m in response.context["messages"]]
+
+    seen["cancel messages"] = act("cancel", "queued", "running", "done")
+    seen["retry messages"] = act("retry", "failed")
+    seen["release messages"] = act("release", "running")
+    jobs = {state: store.get(job_id) for state, job_id in ids.items()}
+    seen["after"] = {
+        state: [job.state, job.stop_requested, (job.expires_in or 0) <= 0]
+        for state, job in jobs.items()
+    }
+    seen["failed job's checkpoint"] = jobs["failed"].checkpoint
+    return seen
+
+
+@scenario
+def idle_in_atomic() -> dict[str, Any]:
+    """PostgreSQL: a block that sits idle past the lease after its checkpoint is ended by the
+    database (the checkpoint's idle-in-transaction bound), and the attempt sees it as such."""
+    import time
+
+    from billing.models import Invoice
+    from billing.tasks import invoice_orders
+    from django.db import connections, transaction
+
+    from celery_leases.database import ended_idle_transaction
+    from celery_leases.lease import Lease, current
+    from tests.support.message import job_message
+
+    job_id = f"idle-{uuid.uuid4().hex}"
+    store = invoice_orders.lease_store
+    sent = job_message(job_id, invoice_orders.name, args=[job_id, 2])
+    store.register(sent)
+    claimed = store.claim(sent, owner="w1/1", duration=30.0)
+    lease = Lease(job_id, claimed.token, claimed.attempt, None, "w1/1", 1.0, 0.3)
+    seen: dict[str, Any] = {}
+    current.stack.append(lease)
+    try:
+        with transaction.atomic():
+            Invoice.objects.create(batch=job_id, number=0, attempt=1, token=lease.token)
+            invoice_orders.checkpoint({"next": 1})
+            time.sleep(2.0)  # idle inside the transaction, past the 1 s lease
+    except Exception as exc:
+        seen["error"] = type(exc).__name__
+        seen["ended idle"] = ended_idle_transaction(exc)
+    finally:
+        current.stack.remove(lease)
+        connections["default"].close()
+    seen["idle bounded"] = lease.idle_bounded
+    seen["invoices"] = Invoice.objects.filter(batch=job_id).count()
+    seen["checkpoint"] = store.get(job_id).checkpoint
+    return seen
+
+
+def main() -> None:
+    name, args = sys.argv[1], json.loads(sys.argv[2])
+    django.setup()
+    result = SCENARIOS[name](**args)
+    print(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The Django integration in the example project, against SQLite, PostgreSQL and MariaDB:
+migrations, the leases in Django's own database, ORM writes and checkpoints committed together,
+delay_on_commit, and the admin (Django's test client)."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+
+from celery_leases import migrations
+from tests.django.conftest import TABLE, Shop
+
+
+def test_migrate_creates_the_leases_table_in_django_own_database_and_zero_drops_it(
+    shop: Shop,
+) -> None:
+    # Given the project migrated (the shop fixture ran manage.py migrate)
+    assert migrations.current(shop.store) == migrations.head()
+
+    # When the app's migrations are undone, then applied again
+    shop.manage("migrate", "celery_leases", "zero", "--verbosity", "0")
+    with shop.store.engine.connect() as connection:
+        gone = TABLE not in sa.inspect(connection).get_table_names()
+    again = shop.manage("migrate", "--verbosity", "1")
+
+    # Then zero dropped the table and migrate made it anew, saying where
+    assert gone
+    assert migrations.current(shop.store) == migrations.head()
+    assert f"celery-leases: leases table {TABLE} in " in again.stdout
+
+
+def test_the_celery_app_keeps_its_leases_in_django_database_without_a_url_of_its_own(
+    shop: Shop,
+) -> None:
+    where = shop.run("where")
+
+    assert where["celery_url"] == where["django_url"]
+    assert where["table"] == TABLE
+    backend = sa.engine.make_url(where["celery_url"]).get_backend_name()
+    assert backend == {"sqlite": "sqlite", "postgres": "postgresql", "mariadb": "mysql"}[shop.kind]
+
+
+def test_an_orm_write_and_its_checkpoint_commit_together_and_a_stale_attempt_rolls_back(
+    shop: Shop,
+) -> None:
+    seen = shop.run("orm_checkpoint")
+
+    # The stale attempt's checkpoint raised inside atomic(), and its invoice rolled back
+    assert seen["stale"] == "LeaseLost"
+    assert seen["invoices after the stale attempt"] == 0
+    # A block that fails after the checkpoint rolls the checkpoint back with the invoice
+    assert seen["checkpoint after a rolled-back block"] is None
+    assert seen["invoices after a rolled-back block"] == 0
+    # The checkpoint is in Django's transaction: invisible to another connection until commit
+    assert seen["checkpoint seen before the commit"] is None
+    assert seen["checkpoint after the commit"] == {"next": 1}
+    assert seen["progress after the commit"] == [1, 2]
+    assert seen["invoices"] == [[0, seen["fresh token"]]]
+
+
+def test_delay_on_commit_records_and_sends_the_job_only_when_the_block_commits(
+    shop: Shop,
+) -> None:
+    seen = shop.run("delay_on_commit")
+
+    assert seen["inside the block"] == []
+    assert seen["after the commit"] == ["queued"]
+    assert seen["after a rollback"] == []
+
+
+def test_the_admin_lists_filters_and_searches_jobs_and_its_actions_use_the_store(
+    shop: Shop,
+) -> None:
+    seen = shop.run("admin")
+
+    assert seen["listed"] == ["done", "failed", "queued", "running"]
+    assert seen["progress shown"]
+    assert seen["filtered by state running"] == ["running"]
+    assert seen["filtered by task"] == ["done", "failed", "queued", "running"]
+    assert seen["searched by id prefix"] == ["running"]
+    # Read-only: a job's page shows it, with no save button, and refuses a POST; no add page
+    assert (seen["detail status"], seen["detail has a save button"]) == (200, False)
+    assert seen["detail shows the checkpoint"]
+    assert seen["detail post status"] == 403
+    assert seen["add status"] == 403
+    # The actions: cancel (queued: cancelled; running: asked to stop; done: refused), retry
+    # (failed: queued again, checkpoint kept), release (running: lease expired)
+    cancel = seen["cancel messages"]
+    assert any("cancelled: its message is dropped" in m for m in cancel)
+    assert any("it stops at its next checkpoint and ends cancelled" in m for m in cancel)
+    assert any("is done; only queued or running jobs can be cancelled" in m for m in cancel)
+    assert any(
+        "queued again: attempt 2 resumes from its checkpoint" in m for m in seen["retry messages"]
+    )
+    assert any("lease of w@host/" in m for m in seen["release messages"])
+    assert seen["after"]["queued"][:2] == ["cancelled", None]
+    assert seen["after"]["running"] == ["running", "cancel", True]
+    assert seen["after"]["failed"][0] == "queued"
+    assert seen["after"]["done"][0] == "done"
+    assert seen["failed job's checkpoint"] == {"next": 4}
+
+
+@pytest.mark.parametrize("shop", ["postgres"], indirect=True)
+def test_a_block_idle_past_the_lease_after_its_checkpoint_is_ended_and_seen_as_such(
+    shop: Shop,
+) -> None:
+    seen = shop.run("idle_in_atomic")
+
+    assert seen["idle bounded"] is True
+    assert seen["ended idle"] is True, seen
+    assert (seen["invoices"], seen["checkpoint"]) == (0, None)
