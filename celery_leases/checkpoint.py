@@ -11,7 +11,7 @@ from sqlalchemy.engine import Connection
 
 from . import metrics, rows
 from .attempt import until_deadline
-from .database import ForeignConnection
+from .direct import Foreign
 from .errors import Cancelled, CheckpointError, LeaseLost, Preempted
 from .lease import Lease
 from .signals import checkpoint_saved
@@ -25,7 +25,7 @@ def save(
     state: Any,
     *,
     progress: Any = None,
-    connection: Connection | ForeignConnection | None = None,
+    connection: Connection | Foreign | None = None,
 ) -> None:
     """Save ``state`` for ``lease``'s job, fenced by its token (``LeasedTask.checkpoint``)."""
     text = _encoded(task, lease, state, "checkpoint")

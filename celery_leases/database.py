@@ -244,62 +244,6 @@ class Session:
             direct.close()  # never back to a pool: its lock must go too
 
 
-class ForeignConnection:
-    """A DBAPI connection another library holds open in a transaction of its own (Django's,
-    inside ``transaction.atomic()``), on which the store runs one statement, compiled for
-    ``dialect``: nothing here begins, commits or rolls back, so the statement commits or rolls
-    back with that library's transaction. Driver errors come out as SQLAlchemy's, as on a
-    :class:`Connection`. ``info`` lives as long as the foreign connection (the store keeps its
-    MariaDB idle-write bound there)."""
-
-    def __init__(self, dbapi_connection: Any, dialect: Any, info: dict[str, Any]) -> None:
-        self.dbapi_connection = dbapi_connection
-        self.dialect = dialect
-        self.info = info
-
-    def execute(self, statement: Any, params: dict[str, Any]) -> ForeignResult:
-        """Run ``statement`` (an SQLAlchemy Core statement) with ``params``; its first row
-        when it returns rows, and its row count."""
-        compiled = statement.compile(dialect=self.dialect)
-        bound = compiled.construct_params(params)
-        processors = compiled._bind_processors  # the driver-side conversions of each type
-        for name, process in processors.items():
-            if name in bound and bound[name] is not None:
-                bound[name] = process(bound[name])
-        values: Any = bound
-        if compiled.positional:
-            values = tuple(bound[name] for name in compiled.positiontup or ())
-        return self._run(compiled.string, values, returns=bool(compiled.returning))
-
-    def exec_driver_sql(self, sql: str) -> ForeignResult:
-        """Run one SQL string as it is."""
-        return self._run(sql, (), returns=False)
-
-    def _run(self, sql: str, values: Any, *, returns: bool) -> ForeignResult:
-        cursor = self.dbapi_connection.cursor()
-        try:
-            cursor.execute(sql, values)
-            row = cursor.fetchone() if returns else None
-            return ForeignResult(row, cursor.rowcount)
-        except self.dialect.loaded_dbapi.Error as exc:
-            raise sa.exc.DBAPIError.instance(
-                sql, values, exc, self.dialect.loaded_dbapi.Error, dialect=self.dialect
-            ) from exc
-        finally:
-            cursor.close()
-
-
-class ForeignResult:
-    """What :meth:`ForeignConnection.execute` returns: the first row and the row count."""
-
-    def __init__(self, row: Any, rowcount: int) -> None:
-        self.row = row
-        self.rowcount = rowcount
-
-    def first(self) -> Any:
-        return self.row
-
-
 def local_process_gone(owner: str | None, pid: int | None) -> bool:
     """True if ``owner`` ("node@host/pid") runs on this host and its process ``pid`` is gone
     (a zombie counts as gone): SQLite's stand-in for a session that ended."""

@@ -119,24 +119,15 @@ class Result:
         return self.rows[0][0]
 
 
-class Direct:
-    """One DBAPI connection of this process, in autocommit, and the statements run on it.
+class Driver:
+    """Statements run on one DBAPI connection, compiled once (``Compiled``), with the shape of
+    SQLAlchemy's ``Connection.execute`` for what the store's operations use of it."""
 
-    Used by one thread at a time (``Connections`` lends it out). ``execute`` has the shape of
-    SQLAlchemy's ``Connection.execute`` for what the store's hot operations use of it."""
-
-    def __init__(self, engine: Engine, compiled: dict[Any, Compiled]) -> None:
-        self.dialect = engine.dialect
+    def __init__(self, dbapi_connection: Any, dialect: Any, compiled: dict[Any, Compiled]):
+        self.dialect = dialect
+        self._dbapi_connection = dbapi_connection
         self._compiled = compiled
-        fairy = engine.raw_connection()  # the engine's connect hooks run (time zone, pragmas)
-        self.connection: Any = fairy.driver_connection
-        self._dbapi_connection: Any = fairy.dbapi_connection
-        fairy.detach()  # its own now: never reset or handed out by the pool
-        self._fairy = fairy
-        self.pid = os.getpid()
-        self.in_transaction = False
         self.broken = False
-        self._autocommit(True)
 
     def execute(self, statement: Any, params: dict[str, Any] | None = None) -> Result:
         compiled = self._compiled.get(statement)
@@ -166,46 +157,9 @@ class Direct:
         finally:
             cursor.close()
 
-    def begin(self) -> None:
-        """Open a transaction (for an operation of more than one statement)."""
-        self._send("BEGIN")
-        self.in_transaction = True
-
-    def commit(self) -> None:
-        self.in_transaction = False
-        self._send("COMMIT")
-
-    def rollback(self) -> None:
-        self.in_transaction = False
-        if not self.broken:
-            try:
-                self._send("ROLLBACK")
-            except sa.exc.DBAPIError:
-                self.broken = True
-
-    def close(self) -> None:
-        """Close the connection, unless it is a forked parent's (its socket is the parent's)."""
-        if self.pid == os.getpid():
-            with contextlib.suppress(self.dialect.loaded_dbapi.Error):
-                self._dbapi_connection.close()
-
-    def _send(self, sql: str) -> None:
-        cursor = self._dbapi_connection.cursor()
-        try:
-            cursor.execute(sql)
-        except self.dialect.loaded_dbapi.Error as exc:
-            raise self._wrapped(exc, sql, (), cursor) from exc
-        finally:
-            cursor.close()
-
-    def _autocommit(self, on: bool) -> None:
-        connection, name = self.connection, self.dialect.name
-        if name == "postgresql":
-            connection.autocommit = on
-        elif name == "sqlite":
-            connection.isolation_level = None if on else ""
-        else:
-            connection.autocommit(on)
+    def exec_driver_sql(self, sql: str) -> Result:
+        """Run one SQL string as it is (no parameters)."""
+        return Result(self.query(sql), -1)
 
     def _wrapped(self, exc: Any, sql: str, parameters: Any, cursor: Any) -> Any:
         """``exc`` as SQLAlchemy's error (a ``DBAPIError``), noting a lost connection."""
@@ -220,6 +174,67 @@ class Direct:
             connection_invalidated=lost,
             dialect=self.dialect,
         )
+
+
+class Direct(Driver):
+    """One DBAPI connection of this process's own, in autocommit, outside the pool. Used by
+    one thread at a time (``Connections`` lends it out)."""
+
+    def __init__(self, engine: Engine, compiled: dict[Any, Compiled]) -> None:
+        fairy = engine.raw_connection()  # the engine's connect hooks run (time zone, pragmas)
+        self.connection: Any = fairy.driver_connection
+        super().__init__(fairy.dbapi_connection, engine.dialect, compiled)
+        fairy.detach()  # its own now: never reset or handed out by the pool
+        self._fairy = fairy
+        self.pid = os.getpid()
+        self.in_transaction = False
+        self._autocommit(True)
+
+    def begin(self) -> None:
+        """Open a transaction (for an operation of more than one statement)."""
+        self.query("BEGIN")
+        self.in_transaction = True
+
+    def commit(self) -> None:
+        self.in_transaction = False
+        self.query("COMMIT")
+
+    def rollback(self) -> None:
+        self.in_transaction = False
+        if not self.broken:
+            try:
+                self.query("ROLLBACK")
+            except sa.exc.DBAPIError:
+                self.broken = True
+
+    def close(self) -> None:
+        """Close the connection, unless it is a forked parent's (its socket is the parent's)."""
+        if self.pid == os.getpid():
+            with contextlib.suppress(self.dialect.loaded_dbapi.Error):
+                self._dbapi_connection.close()
+
+    def _autocommit(self, on: bool) -> None:
+        connection, name = self.connection, self.dialect.name
+        if name == "postgresql":
+            connection.autocommit = on
+        elif name == "sqlite":
+            connection.isolation_level = None if on else ""
+        else:
+            connection.autocommit(on)
+
+
+class Foreign(Driver):
+    """A DBAPI connection another library holds open in a transaction of its own (Django's,
+    inside ``transaction.atomic()``), on which the store runs its statements: nothing here
+    begins, commits or rolls back, so they commit or roll back with that transaction.
+    ``info`` lives as long as the foreign connection (the store keeps its MariaDB idle-write
+    bound there)."""
+
+    def __init__(
+        self, dbapi_connection: Any, dialect: Any, compiled: dict[Any, Compiled], info: Any
+    ) -> None:
+        super().__init__(dbapi_connection, dialect, compiled)
+        self.info: dict[str, Any] = info
 
 
 class Connections:
@@ -251,6 +266,11 @@ class Connections:
             raise
         finally:
             self._give_back(direct)
+
+    def foreign(self, dbapi_connection: Any, info: dict[str, Any]) -> Foreign:
+        """The store's statements on ``dbapi_connection``, a connection of another library's
+        in a transaction of its own (:class:`Foreign`)."""
+        return Foreign(dbapi_connection, self._engine().dialect, self._compiled, info)
 
     def open(self) -> Direct:
         """A direct connection of the caller's own, not lent by this pool (a keeper's

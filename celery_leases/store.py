@@ -24,7 +24,8 @@ from sqlalchemy.engine import Connection
 
 from . import migrations, rows
 from .config import Settings, settings_for
-from .database import Database, ForeignConnection, Session, local_process_gone
+from .database import Database, Session, local_process_gone
+from .direct import Foreign
 from .errors import (
     ConfigurationError,
     CorruptJob,
@@ -443,7 +444,7 @@ class Store:
         state: str,
         *,
         progress: tuple[int, int | None] | None = None,
-        connection: Connection | ForeignConnection | None = None,
+        connection: Connection | Foreign | None = None,
         idle_limit: float | None = None,
     ) -> tuple[bool, str | None]:
         """Save a checkpoint (JSON text) and renew, fenced by ``token``.
@@ -451,7 +452,7 @@ class Store:
         Returns (saved, stop request). With ``connection`` the statement joins the caller's
         transaction, so the caller's own writes and the checkpoint commit or roll back together;
         that transaction may then sit idle ``idle_limit`` seconds at most (the lease's length;
-        default ``leases_duration``) before the database ends it. A :class:`ForeignConnection`
+        default ``leases_duration``) before the database ends it. A :class:`Foreign`
         (Django's, inside ``transaction.atomic()``) joins that library's transaction the same way.
         """
         idle_limit = self.settings.duration if idle_limit is None else idle_limit
@@ -466,7 +467,7 @@ class Store:
         if progress is not None:
             params["b_done"], params["b_total"] = progress
 
-        def run(c: Connection | ForeignConnection) -> tuple[bool, str | None]:
+        def run(c: Connection | Foreign) -> tuple[bool, str | None]:
             if self.db.returning:
                 row = c.execute(stmt, params).first()
                 return (row is not None, row[0] if row is not None else None)
@@ -481,15 +482,13 @@ class Store:
             return run(connection)
 
     @staticmethod
-    def bounds_idle(connection: Connection | ForeignConnection) -> bool:
+    def bounds_idle(connection: Connection | Foreign) -> bool:
         """Whether a transactional checkpoint on ``connection`` bounds how long its
         transaction may sit idle (PostgreSQL, MariaDB; not MySQL, not SQLite)."""
         dialect = connection.dialect
         return dialect.name == "postgresql" or bool(getattr(dialect, "is_mariadb", False))
 
-    def _guard_idle_writes(
-        self, connection: Connection | ForeignConnection, idle_limit: float
-    ) -> None:
+    def _guard_idle_writes(self, connection: Connection | Foreign, idle_limit: float) -> None:
         """MariaDB's bound on how long the caller's transaction may sit idle after writing
         (PostgreSQL's is in the checkpoint statement itself, transaction-local): a worker
         frozen before its commit then loses the connection, and the row's lock, after about
@@ -502,14 +501,14 @@ class Store:
         if connection.info.get(IDLE_WRITE_GUARD) != seconds:
             connection.exec_driver_sql(f"SET SESSION idle_write_transaction_timeout = {seconds}")
             connection.info[IDLE_WRITE_GUARD] = seconds
-            if isinstance(connection, ForeignConnection):
+            if isinstance(connection, Foreign):
                 return  # its owner gives the default back (unguard_idle_writes)
             pool = connection.engine.pool
             if not sa.event.contains(pool, "checkin", _unguard_idle_writes):
                 sa.event.listen(pool, "checkin", _unguard_idle_writes)
 
     @staticmethod
-    def unguard_idle_writes(connection: ForeignConnection) -> None:
+    def unguard_idle_writes(connection: Foreign) -> None:
         """Give a foreign connection the server's default idle-write bound back, if a
         transactional checkpoint had set its own (MariaDB; call it outside any transaction)."""
         if connection.info.pop(IDLE_WRITE_GUARD, None) is not None:

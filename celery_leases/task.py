@@ -12,7 +12,7 @@ from sqlalchemy.engine import Connection
 
 from . import attempt, checkpoint, message
 from .config import Settings, settings_for
-from .database import ForeignConnection
+from .direct import Foreign
 from .errors import ArgumentsError, Cancelled, LeaseError, LeaseLost, StoreUnavailable
 from .lease import Lease, current, holding
 from .schema import CANCELLED
@@ -83,7 +83,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         state: Any,
         *,
         progress: tuple[int, int | None] | int | None = None,
-        connection: Connection | ForeignConnection | None = None,
+        connection: Connection | Foreign | None = None,
     ) -> None:
         """Save ``state`` (JSON-serializable) as the point to resume from, and renew the lease.
 

@@ -7,7 +7,7 @@ from typing import Any
 from celery.contrib.django.task import DjangoTask
 from sqlalchemy.engine import Connection
 
-from ...database import ForeignConnection
+from ...direct import Foreign
 from ...task import LeasedTask
 from . import transaction
 
@@ -29,7 +29,7 @@ class DjangoLeasedTask(LeasedTask, DjangoTask):  # type: ignore[misc]
         state: Any,
         *,
         progress: tuple[int, int | None] | int | None = None,
-        connection: Connection | ForeignConnection | None = None,
+        connection: Connection | Foreign | None = None,
     ) -> None:
         """``LeasedTask.checkpoint``, joining Django's transaction inside ``atomic()``."""
         if connection is None:

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...database import ForeignConnection
+from ...direct import Foreign
 from . import database
 
 #: Attribute of a Django connection wrapper holding what the store keeps per connection.
 _INFO = "_celery_leases_info"
 
 
-def joined(task: Any) -> ForeignConnection | None:
+def joined(task: Any) -> Foreign | None:
     """Django's connection, when ``task``'s leases live in the Django database and that
     connection is inside ``transaction.atomic()``; None otherwise (the checkpoint then runs
     on its own, as outside Django)."""
@@ -33,7 +33,7 @@ def joined(task: Any) -> ForeignConnection | None:
         return None
     connection.ensure_connection()
     info = connection.__dict__.setdefault(_INFO, {})
-    return ForeignConnection(connection.connection, store.engine.dialect, info)
+    return store.db.direct.foreign(connection.connection, info)
 
 
 def release(task: Any) -> None:
@@ -48,7 +48,7 @@ def release(task: Any) -> None:
     info = connection.__dict__.get(_INFO)
     if not info or connection.connection is None or connection.in_atomic_block:
         return
-    foreign = ForeignConnection(connection.connection, task.lease_store.engine.dialect, info)
+    foreign = task.lease_store.db.direct.foreign(connection.connection, info)
     try:
         task.lease_store.unguard_idle_writes(foreign)
     except Exception:  # a broken connection: Django replaces it, and the setting with it
