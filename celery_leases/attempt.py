@@ -30,6 +30,7 @@ from .errors import (
 )
 from .keeper import Keeper, keeper_for
 from .lease import Lease, holding
+from .log import job_fields, lease_fields
 from .message import DB_RETRY_HEADER, Message
 from .rows import Refused
 from .schema import CANCELLED, QUEUED
@@ -94,7 +95,7 @@ class Attempt:
         except CorruptJob as exc:
             # The row cannot be read: fail it for good rather than redeliver it forever.
             self.store.give_up(request.id, error=str(exc))
-            logger.error("job %s: %s; marked failed", request.id, exc)
+            logger.error("job %s: %s; marked failed", request.id, exc, extra=job_fields(request.id))
             raise
         if isinstance(outcome, Refused):
             self.refused(outcome, delivery)
@@ -110,9 +111,9 @@ class Attempt:
             kill_when_stalled=settings.kill_stalled,
             checkpoint_age=outcome.checkpoint_age,
         )
-        metrics.count("claims")
+        metrics.count("claims", task=self.task.name)
         if outcome.attempt > 1:
-            metrics.count("resumes")
+            metrics.count("resumes", task=self.task.name)
             age = (
                 "none" if outcome.checkpoint_age is None else f"{outcome.checkpoint_age:.1f} s old"
             )
@@ -122,9 +123,12 @@ class Attempt:
                 lease.attempt,
                 lease.token,
                 age,
+                extra=lease_fields(lease),
             )
         else:
-            logger.info("job %s: claimed, token %d", lease.job_id, lease.token)
+            logger.info(
+                "job %s: claimed, token %d", lease.job_id, lease.token, extra=lease_fields(lease)
+            )
         return lease
 
     def refused(self, refused: Refused, delivery: Message) -> NoReturn:
@@ -141,11 +145,17 @@ class Attempt:
                 request.id,
                 refused.owner,
                 delay,
+                extra=job_fields(request.id),
             )
             delivery.send(self.task.app, countdown=delay)
             raise Ignore()
-        metrics.count("duplicates_dropped")
-        logger.info("job %s: message dropped, %s", request.id, _refusal_text(refused))
+        metrics.count("duplicates_dropped", task=self.task.name)
+        logger.info(
+            "job %s: message dropped, %s",
+            request.id,
+            _refusal_text(refused),
+            extra=job_fields(request.id),
+        )
         raise Ignore()
 
     def redeliver_later(self, delivery: Message, exc: Exception) -> None:
@@ -159,6 +169,7 @@ class Attempt:
             delay,
             tries,
             exc,
+            extra=job_fields(request.id),
         )
         delivery.send(self.task.app, countdown=delay, **{DB_RETRY_HEADER: tries})
 
@@ -180,6 +191,7 @@ class Attempt:
                     "dropped",
                     lease.job_id,
                     lease.token,
+                    extra=lease_fields(lease),
                 )
                 raise Ignore() from None
             raise
@@ -194,7 +206,10 @@ class Attempt:
             raise
         except LeaseLost:
             logger.warning(
-                "job %s: attempt with token %d stopped, lease lost", lease.job_id, lease.token
+                "job %s: attempt with token %d stopped, lease lost",
+                lease.job_id,
+                lease.token,
+                extra=lease_fields(lease),
             )
             raise Ignore() from None
         except Cancelled as exc:
@@ -203,13 +218,17 @@ class Attempt:
                 lease.job_id, lease.token, error=str(exc), state=CANCELLED
             ):
                 self.revoked(str(exc))
-            logger.info("job %s: cancelled at its checkpoint", lease.job_id)
+            logger.info(
+                "job %s: cancelled at its checkpoint", lease.job_id, extra=lease_fields(lease)
+            )
             raise Ignore() from None
         except Preempted:
             if self.hand_back(lease, reap_in=0.0) == QUEUED:
                 self.delivery.send(self.task.app)
                 logger.info(
-                    "job %s: handed back at its checkpoint for another worker", lease.job_id
+                    "job %s: handed back at its checkpoint for another worker",
+                    lease.job_id,
+                    extra=lease_fields(lease),
                 )
             raise Ignore() from None
         except Ignore:
@@ -245,6 +264,7 @@ class Attempt:
             lease.job_id,
             lease.duration,
             type(getattr(exc, "orig", exc)).__name__,
+            extra=lease_fields(lease),
         )
         raise Ignore() from None
 
@@ -257,6 +277,7 @@ class Attempt:
                 "job %s: failed, and the failure could not be recorded: %s",
                 lease.job_id,
                 store_exc,
+                extra=lease_fields(lease),
             )
             return
         if not ended:
@@ -264,6 +285,7 @@ class Attempt:
                 "job %s: a stale attempt failed (token %d); not recorded",
                 lease.job_id,
                 lease.token,
+                extra=lease_fields(lease),
             )
             raise Ignore() from None
 
@@ -279,12 +301,13 @@ class Attempt:
             first_delay=0.2,
         )
         if not ended:
-            metrics.count("leases_lost")
+            metrics.count("leases_lost", task=self.task.name)
             logger.warning(
                 "job %s: attempt with token %d finished after losing its lease; "
                 "its result is dropped",
                 lease.job_id,
                 lease.token,
+                extra=lease_fields(lease),
             )
             raise Ignore()
 
@@ -298,6 +321,7 @@ class Attempt:
                 lease.job_id,
                 exc,
                 lease.duration,
+                extra=lease_fields(lease),
             )
             return None
         lease.released = state is not None
@@ -313,7 +337,9 @@ class Attempt:
                 request.id, reason, request=request, store_result=not request.ignore_result
             )
         except Exception as exc:  # a backend that is down or disabled: the row is the truth
-            logger.error("job %s: could not store REVOKED: %r", request.id, exc)
+            logger.error(
+                "job %s: could not store REVOKED: %r", request.id, exc, extra=job_fields(request.id)
+            )
 
 
 def until_deadline(
@@ -340,9 +366,9 @@ def until_deadline(
                         f"job {lease.job_id}: database unreachable until the lease ended; "
                         f"stop ({exc})"
                     ) from exc
-                logger.error("%s", gave_up)
+                logger.error("%s", gave_up, extra=lease_fields(lease))
                 raise
-            logger.warning("%s: %s", waiting, exc)
+            logger.warning("%s: %s", waiting, exc, extra=lease_fields(lease))
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 

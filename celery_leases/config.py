@@ -111,6 +111,11 @@ class Settings:
     max_checkpoint_bytes: int = setting(
         1024 * 1024, count, "largest checkpoint, in bytes of its JSON", per_task=True
     )
+    progress_events: bool = setting(
+        True,
+        flag,
+        "send a `task-progress` Celery event at each checkpoint with progress (Flower shows it)",
+    )
     db_retry_max_delay: float = setting(
         60.0, seconds, "longest delay between re-deliveries while the database is down"
     )

@@ -15,6 +15,7 @@ from celery.utils.log import get_task_logger
 from . import metrics
 from .config import settings_for
 from .errors import LeaseError
+from .log import job_fields
 from .notice import announce_pending
 from .schema import REVOKED
 from .store import store_for
@@ -64,7 +65,12 @@ def reap(app: Any) -> ReapReport:
         orphaned = []
     for job_id, owner in orphaned:
         report.orphaned.append(job_id)
-        logger.info("job %s: its holder's database session is gone (owner %s)", job_id, owner)
+        logger.info(
+            "job %s: its holder's database session is gone (owner %s)",
+            job_id,
+            owner,
+            extra=job_fields(job_id, owner=owner),
+        )
     for _ in range(MAX_BATCHES):
         batch = store.collect_expired(
             batch=settings.reap_batch,
@@ -74,8 +80,14 @@ def reap(app: Any) -> ReapReport:
         )
         for job in batch.gave_up:
             report.gave_up.append(job.id)
-            metrics.count("gave_up")
-            logger.error("job %s (%s): %s", job.id, job.task, job.error)
+            metrics.count("gave_up", task=job.task)
+            logger.error(
+                "job %s (%s): %s",
+                job.id,
+                job.task,
+                job.error,
+                extra=job_fields(job.id, token=job.token, attempt=job.attempts),
+            )
         for job in batch.republish:
             left = job.message.expires_in()
             if left is not None and left <= 0:
@@ -92,10 +104,15 @@ def reap(app: Any) -> ReapReport:
                 job.message.send(app)
             except Exception as exc:  # the row keeps its pushed expiry: a later pass retries
                 report.publish_failed.append(job.id)
-                logger.error("job %s: re-publish failed, next pass retries: %r", job.id, exc)
+                logger.error(
+                    "job %s: re-publish failed, next pass retries: %r",
+                    job.id,
+                    exc,
+                    extra=job_fields(job.id, token=job.token, attempt=job.attempts),
+                )
                 continue
             report.republished.append(job.id)
-            metrics.count("reaped")
+            metrics.count("reaped", task=job.task)
             where = "no checkpoint" if job.checkpoint is None else "its checkpoint"
             logger.info(
                 "job %s (%s): lease expired (owner %s, attempt %d), re-published to resume from %s",
@@ -104,6 +121,7 @@ def reap(app: Any) -> ReapReport:
                 batch.previous_owners.get(job.id) or "none",
                 job.attempts,
                 where,
+                extra=job_fields(job.id, token=job.token, attempt=job.attempts),
             )
         if len(batch.republish) + len(batch.gave_up) < settings.reap_batch:
             break

@@ -12,6 +12,7 @@ from . import attempt, checkpoint, message
 from .config import Settings, settings_for
 from .errors import Cancelled, LeaseError, LeaseLost, StoreUnavailable
 from .lease import Lease, current, holding
+from .log import job_fields
 from .schema import CANCELLED
 from .store import Store, store_for
 
@@ -168,6 +169,7 @@ class _Recorder:
                 "(its claim records it): %s",
                 published.id,
                 exc,
+                extra=job_fields(published.id),
             )
             return published
 
@@ -204,6 +206,7 @@ class _Recorder:
                 "job %s is %s with another message: this one is a copy, dropped at its claim",
                 recorded.id,
                 outcome,
+                extra=job_fields(recorded.id),
             )
         return recorded
 
