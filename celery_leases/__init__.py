@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import startup as _startup  # noqa: F401  (connects the worker and beat start checks)
 from . import worker as _worker  # noqa: F401  (connects the worker signals)
 from .config import DEFAULTS, Settings
 from .errors import (
