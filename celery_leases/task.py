@@ -9,12 +9,13 @@ from celery import Task, current_task
 from sqlalchemy.engine import Connection
 
 from . import attempt, checkpoint, message
-from .config import Settings, check_task_options, conf_version, settings_for
+from .config import Settings, conf_version, settings_for
 from .errors import Cancelled, LeaseError, LeaseLost, StoreUnavailable
 from .lease import Lease, current, holding
 from .log import job_fields
 from .reaper import register_reaper
 from .schema import CANCELLED
+from .spelling import check_task_options
 from .store import Store, store_for
 
 _log = logging.getLogger("celery_leases")
