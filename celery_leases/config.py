@@ -247,12 +247,15 @@ def conf_version(app: Any) -> tuple[Any, ...]:
         keys = _CHANGE_KEYS[conf.prefix] = tuple(
             key for name in DEFAULTS for key in readable(conf.prefix or "", name)
         )
+    # changes.get, not a sentinel default: an absent key and None look alike, and len()
+    # tells them apart (setting or deleting a key changes it).
     return (
         id(conf),
         id(changes),
+        len(changes),
         *map(id, conf.maps),
         app.__dict__.get(_GENERATION, 0),
-        *(changes.get(key, _UNSET) for key in keys),
+        *map(changes.get, keys),
     )
 
 
@@ -271,7 +274,6 @@ def reread_settings(app: Any) -> None:
 
 
 _GENERATION = "_celery_leases_settings_generation"
-_UNSET = object()
 _CHANGE_KEYS: dict[str | None, tuple[str, ...]] = {}
 
 

@@ -74,3 +74,18 @@ def test_reread_settings_makes_a_change_inside_a_config_object_seen(app: Celery)
     reread_settings(app)
 
     assert job.lease_settings.duration == 4.0
+
+
+def test_a_setting_set_to_none_at_run_time_over_a_config_objects_value_is_seen(
+    app: Celery,
+) -> None:
+    class Config:
+        leases_max_attempts = 5
+
+    app.config_from_object(Config)
+    job = leased(app)
+    assert job.lease_settings.max_attempts == 5
+
+    app.conf.leases_max_attempts = None
+
+    assert job.lease_settings.max_attempts is None
