@@ -83,6 +83,15 @@ def check(app: Any, *, who: str) -> list[str]:
     store = store_for(settings)
     place = where(settings)
     try:
+        return _check(app, settings, store, place, who=who)
+    finally:
+        # A worker's main process (and beat) rarely needs the database after this: no idle
+        # connection of its own is kept open for it (one per worker adds up on a server).
+        store.engine.dispose()
+
+
+def _check(app: Any, settings: Settings, store: Any, place: str, *, who: str) -> list[str]:
+    try:
         store.now()
     except LeaseError as exc:
         logger.warning(
