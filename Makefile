@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
 .DEFAULT_GOAL := test
-.PHONY: venv test lint demo bench chaos celery-suite
+.PHONY: venv test lint matrix demo bench chaos celery-suite
 
 venv: $(STAMP)
 
@@ -25,6 +25,10 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# The unit tests on the oldest and newest supported versions, each in a fresh venv (~6 min).
+matrix:
+	bash scripts/matrix.sh
 
 demo: venv
 	$(BIN)/python -m examples.webhook_sync.demo $(DEMO_ARGS)

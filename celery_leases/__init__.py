@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from . import startup as _startup  # noqa: F401  (connects the worker and beat start checks)
 from . import worker as _worker  # noqa: F401  (connects the worker signals)
-from .config import DEFAULTS, Settings
+from .config import DEFAULTS, Settings, reread_settings
 from .errors import (
     ArgumentsError,
     Cancelled,
@@ -20,8 +21,9 @@ from .errors import (
     StoreUnavailable,
 )
 from .lease import Lease
+from .metrics import JobsCollector
 from .migrations import Migrated, migrate
-from .reaper import ReapReport, reap, reap_task, schedule_reaper
+from .reaper import ReapReport, reap, reap_task, register_reaper, schedule_reaper
 from .rows import Job
 from .schema import jobs_table, metadata
 from .store import get_job
@@ -38,17 +40,20 @@ __all__ = [  # noqa: RUF022  (grouped by what a user does with each name)
     "LeaseLost",
     # Running the reaper
     "schedule_reaper",
+    "register_reaper",
     "reap",
     "reap_task",
     "ReapReport",
-    # Reading jobs
+    # Reading jobs and watching them
     "get_job",
     "Job",
+    "JobsCollector",
     # Configuration and schema
     "DEFAULTS",
     "Settings",
     "migrate",
     "Migrated",
+    "reread_settings",
     "jobs_table",
     "metadata",
     # Errors

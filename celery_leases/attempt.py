@@ -30,6 +30,7 @@ from .errors import (
 )
 from .keeper import Keeper, keeper_for
 from .lease import Lease, holding
+from .log import job_fields, lease_fields
 from .message import DB_RETRY_HEADER, KEY_HEADER, Message
 from .rows import Refused
 from .schema import CANCELLED, QUEUED
@@ -98,7 +99,7 @@ class Attempt:
         except CorruptJob as exc:
             # The row cannot be read: fail it for good rather than redeliver it forever.
             self.store.give_up(request.id, error=str(exc))
-            logger.error("job %s: %s; marked failed", request.id, exc)
+            logger.error("job %s: %s; marked failed", request.id, exc, extra=job_fields(request.id))
             raise
         if isinstance(outcome, Refused):
             self.refused(outcome, delivery)
@@ -118,9 +119,9 @@ class Attempt:
         if lease.key is not None:
             key_of_lease = lease.key
             lease.read_cursor = lambda: self.store.cursor(key_of_lease)
-        metrics.count("claims")
+        metrics.count("claims", task=self.task.name)
         if outcome.attempt > 1:
-            metrics.count("resumes")
+            metrics.count("resumes", task=self.task.name)
             age = (
                 "none" if outcome.checkpoint_age is None else f"{outcome.checkpoint_age:.1f} s old"
             )
@@ -130,9 +131,12 @@ class Attempt:
                 lease.attempt,
                 lease.token,
                 age,
+                extra=lease_fields(lease),
             )
         else:
-            logger.info("job %s: claimed, token %d", lease.job_id, lease.token)
+            logger.info(
+                "job %s: claimed, token %d", lease.job_id, lease.token, extra=lease_fields(lease)
+            )
         return lease
 
     def refused(self, refused: Refused, delivery: Message) -> NoReturn:
@@ -149,6 +153,7 @@ class Attempt:
                 request.id,
                 refused.owner,
                 delay,
+                extra=job_fields(request.id),
             )
             delivery.send(self.task.app, countdown=delay)
             raise Ignore()
@@ -158,10 +163,16 @@ class Attempt:
                 request.id,
                 delivery.key,
                 refused.serving,
+                extra=job_fields(request.id),
             )
             raise Ignore()
-        metrics.count("duplicates_dropped")
-        logger.info("job %s: message dropped, %s", request.id, _refusal_text(refused))
+        metrics.count("duplicates_dropped", task=self.task.name)
+        logger.info(
+            "job %s: message dropped, %s",
+            request.id,
+            _refusal_text(refused),
+            extra=job_fields(request.id),
+        )
         raise Ignore()
 
     def redeliver_later(self, delivery: Message, exc: Exception) -> None:
@@ -175,6 +186,7 @@ class Attempt:
             delay,
             tries,
             exc,
+            extra=job_fields(request.id),
         )
         delivery.send(self.task.app, countdown=delay, **{DB_RETRY_HEADER: tries})
 
@@ -196,6 +208,7 @@ class Attempt:
                     "dropped",
                     lease.job_id,
                     lease.token,
+                    extra=lease_fields(lease),
                 )
                 raise Ignore() from None
             raise
@@ -210,7 +223,10 @@ class Attempt:
             raise
         except LeaseLost:
             logger.warning(
-                "job %s: attempt with token %d stopped, lease lost", lease.job_id, lease.token
+                "job %s: attempt with token %d stopped, lease lost",
+                lease.job_id,
+                lease.token,
+                extra=lease_fields(lease),
             )
             raise Ignore() from None
         except Cancelled as exc:
@@ -220,13 +236,17 @@ class Attempt:
             ):
                 self.revoked(str(exc))
                 self.ended(lease)
-            logger.info("job %s: cancelled at its checkpoint", lease.job_id)
+            logger.info(
+                "job %s: cancelled at its checkpoint", lease.job_id, extra=lease_fields(lease)
+            )
             raise Ignore() from None
         except Preempted:
             if self.hand_back(lease, reap_in=0.0) == QUEUED:
                 self.delivery.send(self.task.app)
                 logger.info(
-                    "job %s: handed back at its checkpoint for another worker", lease.job_id
+                    "job %s: handed back at its checkpoint for another worker",
+                    lease.job_id,
+                    extra=lease_fields(lease),
                 )
             raise Ignore() from None
         except Ignore:
@@ -262,6 +282,7 @@ class Attempt:
             lease.job_id,
             lease.duration,
             type(getattr(exc, "orig", exc)).__name__,
+            extra=lease_fields(lease),
         )
         raise Ignore() from None
 
@@ -274,6 +295,7 @@ class Attempt:
                 "job %s: failed, and the failure could not be recorded: %s",
                 lease.job_id,
                 store_exc,
+                extra=lease_fields(lease),
             )
             return
         if not ended:
@@ -281,6 +303,7 @@ class Attempt:
                 "job %s: a stale attempt failed (token %d); not recorded",
                 lease.job_id,
                 lease.token,
+                extra=lease_fields(lease),
             )
             raise Ignore() from None
         self.ended(lease)
@@ -297,12 +320,13 @@ class Attempt:
             first_delay=0.2,
         )
         if not ended:
-            metrics.count("leases_lost")
+            metrics.count("leases_lost", task=self.task.name)
             logger.warning(
                 "job %s: attempt with token %d finished after losing its lease; "
                 "its result is dropped",
                 lease.job_id,
                 lease.token,
+                extra=lease_fields(lease),
             )
             raise Ignore()
         self.ended(lease)
@@ -322,6 +346,7 @@ class Attempt:
                 lease.job_id,
                 exc,
                 lease.duration,
+                extra=lease_fields(lease),
             )
             return None
         lease.released = state is not None
@@ -339,7 +364,9 @@ class Attempt:
                 request.id, reason, request=request, store_result=not request.ignore_result
             )
         except Exception as exc:  # a backend that is down or disabled: the row is the truth
-            logger.error("job %s: could not store REVOKED: %r", request.id, exc)
+            logger.error(
+                "job %s: could not store REVOKED: %r", request.id, exc, extra=job_fields(request.id)
+            )
 
 
 def start_followup(task: Any, job_id: str) -> None:
@@ -384,9 +411,9 @@ def until_deadline(
                         f"job {lease.job_id}: database unreachable until the lease ended; "
                         f"stop ({exc})"
                     ) from exc
-                logger.error("%s", gave_up)
+                logger.error("%s", gave_up, extra=lease_fields(lease))
                 raise
-            logger.warning("%s: %s", waiting, exc)
+            logger.warning("%s: %s", waiting, exc, extra=lease_fields(lease))
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 

@@ -9,11 +9,12 @@ from typing import Any
 from celery.utils.log import get_task_logger
 from sqlalchemy.engine import Connection
 
-from . import metrics, rows
+from . import event, metrics, rows
 from .attempt import until_deadline
 from .direct import Foreign
 from .errors import Cancelled, CheckpointError, LeaseLost, Preempted
 from .lease import Lease
+from .log import job_fields, lease_fields
 from .signals import checkpoint_saved
 
 logger = get_task_logger("celery_leases")
@@ -57,20 +58,22 @@ def save(
                 waiting=f"checkpoint of job {lease.job_id} waits for the database",
                 lost=True,
             )
-        metrics.checkpoint_seconds(time.monotonic() - started)
+        metrics.checkpoint_seconds(time.monotonic() - started, task=task.name)
         if not saved:
             lease.lost = True
-            metrics.count("leases_lost")
+            metrics.count("leases_lost", task=task.name)
             logger.warning(
                 "lease lost on job %s (token %s): another attempt holds it; checkpoint not saved",
                 lease.job_id,
                 lease.token,
+                extra=lease_fields(lease),
             )
             raise LeaseLost(f"job {lease.job_id}: another attempt holds the lease; stop")
         lease.deadline = started + lease.duration
         lease.last_progress = time.monotonic()
         if done_total is not None:
             _report_progress(task, *done_total)
+            event.send_progress(task, lease, *done_total)
     lease.checkpoint = json.loads(text)
     checkpoint_saved.send(sender=task, lease=lease, progress=done_total)
     lease.stop_requested = stop or lease.stop_requested
@@ -108,7 +111,7 @@ def save_cursor(
             )
         if not saved:
             lease.lost = True
-            metrics.count("leases_lost")
+            metrics.count("leases_lost", task=task.name)
             logger.warning(
                 "lease lost on job %s (token %s): another attempt holds it; cursor not saved",
                 lease.job_id,
@@ -152,7 +155,12 @@ def _report_progress(task: Any, done: int, total: int | None) -> None:
     try:
         task.update_state(state="PROGRESS", meta={"done": done, "total": total})
     except Exception as exc:  # a result backend that cannot store states is not fatal
-        logger.debug("could not store PROGRESS of %s: %r", task.request.id, exc)
+        logger.debug(
+            "could not store PROGRESS of %s: %r",
+            task.request.id,
+            exc,
+            extra=job_fields(task.request.id),
+        )
 
 
 def _progress(progress: Any) -> tuple[int, int | None] | None:

@@ -112,6 +112,12 @@ class Settings:
     max_checkpoint_bytes: int = setting(
         1024 * 1024, count, "largest checkpoint, in bytes of its JSON", per_task=True
     )
+    progress_events: bool | None = setting(
+        None,
+        optional(flag),
+        "send a `task-progress` Celery event at each checkpoint with progress, for Flower "
+        "(None: when the worker sends task events, `-E` / `worker_send_task_events`)",
+    )
     db_retry_max_delay: float = setting(
         60.0, seconds, "longest delay between re-deliveries while the database is down"
     )
@@ -218,8 +224,18 @@ def settings_for(app: Any) -> Settings:
     """The validated ``leases_*`` settings of a Celery app.
 
     Without ``leases_database_url``, a Django project with ``celery_leases.contrib.django``
-    installed keeps its leases in its own database (``CELERY_LEASES_DATABASE_ALIAS``)."""
+    installed keeps its leases in its own database (``CELERY_LEASES_DATABASE_ALIAS``).
+
+    Raises :class:`ConfigurationError` for a ``leases_*`` key that is no setting (a typo would
+    otherwise leave its setting at the default: the default SQLite file, say), or one spelled
+    so that Celery never reads it (``spelling.unread_settings``).
+    """
+    from .spelling import unread_settings
+
+    problems = unread_settings(app)
     conf = app.conf
+    if problems:
+        raise ConfigurationError("; ".join(problems))
     raw = {name: conf.get(f"leases_{name}", default) for name, default in DEFAULTS.items()}
     if conf.get("leases_database_url") is None:
         raw["database_url"] = _framework_database_url() or raw["database_url"]
@@ -232,6 +248,53 @@ def _framework_database_url() -> str | None:
     from .contrib.django.database import default_url
 
     return default_url()
+
+
+def conf_version(app: Any) -> tuple[Any, ...]:
+    """A cheap key that changes when ``app``'s ``leases_*`` settings may have changed: the
+    configuration object and its maps (``config_from_object`` replaces them) and the values
+    set at run time in ``app.conf`` (``app.conf.leases_x = ...``, ``app.conf.update()``).
+
+    A value changed inside a configuration object after Celery loaded it (Django's
+    ``override_settings``) is not seen here: call :func:`reread_settings` then.
+    """
+    conf = loaded_conf(app)
+    changes = conf.changes
+    keys = _CHANGE_KEYS.get(conf.prefix)
+    if keys is None:
+        from .spelling import readable
+
+        keys = _CHANGE_KEYS[conf.prefix] = tuple(
+            key for name in DEFAULTS for key in readable(conf.prefix or "", name)
+        )
+    # changes.get, not a sentinel default: an absent key and None look alike, and len()
+    # tells them apart (setting or deleting a key changes it).
+    return (
+        id(conf),
+        id(changes),
+        len(changes),
+        *map(id, conf.maps),
+        app.__dict__.get(_GENERATION, 0),
+        *map(changes.get, keys),
+    )
+
+
+def loaded_conf(app: Any) -> Any:
+    """``app.conf``, loaded: until its first read, Celery's lazy configuration has neither its
+    maps nor its namespace."""
+    conf = app.conf
+    if not app.configured:
+        conf.get("leases_database_url")
+    return conf
+
+
+def reread_settings(app: Any) -> None:
+    """Make every task of ``app`` read its ``leases_*`` settings again at its next use."""
+    app.__dict__[_GENERATION] = app.__dict__.get(_GENERATION, 0) + 1
+
+
+_GENERATION = "_celery_leases_settings_generation"
+_CHANGE_KEYS: dict[str | None, tuple[str, ...]] = {}
 
 
 def redact(url: Any) -> str:
@@ -265,8 +328,11 @@ __all__ = [
     "DEFAULTS",
     "TASK_OPTIONS",
     "Settings",
+    "conf_version",
+    "loaded_conf",
     "markdown_table",
     "redact",
+    "reread_settings",
     "settings_for",
     "validate",
 ]

@@ -290,8 +290,10 @@ class _Wrapped:
             ) from exc
 
 
-#: PostgreSQL's SQLSTATE for a session its ``idle_in_transaction_session_timeout`` ended.
+#: PostgreSQL's SQLSTATE for a session its ``idle_in_transaction_session_timeout`` ended, and
+#: the server's message for it (all psycopg 3.1 keeps of it).
 IDLE_IN_TRANSACTION_TIMEOUT = "25P03"
+IDLE_IN_TRANSACTION_MESSAGE = "terminating connection due to idle-in-transaction timeout"
 #: MySQL/MariaDB client errors of a connection the server closed (MariaDB's
 #: ``idle_write_transaction_timeout`` ends the session this way: 2006, 2013; MySQL 8.0.24+: 4031).
 SERVER_CLOSED_CONNECTION = (2006, 2013, 4031)
@@ -311,6 +313,9 @@ def ended_idle_transaction(exc: BaseException) -> bool:
         if orig is not None:
             state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
             if state == IDLE_IN_TRANSACTION_TIMEOUT:
+                return True
+            # psycopg 3.1 reports the server closing the connection without its SQLSTATE.
+            if state is None and IDLE_IN_TRANSACTION_MESSAGE in str(orig):
                 return True
             code = (getattr(orig, "args", None) or (None,))[0]
             mysql = type(orig).__module__.startswith(("pymysql", "MySQLdb", "mariadb"))

@@ -11,6 +11,7 @@ import time
 from .database import Session
 from .errors import LeaseError
 from .lease import Lease
+from .log import lease_fields
 from .store import Store
 
 logger = logging.getLogger("celery_leases.keeper")
@@ -92,6 +93,7 @@ class Keeper(threading.Thread):
                     logger.error(
                         "celery-leases: lease lost on job %s: renewals failed until it expired",
                         lease.job_id,
+                        extra=lease_fields(lease),
                     )
             return
         if self._failing:
@@ -107,6 +109,7 @@ class Keeper(threading.Thread):
                     "celery-leases: lease lost on job %s (token %s): another attempt holds it",
                     lease.job_id,
                     lease.token,
+                    extra=lease_fields(lease),
                 )
 
     def _bound(self) -> Session | None:
@@ -123,6 +126,7 @@ class Keeper(threading.Thread):
             "its lease so the job moves to another worker",
             lease.job_id,
             lease.stall_timeout or 0,
+            extra=lease_fields(lease),
         )
         if not (lease.kill_when_stalled and _is_pool_process()):
             return
@@ -130,9 +134,17 @@ class Keeper(threading.Thread):
             if self.store.hand_back(lease.job_id, lease.token, reap_in=0.0):
                 lease.released = True
         except LeaseError as exc:
-            logger.warning("celery-leases: could not release stalled job %s: %s", lease.job_id, exc)
+            logger.warning(
+                "celery-leases: could not release stalled job %s: %s",
+                lease.job_id,
+                exc,
+                extra=lease_fields(lease),
+            )
         logger.error(
-            "celery-leases: terminating pool process %d stuck in job %s", os.getpid(), lease.job_id
+            "celery-leases: terminating pool process %d stuck in job %s",
+            os.getpid(),
+            lease.job_id,
+            extra=lease_fields(lease),
         )
         os.kill(os.getpid(), signal.SIGKILL)
 

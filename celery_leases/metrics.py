@@ -1,12 +1,23 @@
 """Prometheus metrics, when ``prometheus_client`` is installed (``celery-leases[prometheus]``).
 
-With the prefork pool set ``PROMETHEUS_MULTIPROCESS_DIR`` before the worker starts so every
-pool process writes its samples there; see the README for exposing them.
+Counters and the checkpoint histogram are labelled by ``task`` (the task name) and move in the
+process that does the work: no database work, nothing sent. With the prefork pool set
+``PROMETHEUS_MULTIPROCESS_DIR`` before the worker starts so every pool process writes its
+samples there. :class:`JobsCollector` adds gauges of the jobs in the table by state, read with
+one ``GROUP BY`` at each scrape (never on a worker's hot path); see the README for exposing both.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from typing import Any
+
+from .config import settings_for
+from .errors import LeaseError
+from .schema import STATES
+
+logger = logging.getLogger("celery_leases")
 
 COUNTERS = {
     "claims": "Leases claimed (first runs and resumes)",
@@ -17,6 +28,9 @@ COUNTERS = {
     "gave_up": "Jobs failed by the reaper after attempts without progress",
 }
 
+#: The label every counter and the histogram carry: the task's name.
+LABELS = ("task",)
+
 _counters: dict[str, Any] = {}
 _checkpoint: Any = None
 
@@ -26,22 +40,75 @@ except ImportError:  # the extra is not installed: metrics are no-ops
     pass
 else:
     for _name, _doc in COUNTERS.items():
-        _counters[_name] = Counter(f"celery_leases_{_name}", _doc)
+        _counters[_name] = Counter(f"celery_leases_{_name}", _doc, LABELS)
     _checkpoint = Histogram(
         "celery_leases_checkpoint_seconds",
         "Time to save a checkpoint, in seconds",
+        LABELS,
         buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0),
     )
 
 
-def count(name: str, amount: int = 1) -> None:
-    """Add ``amount`` to the counter ``name`` (a key of COUNTERS)."""
+def count(name: str, *, task: str, amount: int = 1) -> None:
+    """Add ``amount`` to the counter ``name`` (a key of COUNTERS) of ``task``."""
     counter = _counters.get(name)
     if counter is not None and amount:
-        counter.inc(amount)
+        counter.labels(task).inc(amount)
 
 
-def checkpoint_seconds(seconds: float) -> None:
-    """Record the latency of one checkpoint."""
+def checkpoint_seconds(seconds: float, *, task: str) -> None:
+    """Record the latency of one checkpoint of ``task``."""
     if _checkpoint is not None:
-        _checkpoint.observe(seconds)
+        _checkpoint.labels(task).observe(seconds)
+
+
+class JobsCollector:
+    """A Prometheus collector of the jobs in ``app``'s leases table, by state.
+
+    ``celery_leases_jobs{state="running"}`` for every state (0 when none), and
+    ``celery_leases_database_up`` (1, or 0 when the table could not be read: the jobs gauge is
+    then left out rather than reported as 0). Each scrape runs one ``GROUP BY state``
+    (``Store.count_by_state``) in the process serving the metrics. Register it with
+    ``prometheus_client.REGISTRY.register(JobsCollector(app))`` (or your own registry).
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def describe(self) -> list[Any]:
+        # Given, so that registering it runs no query (the registry would collect() to learn
+        # the metric names).
+        jobs, up = self._families()
+        return [jobs, up]
+
+    def collect(self) -> Iterator[Any]:
+        from .store import store_for
+
+        jobs, up = self._families()
+        try:
+            counts = store_for(settings_for(self.app)).count_by_state()
+        except LeaseError as exc:
+            logger.warning("celery-leases: metrics could not count the jobs: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        for state in STATES:
+            jobs.add_metric([state], counts.get(state, 0))
+        up.add_metric([], 1)
+        yield jobs
+        yield up
+
+    @staticmethod
+    def _families() -> tuple[Any, Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        jobs = GaugeMetricFamily(
+            "celery_leases_jobs", "Jobs in the leases table, by state", labels=["state"]
+        )
+        up = GaugeMetricFamily(
+            "celery_leases_database_up", "1 when the leases table could be read, else 0"
+        )
+        return jobs, up
+
+
+__all__ = ["COUNTERS", "LABELS", "JobsCollector", "checkpoint_seconds", "count"]

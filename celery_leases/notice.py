@@ -17,6 +17,7 @@ from celery import states
 from celery.app.task import Context
 
 from .errors import GaveUp
+from .log import job_fields
 from .message import EMBED
 from .rows import Job
 
@@ -62,10 +63,21 @@ def announce(app: Any, job: Job) -> bool:
                 call_errbacks=True,
             )
     except Exception as exc:  # a backend that is down or disabled: the row is the truth
-        logger.error("celery-leases: could not store %s of job %s: %r", job.notify, job.id, exc)
+        logger.error(
+            "celery-leases: could not store %s of job %s: %r",
+            job.notify,
+            job.id,
+            exc,
+            extra=job_fields(job.id),
+        )
         return False
     logger.info(
-        "celery-leases: job %s (%s) stored as %s: %s", job.id, job.task, job.notify, job.error
+        "celery-leases: job %s (%s) stored as %s: %s",
+        job.id,
+        job.task,
+        job.notify,
+        job.error,
+        extra=job_fields(job.id),
     )
     return True
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery import shared_task, states
+from celery import Task, current_app, states
+from celery.local import Proxy
 from celery.utils.log import get_task_logger
 
 from . import metrics
 from .config import settings_for
 from .errors import LeaseError
+from .log import job_fields
 from .notice import announce_pending
 from .schema import REVOKED
 from .store import store_for
@@ -23,6 +25,9 @@ logger = get_task_logger("celery_leases.reaper")
 
 #: Largest number of batches one pass handles, so a pass always ends.
 MAX_BATCHES = 100
+
+#: The name of the reaper task, registered in each app that uses celery-leases.
+REAP_TASK = "celery_leases.reap"
 
 
 @dataclass
@@ -67,7 +72,12 @@ def reap(app: Any) -> ReapReport:
         orphaned = []
     for job_id, owner in orphaned:
         report.orphaned.append(job_id)
-        logger.info("job %s: its holder's database session is gone (owner %s)", job_id, owner)
+        logger.info(
+            "job %s: its holder's database session is gone (owner %s)",
+            job_id,
+            owner,
+            extra=job_fields(job_id, owner=owner),
+        )
     for _ in range(MAX_BATCHES):
         batch = store.collect_expired(
             batch=settings.reap_batch,
@@ -77,8 +87,14 @@ def reap(app: Any) -> ReapReport:
         )
         for job in batch.gave_up:
             report.gave_up.append(job.id)
-            metrics.count("gave_up")
-            logger.error("job %s (%s): %s", job.id, job.task, job.error)
+            metrics.count("gave_up", task=job.task)
+            logger.error(
+                "job %s (%s): %s",
+                job.id,
+                job.task,
+                job.error,
+                extra=job_fields(job.id, token=job.token, attempt=job.attempts),
+            )
         for job in batch.republish:
             left = job.message.expires_in()
             if left is not None and left <= 0:
@@ -95,10 +111,15 @@ def reap(app: Any) -> ReapReport:
                 job.message.send(app)
             except Exception as exc:  # the row keeps its pushed expiry: a later pass retries
                 report.publish_failed.append(job.id)
-                logger.error("job %s: re-publish failed, next pass retries: %r", job.id, exc)
+                logger.error(
+                    "job %s: re-publish failed, next pass retries: %r",
+                    job.id,
+                    exc,
+                    extra=job_fields(job.id, token=job.token, attempt=job.attempts),
+                )
                 continue
             report.republished.append(job.id)
-            metrics.count("reaped")
+            metrics.count("reaped", task=job.task)
             where = "no checkpoint" if job.checkpoint is None else "its checkpoint"
             logger.info(
                 "job %s (%s): lease expired (owner %s, attempt %d), re-published to resume from %s",
@@ -107,6 +128,7 @@ def reap(app: Any) -> ReapReport:
                 batch.previous_owners.get(job.id) or "none",
                 job.attempts,
                 where,
+                extra=job_fields(job.id, token=job.token, attempt=job.attempts),
             )
         if len(batch.republish) + len(batch.gave_up) < settings.reap_batch:
             break
@@ -137,10 +159,33 @@ def start_followups(app: Any, store: Any, *, batch: int) -> list[str]:
     return sent
 
 
-@shared_task(name="celery_leases.reap", bind=True, ignore_result=True)  # type: ignore[untyped-decorator]
-def reap_task(self: Any) -> dict[str, Any]:
+def _reap_pass(self: Any) -> dict[str, Any]:
     """One reaper pass, as a task for celery beat."""
     return reap(self.app).as_dict()
+
+
+def register_reaper(app: Any) -> None:
+    """Register ``celery_leases.reap`` in ``app`` (once; at its finalization if it has not
+    finalized yet).
+
+    Called when a :class:`LeasedTask` is bound to ``app`` and by :func:`schedule_reaper`, so the
+    task exists only in apps that use celery-leases, never in every app of the process. A plain
+    ``celery.Task``: a reaper pass holds no lease, whatever the app's default task class is.
+    """
+    if REAP_TASK in app._tasks or app.__dict__.get("_celery_leases_reaper"):
+        return
+    app.__dict__["_celery_leases_reaper"] = True
+    app.task(name=REAP_TASK, base=Task, bind=True, ignore_result=True, shared=False)(_reap_pass)
+
+
+def _current_reap_task() -> Any:
+    register_reaper(current_app)
+    return current_app.tasks[REAP_TASK]
+
+
+#: The current app's ``celery_leases.reap`` task (``reap_task.delay()``), registered in that
+#: app on first use.
+reap_task: Any = Proxy(_current_reap_task)
 
 
 def schedule_reaper(app: Any, every: float = 10.0, *, queue: str | None = None) -> None:
@@ -152,9 +197,8 @@ def schedule_reaper(app: Any, every: float = 10.0, *, queue: str | None = None) 
     job can delay them. It keeps the user's own entries; call it after assigning
     ``beat_schedule`` yourself.
     """
+    register_reaper(app)
     options: dict[str, Any] = {"expires": max(2 * every, 10.0)}
     if queue is not None:
         options["queue"] = queue
-    app.add_periodic_task(
-        every, app.signature("celery_leases.reap", options=options), name="celery_leases.reap"
-    )
+    app.add_periodic_task(every, app.signature(REAP_TASK, options=options), name=REAP_TASK)

@@ -33,6 +33,7 @@ from celery.worker.state import task_ready
 
 from .database import proc_stat
 from .errors import LeaseError
+from .log import job_fields
 from .message import Message
 from .rows import Job
 from .schema import DONE, LIVE_STATES, QUEUED, REVOKED
@@ -61,7 +62,11 @@ class LeasedRequest(Request):  # type: ignore[misc]
             # only then be restored. Put it back in the queue now, for another worker.
             self._put_back = True
             self.reject(requeue=True)
-            logger.info("celery-leases: job %s: this worker is shutting down; put back", self.id)
+            logger.info(
+                "celery-leases: job %s: this worker is shutting down; put back",
+                self.id,
+                extra=job_fields(self.id),
+            )
 
     def execute_using_pool(self, pool: Any, **kwargs: Any) -> Any:
         if self._put_back:
@@ -83,7 +88,12 @@ class LeasedRequest(Request):  # type: ignore[misc]
             store = store_for(self.task.lease_settings)
             self._resumed_after_death = self._resume_at_once(store, self._dead_owner())
         except Exception as exc:  # billiard's report of the death comes later and retries
-            logger.warning("celery-leases: job %s: pool process lost, %r", self.id, exc)
+            logger.warning(
+                "celery-leases: job %s: pool process lost, %r",
+                self.id,
+                exc,
+                extra=job_fields(self.id),
+            )
 
     def _dead_owner(self) -> str:
         return f"{self.hostname}/{self.worker_pid}"
@@ -139,7 +149,12 @@ class LeasedRequest(Request):  # type: ignore[misc]
                 return True
             job = store.get(self.id)
         except LeaseError as exc:
-            logger.warning("celery-leases: job %s: pool process lost, %s", self.id, exc)
+            logger.warning(
+                "celery-leases: job %s: pool process lost, %s",
+                self.id,
+                exc,
+                extra=job_fields(self.id),
+            )
             return False
         if job is None:
             return False
@@ -150,6 +165,7 @@ class LeasedRequest(Request):  # type: ignore[misc]
                 self.worker_pid,
                 job.state,
                 f", held by {job.owner}" if job.owner else "",
+                extra=job_fields(self.id),
             )
             return True
         return job.state == DONE and self._finish_done(job)
@@ -165,12 +181,18 @@ class LeasedRequest(Request):  # type: ignore[misc]
             try:
                 Message.loads(text).send(self.task.app)
             except Exception as exc:  # the reaper sends it after leases_reap_grace
-                logger.error("celery-leases: job %s: could not send it again: %r", self.id, exc)
+                logger.error(
+                    "celery-leases: job %s: could not send it again: %r",
+                    self.id,
+                    exc,
+                    extra=job_fields(self.id),
+                )
         logger.warning(
             "celery-leases: job %s: pool process %s died; %s",
             self.id,
             self.worker_pid,
             "sent again to resume from its checkpoint" if state == QUEUED else f"now {state}",
+            extra=job_fields(self.id),
         )
         return True
 
@@ -200,6 +222,7 @@ class LeasedRequest(Request):  # type: ignore[misc]
             "stored and its callbacks sent",
             self.id,
             self.worker_pid,
+            extra=job_fields(self.id),
         )
         return True
 

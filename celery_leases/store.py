@@ -10,6 +10,7 @@ back in the same transaction, and a renew tick asks which rows it kept.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -23,7 +24,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from . import migrations, rows
-from .config import Settings, settings_for
+from .config import TASK_OPTIONS, Settings, settings_for
 from .database import Database, Session, local_process_gone
 from .direct import Foreign
 from .errors import (
@@ -858,7 +859,7 @@ def _duplicate_key(exc: sa.exc.IntegrityError) -> bool:
     return code == 1062  # ER_DUP_ENTRY
 
 
-_stores: dict[tuple[str, str, str], Store] = {}
+_stores: dict[tuple[str, ...], Store] = {}
 _stores_lock = threading.Lock()
 
 
@@ -876,10 +877,13 @@ def _unguard_idle_writes(dbapi_connection: Any, record: Any) -> None:
 
 def store_for(settings: Settings) -> Store:
     """The shared Store of these settings (one engine per process and database)."""
-    key = (
-        settings.database_url,
-        settings.table,
-        json.dumps(settings.engine_options, sort_keys=True, default=repr),
+    # Every app-wide setting is in the key (the store reads some: bind_session,
+    # max_attempts), so settings changed at run time get a store of their own; a task's own
+    # options (its lease duration) are not, so they share the store of their database.
+    key = tuple(
+        json.dumps(getattr(settings, f.name), sort_keys=True, default=repr)
+        for f in dataclasses.fields(settings)
+        if f.name not in TASK_OPTIONS
     )
     with _stores_lock:
         store = _stores.get(key)

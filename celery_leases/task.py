@@ -11,11 +11,14 @@ from celery import Task, current_task
 from sqlalchemy.engine import Connection
 
 from . import attempt, checkpoint, message
-from .config import Settings, settings_for
+from .config import Settings, conf_version, settings_for
 from .direct import Foreign
 from .errors import ArgumentsError, Cancelled, LeaseError, LeaseLost, StoreUnavailable
 from .lease import Lease, current, holding
+from .log import job_fields
+from .reaper import register_reaper
 from .schema import CANCELLED
+from .spelling import check_task_options
 from .store import Store, store_for
 
 _log = logging.getLogger("celery_leases")
@@ -53,22 +56,38 @@ class LeasedTask(Task):  # type: ignore[misc]
         """
         return not (self.acks_late and self.reject_on_worker_lost)
 
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Bound to ``app``: refuse unknown ``lease_*`` options, and register the reaper task
+        (``celery_leases.reap``) in this app only."""
+        super().on_bound(app)
+        check_task_options(cls, base=LeasedTask)
+        register_reaper(app)
+
     @property
     def lease_settings(self) -> Settings:
-        """The validated ``leases_*`` settings with this task's options applied."""
-        cached: Settings | None = self.__dict__.get("_lease_settings")
-        if cached is None:
-            cached = self.__dict__["_lease_settings"] = settings_for(self.app).with_task_options(
-                self
-            )
-        return cached
+        """The validated ``leases_*`` settings with this task's options applied.
+
+        Read again when the app's configuration changes (``app.conf.leases_x = ...``,
+        ``app.conf.update()``, ``config_from_object()``; ``config.conf_version``), checked at
+        each use with a few dictionary look-ups, validated only when it changed.
+        """
+        return self._lease_cache().settings
 
     @property
     def lease_store(self) -> Store:
         """The store of this task's leases database (one per process and database)."""
-        cached: Store | None = self.__dict__.get("_lease_store")
-        if cached is None:
-            cached = self.__dict__["_lease_store"] = store_for(self.lease_settings)
+        cached = self._lease_cache()
+        if cached.store is None:
+            cached.store = store_for(cached.settings)
+        return cached.store
+
+    def _lease_cache(self) -> _Cached:
+        version = conf_version(self.app)
+        cached: _Cached | None = self.__dict__.get("_lease_cached")
+        if cached is None or cached.version != version:
+            settings = settings_for(self.app).with_task_options(self)
+            cached = self.__dict__["_lease_cached"] = _Cached(version, settings)
         return cached
 
     @property
@@ -185,6 +204,17 @@ class LeasedTask(Task):  # type: ignore[misc]
         return attempt.Attempt(self).run(args, kwargs)
 
 
+class _Cached:
+    """A task's settings and store, for one version of its app's configuration."""
+
+    __slots__ = ("settings", "store", "version")
+
+    def __init__(self, version: tuple[Any, ...], settings: Settings) -> None:
+        self.version = version
+        self.settings = settings
+        self.store: Store | None = None
+
+
 class _Recorder:
     """Records the message a ``LeasedTask.apply_async`` publishes (``RecordingProducer``)."""
 
@@ -208,6 +238,7 @@ class _Recorder:
                 "(its claim records it): %s",
                 published.id,
                 exc,
+                extra=job_fields(published.id),
             )
             return published
 
@@ -262,6 +293,7 @@ class _Recorder:
                 "job %s is %s with another message: this one is a copy, dropped at its claim",
                 recorded.id,
                 outcome.outcome,
+                extra=job_fields(recorded.id),
             )
         return recorded
 

@@ -22,6 +22,7 @@ from celery.signals import (
 from .config import settings_for
 from .errors import LeaseError
 from .keeper import all_keepers
+from .log import job_fields, lease_fields
 from .migrations import upgrade
 from .schema import FAILED, REVOKED
 from .store import store_for
@@ -59,9 +60,18 @@ def release_on_process_shutdown(**_: Any) -> None:
             try:
                 keeper.store.hand_back(lease.job_id, lease.token, reap_in=0.0)
                 lease.released = True
-                logger.warning("celery-leases: job %s released at process shutdown", lease.job_id)
+                logger.warning(
+                    "celery-leases: job %s released at process shutdown",
+                    lease.job_id,
+                    extra=lease_fields(lease),
+                )
             except LeaseError as exc:
-                logger.warning("celery-leases: could not release job %s: %s", lease.job_id, exc)
+                logger.warning(
+                    "celery-leases: could not release job %s: %s",
+                    lease.job_id,
+                    exc,
+                    extra=lease_fields(lease),
+                )
 
 
 @worker_shutting_down.connect(weak=False)  # type: ignore[untyped-decorator]
@@ -102,10 +112,21 @@ def fail_unknown_task(sender: Any = None, name: str = "", id: str = "", **_: Any
             notify=states.FAILURE,
         )
     except LeaseError as exc:
-        logger.warning("celery-leases: could not fail job %s of unknown task %r: %s", id, name, exc)
+        logger.warning(
+            "celery-leases: could not fail job %s of unknown task %r: %s",
+            id,
+            name,
+            exc,
+            extra=job_fields(id),
+        )
         return
     if failed:
-        logger.error("celery-leases: job %s failed: task %r is not registered here", id, name)
+        logger.error(
+            "celery-leases: job %s failed: task %r is not registered here",
+            id,
+            name,
+            extra=job_fields(id),
+        )
 
 
 @task_revoked.connect(weak=False)  # type: ignore[untyped-decorator]
@@ -145,10 +166,18 @@ def end_job(task: Any, job_id: str, state: str, error: str) -> None:
     try:
         ended = store_for(task.lease_settings).end_live(job_id, state=state, error=error)
     except LeaseError as exc:
-        logger.error("celery-leases: could not record job %s as %s: %s", job_id, state, exc)
+        logger.error(
+            "celery-leases: could not record job %s as %s: %s",
+            job_id,
+            state,
+            exc,
+            extra=job_fields(job_id),
+        )
         return
     if ended:
-        logger.warning("celery-leases: job %s is %s: %s", job_id, state, error)
+        logger.warning(
+            "celery-leases: job %s is %s: %s", job_id, state, error, extra=job_fields(job_id)
+        )
 
 
 def _is_leased(task: Any) -> bool:

@@ -12,12 +12,15 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from celery_leases.schema import db_now
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self: Python 3.11
 from tests.support.service import PGBOUNCER_URL
 
 

@@ -1,4 +1,5 @@
-"""Prometheus counters and the checkpoint histogram move when leased tasks run (in-process)."""
+"""Prometheus counters and the checkpoint histogram, labelled by task, move when leased tasks run
+(in-process)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ def app(tmp_path: object) -> Iterator[Celery]:
     store_for(settings_for(app)).engine.dispose()
 
 
-def sample(name: str) -> float:
-    return prometheus_client.REGISTRY.get_sample_value(name) or 0.0
+def sample(name: str, task: str = "tests.metered") -> float:
+    return prometheus_client.REGISTRY.get_sample_value(name, {"task": task}) or 0.0
 
 
-def test_claims_duplicates_and_checkpoint_latency_are_counted(app: Celery) -> None:
+def test_claims_duplicates_and_checkpoint_latency_are_counted_by_task(app: Celery) -> None:
     @app.task(base=LeasedTask, bind=True, shared=False, name="tests.metered")
     def metered(self: LeasedTask) -> int:
         self.checkpoint({"step": 1})
