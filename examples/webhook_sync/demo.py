@@ -270,7 +270,7 @@ class Demo:
         example = self.example
         try:
             engine = sink.engine(example.DATABASE)
-            sink.reset(engine, example.EVENTS, example.LEASES_TABLE)
+            sink.reset(engine, example.EVENTS, example.LEASES_TABLE, f"{example.LEASES_TABLE}_keys")
             sink.create(engine, example.EVENTS)
         except sa.exc.SQLAlchemyError as exc:
             raise DemoError(f"cannot prepare the database: {exc}".splitlines()[0]) from exc
@@ -361,7 +361,7 @@ class Demo:
                     else:
                         self.report_resume(job)
                 total = job.progress_total or self.args.events
-                where = f"page {(job.checkpoint or {}).get('page', 0)}  "
+                where = f"page {(job.checkpoint or {}).get('pages', 0)}  "
                 if job.state != "running" and job.state != "queued":
                     where += job.state
                 elif state.killed_at_wall is not None and job.attempts == state.attempts_at_kill:
@@ -412,7 +412,7 @@ class Demo:
         checkpoint = state.checkpoint_at_kill
         left = max(after.expires_in or 0.0, 0.0)
         console.detail(
-            f"last checkpoint: page {checkpoint.get('page')}, cursor {checkpoint.get('cursor')}; "
+            f"last checkpoint: page {checkpoint.get('pages')}; "
             f"the lease would expire in {left:.1f} s, but the holder's process is gone: the "
             "next reaper pass publishes the job again"
         )
@@ -426,7 +426,7 @@ class Demo:
         delay = (job.claimed_at or 0.0) - (state.killed_at_db or 0.0)
         console.say(
             f"{name} resumed the job: attempt {job.attempts}, after page "
-            f"{checkpoint.get('page')}, {delay:.2f} s after the kill"
+            f"{checkpoint.get('pages')}, {delay:.2f} s after the kill"
         )
         survivor = self.workers.get(name)
         if survivor is None:
