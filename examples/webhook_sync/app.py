@@ -4,12 +4,14 @@ Settings come from environment variables, so the demo (and you) can switch them:
 
 - ``WEBHOOK_SYNC_BROKER``: broker URL. Default ``atomicfs://``: files under the data folder, no
   server (``fs_transport.py``). Also ``redis://...``, ``amqp://...``, ``sqla+sqlite:///...``.
-- ``WEBHOOK_SYNC_DATABASE``: SQLAlchemy URL of the leases table and of ``synced_events``.
-  Default: ``webhook_sync.sqlite3`` in the data folder.
+- ``WEBHOOK_SYNC_DATABASE``: SQLAlchemy URL of the leases table, of ``synced_events`` and of
+  the receiver's ``deliveries``. Default: ``webhook_sync.sqlite3`` in the data folder.
 - ``WEBHOOK_SYNC_DATA``: the data folder. Default ``.demo`` in the working directory.
 - ``WEBHOOK_SYNC_UPSTREAM``: base URL of the events API. Default ``http://127.0.0.1:8765``.
 - ``WEBHOOK_SYNC_PAGE_SIZE``: events per page. Default 100.
 - ``WEBHOOK_SYNC_NAME``: prefix of the tables and name of the queue. Default ``webhook_sync``.
+- ``WEBHOOK_SYNC_SECRET``: the secret webhooks are signed with (the receiver refuses to start
+  without one; see ``signature.py``).
 
 Run a worker: ``celery -A examples.webhook_sync.app worker -l info``, and beat (the reaper):
 ``celery -A examples.webhook_sync.app beat -l info``.
@@ -29,7 +31,7 @@ from sqlalchemy.engine import Engine
 
 from celery_leases import LeasedTask, schedule_reaper
 
-from . import fs_transport, sink
+from . import deliveries, fs_transport, sink
 from .client import EventsClient, UpstreamBusy
 
 DATA = Path(os.environ.get("WEBHOOK_SYNC_DATA", ".demo")).resolve()
@@ -41,6 +43,7 @@ NAME = os.environ.get("WEBHOOK_SYNC_NAME", "webhook_sync")
 
 LEASES_TABLE = f"{NAME}_leases"
 EVENTS = sink.events_table(f"{NAME}_synced_events")
+DELIVERIES = deliveries.deliveries_table(f"{NAME}_deliveries")
 #: Seconds a lease lasts without renewal, and between reaper passes. Short, so the demo resumes
 #: a killed job within seconds; in production keep the defaults (30 s and 10 s).
 LEASE_SECONDS = 2.0
@@ -128,6 +131,10 @@ def sync_account(self: LeasedTask, account: str) -> dict[str, Any]:
             position["after"],
             position["events"],
             self.lease.checkpoint_age or 0.0,
+        )
+    elif position["after"] is None:
+        logger.info(
+            "sync %s: attempt %d starts: the account's first sync", account, self.lease.attempt
         )
     else:
         logger.info(
