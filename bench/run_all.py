@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.common import parser, report, row
 
-ORDER = ("operations", "dispatch", "throughput", "recovery", "scale", "memory")
+ORDER = ("operations", "dispatch", "throughput", "recovery", "scale", "memory", "keys")
 
 
 def run(name: str, *, quick: bool) -> int:
