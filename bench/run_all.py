@@ -14,7 +14,9 @@ from pathlib import Path
 
 from bench.common import parser, report, row
 
-ORDER = ("operations", "dispatch", "throughput", "recovery", "scale", "memory", "column_types")
+ORDER = (
+    "operations", "dispatch", "throughput", "recovery", "scale", "memory", "column_types", "keys",
+)  # fmt: skip
 
 
 def run(name: str, *, quick: bool) -> int:

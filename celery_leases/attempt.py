@@ -333,6 +333,9 @@ class Attempt:
 
     def ended(self, lease: Lease) -> None:
         """The job has ended: start its key's follow-up run, if a trigger waits for one."""
+        # Nothing is held any more: the keeper's next tick must neither renew the lease nor
+        # report it lost while the follow-up is recorded and published.
+        lease.released = True
         if lease.key is not None:
             start_followup(self.task, lease.job_id)
 

@@ -4,12 +4,14 @@ Settings come from environment variables, so the demo (and you) can switch them:
 
 - ``WEBHOOK_SYNC_BROKER``: broker URL. Default ``atomicfs://``: files under the data folder, no
   server (``fs_transport.py``). Also ``redis://...``, ``amqp://...``, ``sqla+sqlite:///...``.
-- ``WEBHOOK_SYNC_DATABASE``: SQLAlchemy URL of the leases table and of ``synced_events``.
-  Default: ``webhook_sync.sqlite3`` in the data folder.
+- ``WEBHOOK_SYNC_DATABASE``: SQLAlchemy URL of the leases table, of ``synced_events`` and of
+  the receiver's ``deliveries``. Default: ``webhook_sync.sqlite3`` in the data folder.
 - ``WEBHOOK_SYNC_DATA``: the data folder. Default ``.demo`` in the working directory.
 - ``WEBHOOK_SYNC_UPSTREAM``: base URL of the events API. Default ``http://127.0.0.1:8765``.
 - ``WEBHOOK_SYNC_PAGE_SIZE``: events per page. Default 100.
 - ``WEBHOOK_SYNC_NAME``: prefix of the tables and name of the queue. Default ``webhook_sync``.
+- ``WEBHOOK_SYNC_SECRET``: the secret webhooks are signed with (the receiver refuses to start
+  without one; see ``signature.py``).
 
 Run a worker: ``celery -A examples.webhook_sync.app worker -l info``, and beat (the reaper):
 ``celery -A examples.webhook_sync.app beat -l info``.
@@ -29,7 +31,7 @@ from sqlalchemy.engine import Engine
 
 from celery_leases import LeasedTask, schedule_reaper
 
-from . import fs_transport, sink
+from . import deliveries, fs_transport, sink
 from .client import EventsClient, UpstreamBusy
 
 DATA = Path(os.environ.get("WEBHOOK_SYNC_DATA", ".demo")).resolve()
@@ -41,6 +43,7 @@ NAME = os.environ.get("WEBHOOK_SYNC_NAME", "webhook_sync")
 
 LEASES_TABLE = f"{NAME}_leases"
 EVENTS = sink.events_table(f"{NAME}_synced_events")
+DELIVERIES = deliveries.deliveries_table(f"{NAME}_deliveries")
 #: Seconds a lease lasts without renewal, and between reaper passes. Short, so the demo resumes
 #: a killed job within seconds; in production keep the defaults (30 s and 10 s).
 LEASE_SECONDS = 2.0
@@ -89,72 +92,91 @@ logger = get_task_logger(__name__)
     base=LeasedTask,
     bind=True,
     name="webhook_sync.sync_account",
+    # One run per account: a webhook while the account's sync is queued is served by it; one
+    # while it runs (or waits to resume) starts one follow-up run when it ends.
+    lease_key="account:{account}",
     autoretry_for=(UpstreamBusy,),
     retry_backoff=True,
     retry_backoff_max=60,
     max_retries=None,
 )
 def sync_account(self: LeasedTask, account: str) -> dict[str, Any]:
-    """Copy the upstream events of ``account`` not stored yet into ``synced_events``, a page
-    at a time.
+    """Copy the upstream events of ``account`` that follow the account's cursor into
+    ``synced_events``, a page at a time, moving the cursor with each page.
 
-    Resumes after the last stored page when an earlier attempt was killed; a busy upstream is
-    retried by Celery (backoff up to a minute), which resumes from the checkpoint too.
+    The cursor belongs to the account (the lease key), not to the job: ``{"after": <id of the
+    last event stored>, "events": <events stored>}``, None before the first sync. A run starts
+    from it, and so does an attempt that resumes a killed one (the cursor was committed with
+    its last page). A run syncs the events the upstream had when it began and ends: those that
+    arrive during it are its follow-up's. A busy upstream is retried by Celery (backoff up to
+    a minute), which resumes from the cursor too.
     """
     database = events_database()
-    saved = self.lease.checkpoint
-    if saved is None:
-        # A new sync starts after the newest event already stored (none: the first page).
-        with database.connect() as connection:
-            cursor, stored = sink.newest(connection, EVENTS, account)
-        saved = {"cursor": cursor, "page": 0, "done": stored}
-    cursor, page, done = saved["cursor"], saved["page"], saved["done"]
-    if page:
-        age = self.lease.checkpoint_age
+    position = self.lease.cursor or {"after": None, "events": 0}
+    # This run's own progress: where it began, pages and events so far, the events it syncs
+    # up to (the upstream's count at its first page).
+    run = self.lease.checkpoint or {
+        "started_after": position["after"],
+        "pages": 0,
+        "events": 0,
+        "until": None,
+    }
+    if run["pages"]:
         logger.info(
-            "sync %s: attempt %d resumes after page %d (cursor %s, %d events stored, "
-            "checkpoint %.1f s old)",
+            "sync %s: attempt %d resumes after page %d at the account's cursor %s "
+            "(%d events stored, checkpoint %.1f s old)",
             account,
             self.lease.attempt,
-            page,
-            cursor,
-            done,
-            age or 0.0,
+            run["pages"],
+            position["after"],
+            position["events"],
+            self.lease.checkpoint_age or 0.0,
+        )
+    elif position["after"] is None:
+        logger.info(
+            "sync %s: attempt %d starts: the account's first sync", account, self.lease.attempt
         )
     else:
         logger.info(
-            "sync %s: attempt %d starts after cursor %s (%d events stored before)",
+            "sync %s: attempt %d starts at the account's cursor %s (%d events stored before)",
             account,
             self.lease.attempt,
-            cursor,
-            done,
+            position["after"],
+            position["events"],
         )
     upstream = EventsClient(UPSTREAM)
     while True:
-        result = upstream.page(account, after=cursor, limit=PAGE_SIZE)
-        page += 1
-        done += len(result.events)
-        cursor = result.next_cursor or cursor
+        page = upstream.page(account, after=position["after"], limit=PAGE_SIZE)
+        if run["until"] is None:
+            run["until"] = page.total
+        position = {
+            "after": page.next_cursor or position["after"],
+            "events": position["events"] + len(page.events),
+        }
+        run = run | {"pages": run["pages"] + 1, "events": run["events"] + len(page.events)}
         store_page(
             self,
             database,
             EVENTS,
             account,
-            result.events,
-            {"cursor": cursor, "page": page, "done": done},
-            progress=(done, result.total),
+            page.events,
+            cursor=position,
+            checkpoint=run,
+            progress=(position["events"], run["until"]),
         )
         logger.info(
             "sync %s: page %d stored (%d events, %d/%s), cursor %s",
             account,
-            page,
-            len(result.events),
-            done,
-            result.total,
-            cursor,
+            run["pages"],
+            len(page.events),
+            position["events"],
+            run["until"],
+            position["after"],
         )
-        if not result.has_more:
-            return {"account": account, "events": done, "pages": page}
+        caught_up = run["until"] is not None and position["events"] >= run["until"]
+        if not page.has_more or caught_up:
+            return {"account": account, **run, "ended_after": position["after"]}
+        self.stop_point()  # a deploy's stop request, seen after the commit
 
 
 def store_page(
@@ -163,19 +185,23 @@ def store_page(
     table: sa.Table,
     account: str,
     events: list[dict[str, Any]],
-    checkpoint: dict[str, Any],
     *,
+    cursor: dict[str, Any],
+    checkpoint: dict[str, Any],
     progress: tuple[int, int | None],
 ) -> None:
-    """Store a page of events and the checkpoint after it in one transaction.
+    """Store a page of events, the account's cursor after it and the run's checkpoint in one
+    transaction.
 
-    Both commit or neither does. An attempt whose lease was taken by a newer claim gets
-    ``LeaseLost`` from the checkpoint, which rolls its page back: a stale attempt can neither
-    store events nor move the cursor. This needs the events in the leases database; with
-    another sink, make the writes idempotent (upsert by event id) and checkpoint after them.
+    All three commit or none does. An attempt whose lease was taken by a newer claim gets
+    ``LeaseLost`` from the cursor (or the checkpoint), which rolls its page back: a stale
+    attempt can neither store events nor move the cursor. This needs the events in the leases
+    database; with another sink, make the writes idempotent (upsert by event id) and save the
+    cursor and the checkpoint after them.
     """
     with database.begin() as connection:
         sink.insert(connection, table, account, events)
+        task.save_cursor(cursor, connection=connection)
         task.checkpoint(checkpoint, progress=progress, connection=connection)
 
 

@@ -1,8 +1,9 @@
 """The local copy of the upstream events: the ``synced_events`` table, and all of its SQL.
 
-It lives in the leases database, so a page of events and the checkpoint that says "stored up to
-here" commit in one transaction (see ``store_page`` in app.py). The event id is the primary key:
-an event stored twice would be an error, not a silent duplicate.
+It lives in the leases database, so a page of events, the account's cursor that says "stored
+up to here" and the run's checkpoint commit in one transaction (see ``store_page`` in app.py).
+The event id is the primary key: an event stored twice would be an error, not a silent
+duplicate.
 """
 
 from __future__ import annotations
@@ -82,20 +83,6 @@ def stored_ids(engine: Engine, table: sa.Table, account: str) -> list[str]:
     """Every stored event id of ``account`` (one per row, so duplicates would show)."""
     with engine.connect() as connection:
         return list(connection.scalars(sa.select(table.c.id).where(table.c.account == account)))
-
-
-def newest(connection: Connection, table: sa.Table, account: str) -> tuple[str | None, int]:
-    """The id of the newest stored event of ``account`` (None if none), and how many there are."""
-    newest_id = connection.scalar(
-        sa.select(table.c.id)
-        .where(table.c.account == account)
-        .order_by(table.c.created.desc(), table.c.id.desc())
-        .limit(1)
-    )
-    stored = connection.scalar(
-        sa.select(sa.func.count()).select_from(table).where(table.c.account == account)
-    )
-    return newest_id, int(stored or 0)
 
 
 def count(engine: Engine, table: sa.Table, account: str) -> int:

@@ -8,9 +8,11 @@ with cursor pagination like the events APIs of payment and SaaS providers::
      "has_more": true, "next_cursor": "evt_...", "total_count": 3000}
 
 The cursor is the id of the last event already seen (no ``after`` for the first page). The
-events come from a seed, so every run serves the same ones. Every answer waits ``latency``
-seconds, and an ``error_rate`` share of requests get a 429 or a 500 (picked by the seed; never
-more than twice in a row for one page). ``GET /stats`` tells how many times each page was
+events come from a seed, so every run serves the same ones. ``POST /events/grow?account=<id>&n=N``
+adds the account's next N events, as if they happened now (the first ones stay the same, so a
+cursor stays valid). Every answer waits ``latency`` seconds, and an ``error_rate`` share of
+requests get a 429 or a 500 (picked by the seed; never more than twice in a row for one page).
+``GET /stats`` tells how many events each account has and how many times each page was
 served: the demo's count of pages fetched again after a crash.
 
 Run it alone: ``python -m examples.webhook_sync.upstream --port 8765``.
@@ -111,6 +113,7 @@ class Upstream:
         self.latency = latency
         self.error_rate = error_rate
         self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
         self._events: dict[str, list[dict[str, Any]]] = {}
         self._positions: dict[str, dict[str, int]] = {}
         self._pages: dict[tuple[str, str | None, int], PageStats] = {}
@@ -118,19 +121,29 @@ class Upstream:
 
     def events_for(self, account: str) -> list[dict[str, Any]]:
         with self._lock:
-            if account not in self._events:
-                events = generate_events(self.seed, account, self.count)
+            count = self._counts.setdefault(account, self.count)
+            if len(self._events.get(account, ())) != count:
+                events = generate_events(self.seed, account, count)
                 self._events[account] = events
                 self._positions[account] = {e["id"]: i for i, e in enumerate(events)}
             return self._events[account]
 
+    def grow(self, account: str, added: int) -> int:
+        """Add the next ``added`` events of ``account`` (``generate_events`` gives the same
+        first ones for a larger count); how many it has now."""
+        with self._lock:
+            self._counts[account] = self._counts.get(account, self.count) + added
+            return self._counts[account]
+
     def page(self, account: str, after: str | None, limit: int) -> tuple[int, dict[str, Any]]:
         """Answer one ``GET /events``: (HTTP status, JSON body)."""
         events = self.events_for(account)
+        with self._lock:
+            positions = self._positions[account]
         if after is None:
             start = 0
-        elif after in self._positions[account]:
-            start = self._positions[account][after] + 1
+        elif after in positions:
+            start = positions[after] + 1
         else:
             return 400, _error("invalid_request_error", f"no event {after!r} for {account!r}")
         key = (account, after, limit)
@@ -169,8 +182,10 @@ class Upstream:
         with self._lock:
             pages = [asdict(p) for p in self._pages.values()]
             statuses = {str(k): v for k, v in sorted(self._statuses.items())}
+            accounts = dict(sorted(self._counts.items()))
         pages.sort(key=lambda p: (p["account"], p["page"]))
         return {
+            "accounts": accounts,
             "statuses": statuses,
             "pages": pages,
             "pages_served_more_than_once": [p for p in pages if p["served"] > 1],
@@ -200,6 +215,20 @@ class Handler(BaseHTTPRequestHandler):
             self._send(*self.server.upstream.page(query["account"], query.get("after"), limit))
         else:
             self._send(404, _error("invalid_request_error", f"no route {url.path}"))
+
+    def do_POST(self) -> None:
+        url = urlsplit(self.path)
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if url.path != "/events/grow":
+            self._send(404, _error("invalid_request_error", f"no route {url.path}"))
+            return
+        added = query.get("n", "")
+        if not query.get("account") or not added.isdigit():
+            self._send(400, _error("invalid_request_error", "need account= and n=<events>"))
+            return
+        count = self.server.upstream.grow(query["account"], int(added))
+        self._send(200, {"account": query["account"], "added": int(added), "total_count": count})
 
     def _send(self, status: int, body: dict[str, Any]) -> None:
         payload = json.dumps(body).encode()

@@ -1,7 +1,9 @@
-"""The webhook-sync example: its demo end to end (real workers, beat, a kill -9).
+"""The webhook-sync example: its demo end to end (real workers, beat, the receiver, a kill -9).
 
-The demo runs as a subprocess, in a shorter size, and must pass its own verdict: on the
-embedded default (SQLite + the atomicfs broker, no servers) and on Redis + PostgreSQL.
+The demo runs as a subprocess, in a shorter size, and must pass its own verdict (six signed
+webhooks: one sync and one follow-up; a retried delivery and a forged one start nothing; the
+sync resumes after the kill; the follow-up syncs the new events only): on the embedded default
+(SQLite + the atomicfs broker, no servers) and on Redis + PostgreSQL.
 """
 
 from __future__ import annotations
@@ -19,17 +21,24 @@ from tests.support.service import drop_tables, private_redis_url, require
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO = [sys.executable, "-m", "examples.webhook_sync.demo"]
-EVENTS = 1000
+EVENTS, NEW_EVENTS = 1000, 300
+TOTAL = EVENTS + NEW_EVENTS
 #: Seconds the demo may take before the test gives up (it takes ~10 s).
 DEMO_TIMEOUT = 150
 
+RESUMED = r"^  ok    resumed on (w[12]) after the kill of (w[12]): claimed \d+\.\d\d s later"
 VERDICT = [
-    rf"^  ok    every event stored exactly once: {EVENTS:,} rows, {EVENTS:,} distinct ids, "
-    rf"{EVENTS:,} upstream, 0 missing$",
-    r"^  ok    pages fetched again after the kill: [01]\b",
-    r"^  ok    resumed on (w[12]) after the kill of (w[12]): claimed \d+\.\d\d s later",
-    r"^  ok    job done: \d+ attempts, ",
-    r"^PASS: the sync survived kill -9 of the worker holding its lease$",
+    rf"^  ok    every event stored exactly once: {TOTAL:,} rows, {TOTAL:,} distinct ids, "
+    rf"{TOTAL:,} upstream, 0 missing$",
+    r"^  ok    6 webhooks, one sync and one follow-up: answered [0-9a-f]{8} x1, [0-9a-f]{8} x5;",
+    r"^  ok    never two runs at once: the follow-up was claimed \d+\.\d\d s after the sync",
+    r"^  ok    the follow-up started after the last webhook of the burst: \d+\.\d\d s after",
+    r"^  ok    a provider's retry of dlv_[0-9a-f]+, once the account was idle: answered 200 ",
+    r"^  ok    a delivery signed with another secret: answered 401 ",
+    RESUMED,
+    rf"^  ok    the follow-up synced only the new events: {NEW_EVENTS} in 3 page",
+    r"^  ok    pages fetched again: [01]\b",
+    r"^PASS: 6 webhooks, one sync and one follow-up; the sync survived kill -9 of its worker$",
 ]
 
 
@@ -38,7 +47,16 @@ def run_demo(
 ) -> subprocess.CompletedProcess[str]:
     env = None if name is None else {**os.environ, "WEBHOOK_SYNC_NAME": name}
     return subprocess.run(
-        [*DEMO, "--data", str(data), "--events", str(EVENTS), *options],
+        [
+            *DEMO,
+            "--data",
+            str(data),
+            "--events",
+            str(EVENTS),
+            "--new-events",
+            str(NEW_EVENTS),
+            *options,
+        ],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -57,12 +75,18 @@ def assert_verdict_holds(done: subprocess.CompletedProcess[str], data: Path) -> 
     assert "FAIL" not in done.stdout, report
     for pattern in VERDICT:
         assert re.search(pattern, done.stdout, re.MULTILINE), f"no line {pattern!r}\n{report}"
-    resumed = re.search(VERDICT[2], done.stdout, re.MULTILINE)
+    resumed = re.search(RESUMED, done.stdout, re.MULTILINE)
     assert resumed is not None and resumed[1] != resumed[2], report
+    # The job ids the receiver answered, as printed: the sync once, then its follow-up five times
+    answered = re.findall(r"dlv_[0-9a-f]+ -> 202, job ([0-9a-f-]{36})", done.stdout)
+    assert len(answered) == 6 and len(set(answered[1:])) == 1, report
+    assert answered[0] != answered[1], report
 
 
 @pytest.mark.e2e
-def test_the_demo_resumes_the_killed_sync_on_the_embedded_broker(tmp_path: Path) -> None:
+def test_the_demo_coalesces_its_webhooks_and_resumes_the_killed_sync_on_the_embedded_broker(
+    tmp_path: Path,
+) -> None:
     data = tmp_path / "demo"
 
     done = run_demo(data)
@@ -73,7 +97,9 @@ def test_the_demo_resumes_the_killed_sync_on_the_embedded_broker(tmp_path: Path)
 
 
 @pytest.mark.e2e
-def test_the_demo_resumes_the_killed_sync_on_redis_and_postgresql(tmp_path: Path) -> None:
+def test_the_demo_coalesces_its_webhooks_and_resumes_the_killed_sync_on_redis_and_postgresql(
+    tmp_path: Path,
+) -> None:
     database = require("postgres")
     name = f"leases_t_{uuid.uuid4().hex[:8]}"
     data = tmp_path / "demo"

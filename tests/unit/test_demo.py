@@ -1,4 +1,5 @@
-"""The webhook-sync example: the exactly-once storage of a page and its checkpoint.
+"""The webhook-sync example: the exactly-once storage of a page, the account's cursor and the
+run's checkpoint.
 
 Its demo end to end, with real workers, is in tests/e2e/test_demo.py.
 """
@@ -17,8 +18,12 @@ from celery import Celery, _state
 
 from celery_leases import LeasedTask, LeaseLost
 from celery_leases.lease import Lease, current
+from celery_leases.message import KEY_HEADER
 from celery_leases.rows import Claimed
+from celery_leases.store import Store
 from tests.support.message import job_message
+
+KEY = "account:acct_1"
 
 
 @pytest.fixture
@@ -41,9 +46,14 @@ def running(lease: Lease) -> Iterator[Lease]:
         current.stack.remove(lease)
 
 
-def attempt(job_id: str, claimed: Claimed | Any, owner: str) -> Lease:
+def attempt(store: Store, job_id: str, claimed: Claimed | Any, owner: str) -> Lease:
+    """The lease of the attempt that made the claim ``claimed``, as LeasedTask builds it."""
     assert isinstance(claimed, Claimed)
-    return Lease(job_id, claimed.token, claimed.attempt, claimed.checkpoint, owner, 30.0, 10.0)
+    lease = Lease(
+        job_id, claimed.token, claimed.attempt, claimed.checkpoint, owner, 30.0, 10.0, key=KEY
+    )
+    lease.read_cursor = lambda: store.cursor(KEY)
+    return lease
 
 
 def test_a_stale_attempt_can_neither_store_a_page_nor_move_the_cursor(
@@ -63,35 +73,59 @@ def test_a_stale_attempt_can_neither_store_a_page_nor_move_the_cursor(
     engine = sa.create_engine(database_url)
     table = sink.events_table(f"{table_name}_events")
     page = generate_events("exactly-once", "acct_1", 50)
-    after_page = {"cursor": page[-1]["id"], "page": 1, "done": 50}
+    cursor = {"after": page[-1]["id"], "events": 50}
+    run = {"started_after": None, "pages": 1, "events": 50, "until": 100}
     try:
         sink.create(engine, table)
-        # Given a job whose first attempt's lease expired and was claimed again by a second one
+        # Given a job of the account's key whose first attempt's lease expired and was claimed
+        # again by a second one
         job_id = f"job-{uuid.uuid4().hex}"
-        sent = job_message(job_id, sync.name)
+        sent = job_message(job_id, sync.name, args=["acct_1"], **{KEY_HEADER: KEY})
         store.register(sent)
-        stale = attempt(job_id, store.claim(sent, owner="w1/1", duration=30.0), "w1/1")
+        stale = attempt(store, job_id, store.claim(sent, owner="w1/1", duration=30.0), "w1/1")
         assert store.release(job_id)
-        fresh = attempt(job_id, store.claim(sent, owner="w2/2", duration=30.0), "w2/2")
+        fresh = attempt(store, job_id, store.claim(sent, owner="w2/2", duration=30.0), "w2/2")
         assert fresh.token > stale.token
 
-        # When the first (stale) attempt stores a page with its checkpoint
+        # When the first (stale) attempt stores a page with the cursor and its checkpoint
         with running(stale), pytest.raises(LeaseLost):
-            example.store_page(sync, engine, table, "acct_1", page, after_page, progress=(50, 100))
+            example.store_page(
+                sync,
+                engine,
+                table,
+                "acct_1",
+                page,
+                cursor=cursor,
+                checkpoint=run,
+                progress=(50, 100),
+            )
 
-        # Then the transaction rolled back: no event stored, the cursor did not move
+        # Then the transaction rolled back: no event stored, neither the account's cursor nor
+        # the job's checkpoint moved
         assert sink.count(engine, table, "acct_1") == 0
+        assert store.cursor(KEY) is None
         job = store.get(job_id)
         assert job is not None
         assert (job.checkpoint, job.progress_done, job.owner) == (None, None, "w2/2")
 
-        # And the attempt holding the lease stores the same page, and its checkpoint, once
+        # And the attempt holding the lease stores the same page, the cursor after it and its
+        # checkpoint, once; the key's next run reads that cursor
         with running(fresh):
-            example.store_page(sync, engine, table, "acct_1", page, after_page, progress=(50, 100))
+            example.store_page(
+                sync,
+                engine,
+                table,
+                "acct_1",
+                page,
+                cursor=cursor,
+                checkpoint=run,
+                progress=(50, 100),
+            )
         assert sorted(sink.stored_ids(engine, table, "acct_1")) == sorted(e["id"] for e in page)
+        assert store.cursor(KEY) == cursor
         job = store.get(job_id)
         assert job is not None
-        assert (job.checkpoint, job.progress_done, job.progress_total) == (after_page, 50, 100)
+        assert (job.checkpoint, job.progress_done, job.progress_total) == (run, 50, 100)
     finally:
         engine.dispose()
         store.engine.dispose()

@@ -3,6 +3,7 @@ the fenced cursor of each key."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from celery import Celery
 from celery_leases import LeasedTask
 from celery_leases.config import DEFAULTS, settings_for, validate
 from celery_leases.errors import ArgumentsError, InvalidJobState, LeaseError
-from celery_leases.keeper import all_keepers
+from celery_leases.keeper import all_keepers, keeper_for
 from celery_leases.message import KEY_HEADER, Message
 from celery_leases.rows import Claimed, Refused
 from celery_leases.store import Store, store_for
@@ -207,8 +208,10 @@ def test_the_holder_saves_the_keys_cursor_and_the_next_run_reads_it(store: Store
     assert store.save_cursor(KEY, "t1", lease.token, '{"since":10}')
     assert store.save_cursor(KEY, "t1", lease.token, '{"since":20}')
     store.finish("t1", lease.token, result=None)
-    with store.engine.begin() as connection:
-        connection.execute(sa.update(store.table).values(finished_at=time.time() - 3600))
+    with store.engine.begin() as connection:  # ended an hour ago, by the database's clock
+        connection.execute(
+            sa.update(store.table).values(finished_at=store.table.c.finished_at - 3600)
+        )
     store.purge(older_than=60.0, batch=10)
 
     assert store.get("t1") is None
@@ -377,3 +380,32 @@ def test_a_task_without_a_lease_key_has_no_cursor(app: Celery) -> None:
     result = app.tasks["tests.unkeyed"].apply()
     assert isinstance(result.result, LeaseError)
     assert "no lease key" in str(result.result)
+
+
+def test_a_keeper_tick_while_an_ended_run_starts_its_followup_reports_no_lost_lease(
+    app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a keyed run whose follow-up start (after its finish, before the attempt lets go of
+    # the lease) meets a tick of this process's keeper
+    sync = app.tasks["tests.sync"]
+    store = store_for(settings_for(app))
+    keeper = keeper_for(store)
+    start_followup = store.start_followup
+    held: list[list[tuple[str, bool]]] = []
+
+    def tick_first(job_id: str) -> Any:
+        held.append([(lease.job_id, lease.lost) for lease in keeper.held()])
+        keeper.tick()
+        return start_followup(job_id)
+
+    store.start_followup = tick_first  # type: ignore[method-assign]
+
+    # When it ends
+    with caplog.at_level(logging.WARNING, logger="celery_leases"):
+        result = sync.apply(("42",))
+
+    # Then the tick neither renewed the ended job's lease nor called it lost
+    assert result.get() == {"from": 0, "to": 3}
+    assert held == [[(result.id, False)]]
+    assert "lease lost" not in caplog.text
+    assert not any(lease.lost for lease in keeper.held())

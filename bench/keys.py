@@ -1,0 +1,235 @@
+"""Lease keys: how many triggers one busy key absorbs, and how soon its follow-up run starts.
+
+A real ``celery worker`` (two for the latency) runs ``e2e.keyed_units`` of
+``tests/support/apps/leased_app.py`` (lease key ``account:<account>``); the client is this
+process, calling ``apply_async`` through LeasedTask as a webhook receiver would.
+
+- **absorb**: while a job of the key runs (one long run, started first), a loop of
+  ``apply_async`` on that key for ``--seconds`` (a single client, then N threads at once);
+  every call is coalesced into the run's one follow-up job (an ``INSERT`` the unique index on
+  live keys refuses, then one ``UPDATE``; nothing is published). Calls per second, and the
+  median and p90 of one call. Checked: every call returned the same follow-up id, which waits
+  in the run's row (the key has one job). Next to it, in the same run, the same loop with a
+  key of its own per call: a new job each (the ``INSERT``, then a publish to a queue no worker
+  reads), what each trigger costs when nothing coalesces it. Checked: an id per call.
+- **follow-up latency**: a run of 3 units of 0.1 s, one trigger while it runs; from the run's
+  end (``finished_at``) to the follow-up's claim (``claimed_at``), both the database clock.
+  The worker that ends the run records and publishes the follow-up right after its finish;
+  the other worker is idle. ``--runs`` runs (10), median and worst.
+
+PostgreSQL + Redis, and SQLite (a file) + Redis (the broker carries only the follow-up's
+message; on SQLite every coalesced call takes the database's one write lock).
+
+    python -m bench.keys [--quick] [--seconds S] [--threads N ...] [--runs N]
+        [--database postgres sqlite]
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.common import available, median_ms, p90_ms, parser, print_rows, report, row, scratch
+from tests.support.scenario import Scenario, kill_all
+from tests.support.service import private_redis_url
+from tests.support.worker import Spawner
+
+TASK = "e2e.keyed_units"
+#: The long run that keeps the key busy while the clients call (cancelled once they are done).
+BUSY_UNITS, BUSY_UNIT_SECONDS = 10_000, 0.1
+#: The short runs of the latency measurement.
+RUN_UNITS, RUN_UNIT_SECONDS = 3, 0.1
+ABSORB_COLUMNS = "database trigger clients calls seconds calls_per_s median_ms p90_ms checked"
+LATENCY_COLUMNS = "database runs median_s worst_s best_s"
+
+
+def absorb(
+    s: Scenario, database: str, *, seconds: float, threads: Sequence[int]
+) -> list[dict[str, Any]]:
+    """Triggers per second one busy key absorbs, for one client loop and each of ``threads``;
+    after each, the same calls each on a key of its own (a new job per call, published to a
+    queue no worker reads): what every trigger would cost without the key."""
+    task = s.app.tasks[TASK]
+    idle_queue = f"{s.app.conf.task_default_queue}_unread"
+    rows = []
+    for clients in (1, *threads):
+        account = f"busy-{uuid.uuid4().hex[:8]}"
+        busy = s.send(TASK, account, BUSY_UNITS, BUSY_UNIT_SECONDS)
+        s.wait_unit(busy, unit=0, timeout=30)
+        # The first trigger becomes the follow-up and gives it its arguments (no units: it
+        # ends at once); the measured calls are coalesced into it.
+        followup = str(task.apply_async((account, 0, 0.0)).id)
+        times, ids, elapsed = call_for(
+            lambda account=account: task.apply_async((account, 1, 0.0)), clients, seconds
+        )
+        # The follow-up waits in the run's row until the run ends.
+        jobs = [j for j in s.store.list_jobs(limit=20) if j.lease_key == f"account:{account}"]
+        one_followup = ids == {followup} and [(j.id, j.followup_id) for j in jobs] == [
+            (busy, followup)
+        ]
+        # The run is cancelled at its next unit; its follow-up then runs (no units) and ends.
+        s.store.request_stop([busy], "cancel")
+        s.wait_finished(busy, timeout=30)
+        s.wait_finished(followup, timeout=30)
+        fresh_times, fresh_ids, fresh_elapsed = call_for(
+            lambda: task.apply_async(
+                ("x", 1, 0.0), lease_key=f"fresh:{uuid.uuid4().hex}", queue=idle_queue
+            ),
+            clients,
+            seconds,
+        )
+        shown = "1 loop" if clients == 1 else f"{clients} threads"
+        for kind, found, took, check in (
+            ("busy key (coalesced)", times, elapsed, one_followup),
+            (
+                "a key each (new job)",
+                fresh_times,
+                fresh_elapsed,
+                len(fresh_ids) == len(fresh_times),
+            ),
+        ):
+            rows.append(
+                row(
+                    ABSORB_COLUMNS,
+                    database,
+                    kind,
+                    shown,
+                    len(found),
+                    took,
+                    len(found) / took,
+                    median_ms(found),
+                    p90_ms(found),
+                    "yes" if check else "NO",
+                )
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def call_for(
+    call: Callable[[], Any], clients: int, seconds: float
+) -> tuple[list[float], set[str], float]:
+    """``clients`` threads running ``call`` (an ``apply_async``) for ``seconds``: the seconds
+    of each call, the ids returned, and the seconds from the start to the last thread's end."""
+    times: list[list[float]] = [[] for _ in range(clients)]
+    served: list[set[str]] = [set() for _ in range(clients)]
+    start = threading.Barrier(clients + 1)
+
+    def loop(out: list[float], ids: set[str]) -> None:
+        clock = time.perf_counter
+        start.wait()
+        deadline = clock() + seconds
+        while (began := clock()) < deadline:
+            ids.add(str(call().id))
+            out.append(clock() - began)
+
+    threads = [threading.Thread(target=loop, args=(times[n], served[n])) for n in range(clients)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - began
+    return [t for out in times for t in out], set().union(*served), elapsed
+
+
+def followup_latency(s: Scenario, *, runs: int) -> list[float]:
+    """Seconds from the end of a run to its follow-up's claim (DB clock), ``runs`` times."""
+    found = []
+    for _ in range(runs):
+        account = f"lat-{uuid.uuid4().hex[:8]}"
+        first = s.send(TASK, account, RUN_UNITS, RUN_UNIT_SECONDS)
+        s.wait_unit(first, unit=0, timeout=30)
+        followup = s.send(TASK, account, RUN_UNITS, RUN_UNIT_SECONDS)
+        assert followup != first, "the trigger during the run was not coalesced"
+        ended = s.wait_finished(first, timeout=60)
+        started = s.wait_finished(followup, timeout=60)
+        assert ended.finished_at is not None and started.claimed_at is not None
+        found.append(started.claimed_at - ended.finished_at)
+        print(f"follow-up claimed {found[-1] * 1000:.1f} ms after the run ended", flush=True)
+    return found
+
+
+def measure(
+    database: str, url: str, *, seconds: float, threads: Sequence[int], runs: int
+) -> tuple[list[dict[str, Any]], list[float]]:
+    with (
+        private_redis_url() as broker,
+        tempfile.TemporaryDirectory(prefix="bench-keys-") as logs,
+        scratch(url, "keys") as table,
+    ):
+        spawner = Spawner(logs)
+        s = Scenario.create(
+            spawner,
+            broker={"broker_url": broker},
+            database_url=url,
+            table=table,
+            queue=f"{table}_queue",
+            lease_seconds=30.0,
+        )
+        try:
+            s.start_workers(2)
+            rows = absorb(s, database, seconds=seconds, threads=threads)
+            return rows, followup_latency(s, runs=runs)
+        finally:
+            kill_all(spawner)
+            s.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    options = parser(__doc__)
+    options.add_argument("--seconds", type=float, help="seconds of calls per row (5; quick 2)")
+    options.add_argument("--threads", type=int, nargs="+", default=[4, 16], help="threads (4 16)")
+    options.add_argument("--runs", type=int, help="follow-up latency runs (10; quick 10)")
+    options.add_argument(
+        "--database", nargs="+", choices=("postgres", "sqlite"), default=["postgres", "sqlite"]
+    )
+    args = options.parse_args(argv)
+    seconds = args.seconds or (2.0 if args.quick else 5.0)
+    runs = args.runs or 10
+    absorbed: list[dict[str, Any]] = []
+    latency_rows: list[dict[str, Any]] = []
+    raw: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-keys-sqlite-") as folder:
+        for database in args.database:
+            url = available("postgres") if database == "postgres" else None
+            if database == "sqlite":
+                url = f"sqlite:///{Path(folder) / 'leases.sqlite3'}"
+            if url is None:
+                continue
+            rows, latencies = measure(
+                database, url, seconds=seconds, threads=args.threads, runs=runs
+            )
+            absorbed += rows
+            raw[database] = latencies
+            latency_rows.append(
+                row(
+                    LATENCY_COLUMNS,
+                    database,
+                    len(latencies),
+                    statistics.median(latencies),
+                    max(latencies),
+                    min(latencies),
+                )
+            )
+    print_rows("Follow-up latency: run end -> follow-up claim (s, DB clock)", latency_rows)
+    report(
+        "keys",
+        absorbed,
+        quick=args.quick,
+        title="Triggers one busy key absorbs (apply_async coalesced into its follow-up)",
+        latency=latency_rows,
+        latency_seconds=raw,
+        argv=argv,
+    )
+
+
+if __name__ == "__main__":
+    main()
