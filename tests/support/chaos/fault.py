@@ -10,8 +10,10 @@ lost; the result backend's database is kept, as a persistent result store would 
 ``freeze_in_transaction`` is a freeze from inside a transactional checkpoint: the driver leaves
 a request in the run's hold directory, and the next ``chaos.exactly_once`` checkpoint that finds
 it SIGSTOPs its own worker after its checkpoint statement, before the commit (the job's row
-stays locked); the driver thaws it like a ``freeze``. Only where the database bounds an idle
-transaction (PostgreSQL, MariaDB): on SQLite it would hold the whole file's write lock.
+stays locked), or the next ``chaos.keyed`` unit after its cursor write, before its checkpoint
+(the key's cursor row and the job's row locked); the driver thaws it like a ``freeze``. Only
+where the database bounds an idle transaction (PostgreSQL, MariaDB): on SQLite it would hold
+the whole file's write lock.
 
 Control kinds act on a job, not on a process: ``revoke`` (``app.control.revoke(id,
 terminate=True)`` of a job running under a live lease on a live worker) and ``cancel``
