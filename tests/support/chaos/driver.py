@@ -1004,6 +1004,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--burst", type=int, default=d.burst, help="triggers of a burst, at most")
     parser.add_argument("--key-units", type=int, default=8, help="units of a keyed job")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated fault kinds: only those of the run's kinds (to replay one kind)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="random if not given")
     parser.add_argument(
         "--broker", default="redis", help="redis | rabbitmq | filesystem | a broker URL"
@@ -1074,6 +1079,12 @@ def fault_kinds(args: argparse.Namespace) -> tuple[str, ...]:
         kinds.append("restart_broker")
     if not args.no_controls:
         kinds += F.CONTROL_KINDS
+    if args.only:
+        only = set(args.only.split(","))
+        unknown = only - set(kinds)
+        if unknown:
+            raise SystemExit(f"--only: {sorted(unknown)} not among this run's kinds {kinds}")
+        kinds = [k for k in kinds if k in only]
     return tuple(kinds)
 
 
