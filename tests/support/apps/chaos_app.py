@@ -269,7 +269,7 @@ def add_chaos_tasks(app: Celery) -> Celery:
                 log.end(connection, row)
                 self.save_cursor({"units": done + 1}, connection=connection)
                 if hold_dir:  # freeze_in_transaction: the job's row and the key's are locked
-                    hold_if_asked(hold_dir, lease.job_id)
+                    hold_if_asked(hold_dir, lease.job_id, keyed=True)
                 self.checkpoint({"next": unit + 1}, connection=connection)
             done += 1
             self.stop_point()

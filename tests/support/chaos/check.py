@@ -1132,9 +1132,9 @@ def _cursors(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
             )
     e.figures.update(cursor_writes=writes, cursor_problems=len(problems))
     text = (
-        f"{len(keys)} keys; {writes} cursor writes logged, "
-        f"{sum(1 for k in keys if (e.cursors.get(k) or {}).get('units') is not None)} cursors "
-        f"saved; {len(problems)} disagreements with the unit log"
+        f"{len(keys)} keys; {writes} cursor writes logged, {len(e.cursors)} cursors saved "
+        f"({', '.join(f'{k} {v}' for k, v in sorted(e.cursors.items()))}); {len(problems)} "
+        f"disagreements with the unit log"
     )
     for problem in problems[:4]:
         text += f"\n      {problem}"

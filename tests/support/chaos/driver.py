@@ -565,10 +565,12 @@ class Chaos:
         return f"SIGSTOP {worker.name} for {fault.seconds:.1f} s"
 
     def _fault_freeze_in_transaction(self, fault: F.Fault, worker: Worker | None) -> str:
-        F.ask_for_hold(self.hold_dir, fault.number, fault.seconds)
+        # In a run with keyed jobs, every other request waits for a keyed job's transaction.
+        keyed = self.config.keyed and self.done_faults["freeze_in_transaction"] % 2 == 1
+        F.ask_for_hold(self.hold_dir, fault.number, fault.seconds, keyed=keyed)
         return (
-            f"the next transactional checkpoint (exactly-once or keyed) freezes its worker for "
-            f"{fault.seconds:.1f} s"
+            f"the next transactional checkpoint ({'of a keyed job' if keyed else 'any'}) "
+            f"freezes its worker for {fault.seconds:.1f} s"
         )
 
     def _take_holds(self, now: float) -> None:
@@ -997,13 +999,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="no revoke or cancel faults and no expiring jobs",
     )
     parser.add_argument(
-        "--keys", type=int, default=4, help="accounts (lease keys) of the keyed jobs; 0: none"
+        "--keys", type=int, default=6, help="accounts (lease keys) of the keyed jobs; 0: none"
     )
     parser.add_argument(
-        "--triggers", type=int, default=150, help="triggers of keyed jobs, sent in bursts"
+        "--triggers", type=int, default=240, help="triggers of keyed jobs, sent in bursts"
     )
     parser.add_argument("--burst", type=int, default=d.burst, help="triggers of a burst, at most")
-    parser.add_argument("--key-units", type=int, default=8, help="units of a keyed job")
+    parser.add_argument("--key-units", type=int, default=12, help="units of a keyed job")
     parser.add_argument(
         "--only",
         default=None,
