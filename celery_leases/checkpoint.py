@@ -101,7 +101,15 @@ def save_cursor(
         store = task.lease_store
         key = str(lease.key)
         if connection is not None:
-            saved = store.save_cursor(key, lease.job_id, lease.token, text, connection=connection)
+            lease.idle_bounded = lease.idle_bounded or store.bounds_idle(connection)
+            saved = store.save_cursor(
+                key,
+                lease.job_id,
+                lease.token,
+                text,
+                connection=connection,
+                idle_limit=lease.duration,
+            )
         else:
             saved = until_deadline(
                 lease,

@@ -658,18 +658,32 @@ class Statements:
                 now,
             ).where(sa.exists(holder))
             columns = ["lease_key", "cursor_state", "job_id", "token", "cursor_at"]
-            # INSERT's rowcount is not reliable on every driver: RETURNING tells it was written.
-            if dialect in ("postgresql", "sqlite"):
-                dml = postgresql if dialect == "postgresql" else sqlite
-                upsert: Any = dml.insert(k).from_select(columns, written)
-                self.save_cursor = upsert.on_conflict_do_update(
-                    index_elements=[k.c.lease_key],
-                    set_={c: upsert.excluded[c] for c in columns[1:]},
-                ).returning(k.c.lease_key)
-            else:
-                upsert = mysql.insert(k).from_select(columns, written)
-                self.save_cursor = upsert.on_duplicate_key_update(
-                    {c: upsert.inserted[c] for c in columns[1:]}
+
+            def upsert_of(select: Any) -> Any:
+                # INSERT's rowcount is not reliable on every driver: RETURNING tells it was
+                # written.
+                if dialect in ("postgresql", "sqlite"):
+                    dml = postgresql if dialect == "postgresql" else sqlite
+                    upsert: Any = dml.insert(k).from_select(columns, select)
+                    return upsert.on_conflict_do_update(
+                        index_elements=[k.c.lease_key],
+                        set_={c: upsert.excluded[c] for c in columns[1:]},
+                    ).returning(k.c.lease_key)
+                upsert = mysql.insert(k).from_select(columns, select)
+                return upsert.on_duplicate_key_update({c: upsert.inserted[c] for c in columns[1:]})
+
+            self.save_cursor = self.save_cursor_in_tx = upsert_of(written)
+            # In a transaction of the task's (save_cursor(connection=...)), on PostgreSQL: the
+            # statement bounds how long that transaction may sit idle, as checkpoint_in_tx
+            # does: its share lock on the job's row must not outlive the lease either.
+            if dialect == "postgresql":
+                guard = sa.select(
+                    sa.func.set_config(
+                        "idle_in_transaction_session_timeout", param("idle_ms", sa.String()), True
+                    ).label("v")
+                ).cte("leases_cursor_idle_guard")
+                self.save_cursor_in_tx = upsert_of(
+                    written.where(sa.exists(sa.select(guard.c.v))).add_cte(guard)
                 )
 
         # -- reading jobs ---------------------------------------------------------------------

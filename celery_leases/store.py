@@ -288,20 +288,29 @@ class Store:
         state: str,
         *,
         connection: Connection | None = None,
+        idle_limit: float | None = None,
     ) -> bool:
         """Save the cursor of lease key ``key`` (JSON text), fenced by the lease ``token`` of
         the running job ``job_id`` of that key: False if this attempt lost the lease. One
-        statement; with ``connection``, in the caller's transaction."""
+        statement; with ``connection``, in the caller's transaction, which may then sit idle
+        ``idle_limit`` seconds at most (default ``leases_duration``), as with
+        :meth:`checkpoint`."""
         params = {"b_key": key, "b_id": job_id, "b_token": token, "b_cursor": state}
+        stmt = self.sql.save_cursor
+        idle_limit = self.settings.duration if idle_limit is None else idle_limit
+        if connection is not None:
+            stmt = self.sql.save_cursor_in_tx
+            params["b_idle_ms"] = str(math.ceil(idle_limit * 1000))
 
         def run(c: Connection) -> bool:
             if self.db.returning:
-                return c.execute(self.sql.save_cursor, params).first() is not None
-            return bool(c.execute(self.sql.save_cursor, params).rowcount)
+                return c.execute(stmt, params).first() is not None
+            return bool(c.execute(stmt, params).rowcount)
 
         if connection is None:
             return self._hot(run)  # type: ignore[no-any-return]
         with self.db.wrapped_errors("cursor not saved"):
+            self._guard_idle_writes(connection, idle_limit)
             return run(connection)
 
     def forget(self, job_id: str) -> bool:

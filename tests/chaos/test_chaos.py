@@ -1,6 +1,7 @@
 """The short chaos form (issue 7): 40 jobs x 10 units on 3 prefork workers, ~15 faults, among
 them cancels (and revokes on Redis), and 4 jobs sent with an ``expires`` that passes for some
-of them.
+of them; and keyed jobs (issue 17): 16 triggers of 2 accounts in bursts, sent while the faults
+happen, coalesced into one run per account at a time.
 
 Each test runs ``tests/support/chaos/driver.py`` against real services, with a result backend
 (a Redis database of its own; an SQLite file with the embedded broker), and fails when an
@@ -28,8 +29,20 @@ from tests.support.worker import Spawner
 pytestmark = [pytest.mark.chaos, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 SHORT = Config(
-    jobs=40, units=10, unit_seconds=0.6, workers=3, concurrency=2, faults=15, expiring=0.1
+    jobs=40,
+    units=10,
+    unit_seconds=0.6,
+    workers=3,
+    concurrency=2,
+    faults=15,
+    expiring=0.1,
+    keys=2,
+    triggers=16,
+    key_units=5,
 )
+#: The fault kinds of the PostgreSQL short form, before the service restarts this machine
+#: allows: every worker fault, the freeze inside a transaction, and the controls.
+POSTGRES_KINDS = faults.WORKER_KINDS + faults.TRANSACTION_KINDS + faults.CONTROL_KINDS
 
 
 def short_config(kinds: tuple[str, ...]) -> Config:
@@ -58,6 +71,8 @@ def assert_chaos_survived(report: Report, config: Config) -> None:
     assert report.ok, f"{replay}\n{report.text}"
     done = sum(report.faults.values())
     assert done >= 0.8 * config.faults, f"only {done} faults done; {replay}\n{report.text}"
+    sent = report.figures.get("triggers", 0)
+    assert sent >= config.triggers, f"only {sent} triggers sent; {replay}\n{report.text}"
 
 
 @pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
@@ -67,9 +82,9 @@ def test_on_postgresql_and_redis_kills_freezes_and_restarts_lose_nothing_and_run
 ) -> None:
     # Given 3 workers, beat running the reaper, 40 jobs (half exactly-once, half at-least-once,
     # 4 of them sent with expires), a Redis result backend
+    # and 16 triggers of 2 accounts sent in bursts during the run (keyed jobs)
     restarts = service_restarts(database_url, celery_settings["broker_url"])
-    kinds = faults.WORKER_KINDS + faults.TRANSACTION_KINDS + restarts + faults.CONTROL_KINDS
-    config = short_config(kinds)
+    config = short_config(POSTGRES_KINDS + restarts)
 
     # When pool processes and workers are SIGKILLed, frozen past their lease (some inside the
     # transaction of a checkpoint, the job's row locked), SIGTERMed, PostgreSQL and Redis
@@ -80,7 +95,9 @@ def test_on_postgresql_and_redis_kills_freezes_and_restarts_lose_nothing_and_run
 
     # Then every job is done or ended as its control decided, for good, the result backend and
     # the callbacks agree, no unit twice in exactly-once mode, at most one redone per
-    # interruption in at-least-once mode, no overlap between attempts, no checkpoint backwards
+    # interruption in at-least-once mode, no overlap between attempts, no checkpoint backwards;
+    # never two runs of one key at once, every trigger followed by a run that started after it,
+    # none lost, and each key's cursor counts exactly the units its jobs committed
     assert_chaos_survived(report, config)
     assert all(report.faults[kind] >= 1 for kind in restarts), report.text
 
@@ -109,9 +126,9 @@ def test_on_sqlite_and_the_embedded_broker_kills_and_freezes_lose_nothing_and_ru
     config = short_config((*faults.WORKER_KINDS, "cancel"))
 
     # When pool processes and workers are SIGKILLed, frozen past their lease and SIGTERMed,
-    # and jobs are cancelled or expire
+    # jobs are cancelled or expire, and bursts of triggers of keyed jobs arrive
     report = Chaos(config, spawn, broker, database_url, table_name, backend).run()
 
-    # Then the invariants hold: the reaper recovered every message the kills destroyed, and
-    # every control held
+    # Then the invariants hold: the reaper recovered every message the kills destroyed, every
+    # control held, and the keyed jobs ran one at a time per key, each trigger served
     assert_chaos_survived(report, config)

@@ -15,11 +15,13 @@ from tests.support.chaos.check import (
     Callback,
     CheckpointRow,
     Control,
+    CursorRow,
     Evidence,
     JobRow,
     Kill,
     Outcome,
     StateRow,
+    Trigger,
     check_all,
 )
 from tests.support.unit_log import Unit
@@ -408,3 +410,240 @@ def test_a_result_and_a_link_lost_to_a_kill_right_after_the_job_ended_done_are_t
     assert failed_checks(replace(lost, kills=[Kill(END + 0.2, (102,))])) == [BACKEND, CALLBACKS]
     failure = replace(lost, backend={"j": Outcome("FAILURE", "WorkerLostError")})
     assert failed_checks(replace(failure, kills=[Kill(END + 0.2, (101,))])) == [BACKEND]
+
+
+# -- keyed jobs: one run per key, triggers, cursors ------------------------------------------------
+
+KEY = "account:a"
+KEY_UNITS = 3
+KEYED = "keyed jobs"
+ONE_RUN = "one run per key"
+FOLLOWED = "every trigger followed by a run of its key that started after it and ended done"
+LOST = "no trigger lost"
+CURSORS = "cursors"
+
+
+def keyed_evidence(
+    runs: dict[str, list[Unit]],
+    triggers: list[Trigger],
+    *,
+    inserted: dict[str, float],
+    states: dict[str, str] | None = None,
+    keys: dict[str, str] | None = None,
+) -> Evidence:
+    """The evidence of keyed jobs only (no other job), consistent where nothing else is said:
+    each job inserted at ``inserted[job]``, claimed before each run's first unit, ended as
+    ``states`` says (default done) half a second after its last unit; each committed unit wrote
+    the cursor of its job's key (``keys``, default ``KEY``) once, in commit order."""
+    states, keys = states or {}, keys or {}
+    jobs: dict[str, JobRow] = {}
+    history: list[StateRow] = []
+    units = sorted((r for rows in runs.values() for r in rows), key=lambda r: r.ended_at or 0)
+    for job_id, rows in runs.items():
+        tokens = sorted({r.token or 0 for r in rows})
+        last = max((r.ended_at or r.started_at for r in rows), default=inserted[job_id])
+        state = states.get(job_id, "done")
+        ended_at = last + 0.5 if state in ("done", "failed") else None
+        history.append(StateRow(job_id, 0, "queued", inserted[job_id]))
+        for token in tokens:
+            first = min(r.started_at for r in rows if r.token == token)
+            history.append(StateRow(job_id, token, "running", first - 0.01))
+        if ended_at is not None:
+            history.append(StateRow(job_id, max(tokens, default=0), state, ended_at))
+        result = KEY_UNITS if state == "done" else None
+        jobs[job_id] = JobRow(
+            job_id,
+            state,
+            len(tokens),
+            max(tokens, default=0),
+            result,
+            {"next": KEY_UNITS},
+            None,
+            ended_at,
+            keys.get(job_id, KEY),
+        )
+    counts: dict[str, int] = {}
+    cursor_log = []
+    for row in units:
+        if row.committed:
+            key = keys.get(row.job_id, KEY)
+            counts[key] = counts.get(key, 0) + 1
+            cursor = json.dumps({"units": counts[key]})
+            cursor_log.append(CursorRow(key, row.job_id, row.token or 0, cursor, row.ended_at or 0))
+    return Evidence(
+        units=UNITS,
+        modes={},
+        jobs=jobs,
+        table_rows=0,
+        unit_rows=[r for rows in runs.values() for r in rows],
+        checkpoints=[],
+        history=history,
+        backend={},
+        callbacks=[],
+        triggers=triggers,
+        key_units=KEY_UNITS,
+        cursors={key: {"units": n} for key, n in counts.items()},
+        cursor_log=cursor_log,
+    )
+
+
+def a_run_and_its_followup(*, followup_from: float = 5.0) -> dict[str, list[Unit]]:
+    """Job x runs units 0-2 from 0 to 3 (token 1), its follow-up y from ``followup_from``."""
+    return {
+        "x": run_of("x", 1, range(KEY_UNITS), 0),
+        "y": run_of("y", 1, range(KEY_UNITS), followup_from),
+    }
+
+
+#: x's own trigger (before it started), and two during its run, served by its follow-up y.
+TRIGGERS = [Trigger(KEY, "x", "x", -1.0), Trigger(KEY, "y", "y", 1.0), Trigger(KEY, "t3", "y", 2.0)]
+INSERTED = {"x": -1.0, "y": 3.6}
+
+
+def test_a_keyed_run_its_coalesced_triggers_and_their_followup_keep_every_invariant() -> None:
+    e = keyed_evidence(a_run_and_its_followup(), TRIGGERS, inserted=INSERTED)
+
+    assert failed_checks(e) == []
+    assert (e.figures["triggers"], e.figures["trigger_jobs"], e.figures["cursor_writes"]) == (
+        3,
+        2,
+        6,
+    )
+
+
+def test_the_keyed_checks_say_so_when_a_run_had_no_keyed_jobs() -> None:
+    e = evidence(EXACTLY_ONCE, run_of("j", 1, range(4), 0), attempts=1)
+
+    lines = {check.name: check.text for check in check_all(e)}
+
+    assert lines[FOLLOWED] == "no keyed jobs in this run"
+
+
+def test_committed_units_of_two_jobs_of_one_key_overlapping_are_caught() -> None:
+    # Given y's first unit (2.5-3.5) overlapping x's last (2-3), y inserted after x ended
+    runs = a_run_and_its_followup(followup_from=2.5)
+    e = keyed_evidence(runs, TRIGGERS[:2], inserted={"x": -1.0, "y": 3.6})
+
+    failed = failed_checks(e)
+
+    assert failed == [ONE_RUN]
+    assert e.figures["key_overlaps"] == 1
+    (check,) = [c for c in check_all(e) if c.name.startswith(ONE_RUN)]
+    assert "unit 2 of x (token 1, 2.000-3.000) overlaps unit 0 of y (token 1" in check.text
+
+
+def test_a_run_of_a_keys_job_started_while_another_run_of_the_key_went_on_is_caught() -> None:
+    # Given y's first attempt starting at 1.5 (its unit never committed: it died), while x ran
+    # from 0 and committed until 3, then y's second attempt from 5
+    runs = {
+        "x": run_of("x", 1, range(KEY_UNITS), 0),
+        "y": [unit("y", 0, 1, 1.5, None), *run_of("y", 2, range(KEY_UNITS), 5)],
+    }
+    e = keyed_evidence(runs, TRIGGERS[:2], inserted={"x": -1.0, "y": 1.4})
+
+    assert failed_checks(e) == [ONE_RUN]
+    # no committed units overlap: the run's start inside x's is what shows it
+    assert (e.figures["key_overlaps"], e.figures["key_runs_inside"]) == (0, 1)
+
+
+def test_two_jobs_of_one_key_live_at_once_in_the_state_log_are_caught() -> None:
+    # Given y inserted (queued) at 2, while x ran until 3.5, though y ran only from 5
+    e = keyed_evidence(a_run_and_its_followup(), TRIGGERS, inserted={"x": -1.0, "y": 2.0})
+
+    assert failed_checks(e) == [ONE_RUN]
+    assert (e.figures["key_runs_inside"], e.figures["key_live_overlaps"]) == (0, 1)
+
+
+def test_jobs_of_two_keys_may_run_at_once() -> None:
+    runs = a_run_and_its_followup(followup_from=1.0)
+    triggers = [Trigger(KEY, "x", "x", -1.0), Trigger("account:b", "y", "y", 0.5)]
+    e = keyed_evidence(runs, triggers, inserted={"x": -1.0, "y": 0.5}, keys={"y": "account:b"})
+
+    assert failed_checks(e) == []
+
+
+def test_a_trigger_no_run_of_its_key_started_after_is_caught() -> None:
+    # Given a trigger at 6, coalesced into y, which had started at 5: nothing ran after it
+    late = Trigger(KEY, "t4", "y", 6.0)
+    e = keyed_evidence(a_run_and_its_followup(), [*TRIGGERS, late], inserted=INSERTED)
+
+    assert failed_checks(e) == [FOLLOWED]
+    (check,) = [c for c in check_all(e) if c.name == FOLLOWED]
+    assert "trigger t4 of account:a at 6.000 (served by y)" in check.text
+
+
+def test_a_trigger_followed_only_by_a_run_that_did_not_end_done_is_caught() -> None:
+    e = keyed_evidence(
+        a_run_and_its_followup(), TRIGGERS, inserted=INSERTED, states={"y": "failed"}
+    )
+
+    assert failed_checks(e) == [KEYED, FOLLOWED, LOST]
+
+
+def test_a_trigger_whose_result_id_has_no_job_is_caught_as_lost() -> None:
+    # Given the trigger at 1 answered with job z, which never existed (y ran after it anyway)
+    lost = [TRIGGERS[0], Trigger(KEY, "y", "y", 1.0), Trigger(KEY, "t3", "z", 2.0)]
+    e = keyed_evidence(a_run_and_its_followup(), lost, inserted=INSERTED)
+
+    assert failed_checks(e) == [LOST]
+    (check,) = [c for c in check_all(e) if c.name.startswith(LOST)]
+    assert "trigger t3 of account:a: served by z, which has no row" in check.text
+
+    # And one answered with a job of another key (no job of its own key ran after it either)
+    other = [TRIGGERS[0], Trigger("account:b", "t3", "y", 1.0)]
+    e = keyed_evidence(a_run_and_its_followup(), other, inserted=INSERTED)
+    assert failed_checks(e) == [FOLLOWED, LOST]
+
+
+def test_a_call_that_raised_is_not_a_trigger_to_serve() -> None:
+    failed_call = Trigger(KEY, "t9", None, 9.0)
+    e = keyed_evidence(a_run_and_its_followup(), [*TRIGGERS, failed_call], inserted=INSERTED)
+
+    assert failed_checks(e) == []
+    assert e.figures["triggers_failed_calls"] == 1
+
+
+def test_a_keyed_unit_committed_twice_or_a_keyed_job_left_queued_is_caught() -> None:
+    # Given x resumed (token 2) and committing its unit 2 again
+    twice = a_run_and_its_followup()
+    twice["x"] = [*twice["x"], unit("x", 2, 2, 3.1, 3.2)]
+    e = keyed_evidence(twice, TRIGGERS, inserted={"x": -1.0, "y": 4.0})
+    assert failed_checks(e) == [KEYED]
+    assert e.figures["keyed_duplicated"] == 1
+
+    # And y never run: stuck queued, its triggers unserved
+    stuck = keyed_evidence(
+        {"x": run_of("x", 1, range(KEY_UNITS), 0), "y": []},
+        TRIGGERS,
+        inserted=INSERTED,
+        states={"y": "queued"},
+    )
+    assert failed_checks(stuck) == [KEYED, FOLLOWED, LOST]
+
+
+def test_a_cursor_that_disagrees_with_the_units_its_keys_jobs_committed_is_caught() -> None:
+    e = keyed_evidence(a_run_and_its_followup(), TRIGGERS, inserted=INSERTED)
+    assert e.cursors == {KEY: {"units": 6}}
+
+    # A final cursor one short (a write lost), or none at all
+    for cursors in [{KEY: {"units": 5}}, {}]:
+        assert failed_checks(replace(e, cursors=cursors)) == [CURSORS], cursors
+
+
+def test_a_stale_repeated_or_missing_cursor_write_is_caught() -> None:
+    e = keyed_evidence(a_run_and_its_followup(), TRIGGERS, inserted=INSERTED)
+    log = e.cursor_log
+    writes = 4
+
+    # A stale attempt of x (token 1, superseded) writing units=3 again after y's first write
+    stale = CursorRow(KEY, "x", 1, json.dumps({"units": 3}), 5.5)
+    assert failed_checks(replace(e, cursor_log=[*log[:writes], stale, *log[writes:]])) == [CURSORS]
+
+    # Or by a token that committed no unit, with the next value
+    ghost = [*log[:3], CursorRow(KEY, "x", 2, json.dumps({"units": 4}), 3.2)]
+    ghost += [replace(r, cursor=json.dumps({"units": r.units + 1})) for r in log[3:]]
+    failed = replace(e, cursor_log=ghost, cursors={KEY: {"units": 7}})
+    assert failed_checks(failed) == [CURSORS]
+
+    # Or a committed unit whose write is missing (the log skips from 2 to 4)
+    assert failed_checks(replace(e, cursor_log=[*log[:2], *log[3:]])) == [CURSORS]

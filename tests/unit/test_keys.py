@@ -16,6 +16,7 @@ from celery import Celery
 
 from celery_leases import LeasedTask
 from celery_leases.config import DEFAULTS, settings_for, validate
+from celery_leases.database import ended_idle_transaction
 from celery_leases.errors import ArgumentsError, InvalidJobState, LeaseError
 from celery_leases.keeper import all_keepers, keeper_for
 from celery_leases.message import KEY_HEADER, Message
@@ -263,6 +264,38 @@ def test_a_cursor_write_racing_a_new_claim_is_fenced_out(store: Store) -> None:
     assert store.cursor(KEY) is None
 
 
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
+def test_a_transaction_left_idle_after_saving_a_cursor_for_longer_than_the_lease_is_ended(
+    database_url: str, table_name: str
+) -> None:
+    # Given a held job of a 1 s lease, and a transaction of the caller's that saved the key's
+    # cursor (no checkpoint) and then sat idle for 2.5 s: a worker frozen before its commit,
+    # holding the lock on the job's row that keeps the reaper and the key's triggers waiting
+    settings = DEFAULTS | {"database_url": database_url, "table": table_name, "duration": 1.0}
+    store = Store(validate(settings))
+    try:
+        first = trigger("t1")
+        store.register(first)
+        lease = claimed(store, first)
+        connection = store.engine.connect()
+        transaction = connection.begin()
+        assert store.save_cursor(KEY, "t1", lease.token, '{"since":10}', connection=connection)
+        time.sleep(2.5)
+
+        # When it commits
+        with pytest.raises(sa.exc.DBAPIError) as ended:
+            transaction.commit()
+        connection.close()
+
+        # Then the database had ended it after the lease's length: nothing of it is saved, and
+        # the row is free for the reaper
+        assert ended_idle_transaction(ended.value)
+        assert store.cursor(KEY) is None
+        assert store.release("t1")
+    finally:
+        store.engine.dispose()
+
+
 # -- LeasedTask with a lease_key, in this process ---------------------------------------------
 
 
@@ -299,6 +332,20 @@ def app(database_url: str, table_name: str) -> Iterator[Celery]:
     @app.task(base=LeasedTask, bind=True, shared=False, name="tests.typo", lease_key="{acount}")
     def typo(self: LeasedTask, account: str) -> None:
         return None
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name="tests.frozen_sync",
+        lease_key="acct:{account}",
+        lease_duration=1.0,
+    )
+    def frozen_sync(self: LeasedTask, account: str) -> None:
+        # The cursor saved in a transaction of its own, which then sits idle past the lease
+        with store_for(settings_for(app)).engine.begin() as connection:
+            self.save_cursor({"page": 1}, connection=connection)
+            time.sleep(2.5)
 
     @app.task(base=LeasedTask, bind=True, shared=False, name="tests.unkeyed")
     def unkeyed(self: LeasedTask) -> Any:
@@ -409,3 +456,19 @@ def test_a_keeper_tick_while_an_ended_run_starts_its_followup_reports_no_lost_le
     assert held == [[(result.id, False)]]
     assert "lease lost" not in caplog.text
     assert not any(lease.lost for lease in keeper.held())
+
+
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
+def test_a_cursor_transaction_the_database_ended_for_idling_leaves_the_job_to_resume(
+    app: Celery,
+) -> None:
+    # When a run's transaction that saved the cursor sits idle past its 1 s lease, and the
+    # database ends it
+    result = app.tasks["tests.frozen_sync"].apply(("42",), task_id="frozen")
+
+    # Then nothing of it is saved, and the job is not failed: its attempt ended as a crash
+    # would, the job left running for its lease to expire and the reaper to resume it
+    store = store_for(settings_for(app))
+    job = store.get("frozen")
+    assert job is not None and job.state == "running", (job, result.result)
+    assert store.cursor("acct:42") is None

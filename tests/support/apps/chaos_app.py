@@ -11,7 +11,16 @@ Configured from the environment like ``leased_app`` (see its ``app_env``). Both 
   its own, then ``self.checkpoint(state)`` (no connection) saves the checkpoint: a crash
   between the two redoes that unit.
 
-``tail_seconds`` is a sleep after the last checkpoint, before the job finishes. A transient
+``tail_seconds`` is a sleep after the last checkpoint, before the job finishes.
+
+``chaos.keyed(account, count, unit_seconds)`` is a sync of one resource (lease key
+``account:<account>``): ``count`` units, each committing its unit row, the key's cursor
+``{"units": <units the key's jobs committed>}`` (``self.save_cursor``) and its checkpoint in one
+transaction; it returns ``count``. The driver's triggers (calls of it, as a webhook receiver
+makes them) are recorded in ``<table>_triggers`` (:class:`TriggerLog`), and
+:func:`install_cursor_log` copies every committed cursor write into ``<table>_cursors``.
+
+A transient
 database error (the server restarting, a dropped connection) retries the task the way a user
 would (``autoretry_for``): the lease is handed back and the next attempt resumes from the
 stored checkpoint. The engines use ``pool_pre_ping``, so a restarted server costs no error.
@@ -55,6 +64,9 @@ from tests.support.unit_log import ProcessTable, UnitLog
 #: Errors of the task's own database writes that a retry from the checkpoint cures.
 TRANSIENT = (sa.exc.OperationalError, sa.exc.InterfaceError, StoreUnavailable)
 TASKS = ("chaos.exactly_once", "chaos.at_least_once")
+#: The keyed task: one run per resource (lease key ``account:<account>``).
+KEYED_TASK = "chaos.keyed"
+KEY_FORMAT = "account:{account}"
 #: Seconds ``chaos.errback`` keeps trying to record its call while the database is down.
 ERRBACK_PATIENCE = 30.0
 
@@ -126,6 +138,69 @@ def callback_log_for(app: Celery) -> CallbackLog:
     return found
 
 
+class TriggerLog(ProcessTable):
+    """The table ``name`` in the database at ``url``: one row per trigger the driver sent (a
+    call of ``chaos.keyed``, as a webhook receiver makes it): the lease key, the task id the call
+    gave, the id of the job ``apply_async`` returned (NULL when the call raised), ``at``, the
+    database clock read just before the call, and ``answered_at``, the database clock once it
+    returned (epoch seconds)."""
+
+    pre_ping = True
+
+    def __init__(self, url: str, name: str) -> None:
+        super().__init__(url, triggers_table(name))
+
+    def add(
+        self, key: str, trigger_id: str, served: str | None, at: float, error: str | None = None
+    ) -> None:
+        values = {
+            "lease_key": key,
+            "trigger_id": trigger_id,
+            "served_id": served,
+            "at": at,
+            "answered_at": db_now(),
+            "error": error,
+        }
+        with self.engine.begin() as connection:
+            connection.execute(sa.insert(self.table).values(values))
+
+    def rows(self) -> list[tuple[str, str, str | None, float, float, str | None]]:
+        """Every trigger as (key, trigger id, served id, at, answered at, error), in order."""
+        t = self.table
+        stmt = sa.select(
+            t.c.lease_key, t.c.trigger_id, t.c.served_id, t.c.at, t.c.answered_at, t.c.error
+        ).order_by(t.c.id)
+        with self.engine.connect() as connection:
+            return [tuple(r) for r in connection.execute(stmt).all()]  # type: ignore[misc]
+
+
+def triggers_table(name: str) -> sa.Table:
+    return sa.Table(
+        name,
+        sa.MetaData(),
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("lease_key", sa.String(255), nullable=False, index=True),
+        sa.Column("trigger_id", sa.String(155), nullable=False),
+        sa.Column("served_id", sa.String(155)),
+        sa.Column("at", sa.Double, nullable=False),
+        sa.Column("answered_at", sa.Double, nullable=False),
+        sa.Column("error", sa.Text),
+    )
+
+
+def trigger_log_for(app: Celery) -> TriggerLog:
+    """The trigger log of ``app`` (table ``<leases_table>_triggers``)."""
+    found: TriggerLog | None = app.__dict__.get("_chaos_trigger_log")
+    if found is None:
+        conf = app.conf
+        found = TriggerLog(
+            conf.get("leases_database_url", celery_leases.DEFAULTS["database_url"]),
+            f"{conf.get('leases_table', celery_leases.DEFAULTS['table'])}_triggers",
+        )
+        app.__dict__["_chaos_trigger_log"] = found
+    return found
+
+
 def add_chaos_tasks(app: Celery) -> Celery:
     log = chaos_log_for(app)
     callbacks = callback_log_for(app)
@@ -180,6 +255,24 @@ def add_chaos_tasks(app: Celery) -> Celery:
                 log.end(connection, row)
             self.checkpoint({"next": unit + 1})
         time.sleep(tail_seconds)
+        return count
+
+    @app.task(name=KEYED_TASK, lease_key=KEY_FORMAT, **options)  # type: ignore[untyped-decorator]
+    def keyed(self: Task, account: str, count: int, unit_seconds: float) -> int:
+        lease = self.lease
+        run = uuid.uuid4().hex
+        done = int((lease.cursor or {}).get("units", 0))
+        for unit in range((lease.checkpoint or {}).get("next", 0), count):
+            row = start(self, unit, run)
+            time.sleep(unit_seconds)
+            with log.engine.begin() as connection:
+                log.end(connection, row)
+                self.save_cursor({"units": done + 1}, connection=connection)
+                if hold_dir:  # freeze_in_transaction: the job's row and the key's are locked
+                    hold_if_asked(hold_dir, lease.job_id, keyed=True)
+                self.checkpoint({"next": unit + 1}, connection=connection)
+            done += 1
+            self.stop_point()
         return count
 
     @app.task(name="chaos.on_done", **options)  # type: ignore[untyped-decorator]
@@ -273,6 +366,76 @@ def remove_checkpoint_log(engine: Engine, jobs_table: str) -> None:
             connection.execute(sa.text(f"DROP FUNCTION IF EXISTS {trigger}() CASCADE"))
         elif engine.dialect.name == "sqlite":
             connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger}"))
+
+
+# -- cursor log ------------------------------------------------------------------------------
+
+
+def cursors_table(jobs_table: str) -> sa.Table:
+    return sa.Table(
+        f"{jobs_table}_cursors",
+        sa.MetaData(),
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("lease_key", sa.String(255), nullable=False, index=True),
+        sa.Column("job_id", sa.String(155)),
+        sa.Column("token", sa.BigInteger),
+        sa.Column("cursor_state", sa.Text),
+        sa.Column("at", sa.Double, nullable=False),
+    )
+
+
+def install_cursor_log(engine: Engine, jobs_table: str) -> sa.Table:
+    """Create ``<jobs_table>_cursors`` and triggers on the keys table (``<jobs_table>_keys``)
+    that add a row (key, the writer's job and token, the cursor, database time) for every
+    cursor write, in the writer's transaction: the log holds exactly the committed writes, in
+    commit order (PostgreSQL and SQLite)."""
+    log = cursors_table(jobs_table)
+    log.create(engine, checkfirst=True)
+    keys = f"{jobs_table}_keys"
+    trigger = f"{jobs_table}_cur"
+    values = (
+        f"INSERT INTO {log.name} (lease_key, job_id, token, cursor_state, at) VALUES "
+        f"(NEW.lease_key, NEW.job_id, NEW.token, NEW.cursor_state, "
+    )
+    with engine.begin() as connection:
+        if engine.dialect.name == "postgresql":
+            connection.execute(
+                sa.text(
+                    f"CREATE OR REPLACE FUNCTION {trigger}() RETURNS trigger AS $$ BEGIN "
+                    f"{values}EXTRACT(EPOCH FROM clock_timestamp())); "
+                    f"RETURN NEW; END $$ LANGUAGE plpgsql"
+                )
+            )
+            connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger} ON {keys}"))
+            connection.execute(
+                sa.text(
+                    f"CREATE TRIGGER {trigger} AFTER INSERT OR UPDATE ON {keys} "
+                    f"FOR EACH ROW EXECUTE FUNCTION {trigger}()"
+                )
+            )
+        elif engine.dialect.name == "sqlite":
+            now = "(julianday('now') - 2440587.5) * 86400.0"
+            for event, suffix in (("INSERT", "i"), ("UPDATE", "u")):
+                connection.execute(
+                    sa.text(
+                        f"CREATE TRIGGER IF NOT EXISTS {trigger}_{suffix} AFTER {event} ON "
+                        f"{keys} FOR EACH ROW BEGIN {values}{now}); END"
+                    )
+                )
+        else:
+            raise NotImplementedError(f"no cursor log on {engine.dialect.name}")
+    return log
+
+
+def remove_cursor_log(engine: Engine, jobs_table: str) -> None:
+    """Drop the triggers of :func:`install_cursor_log`; the table is left to its owner."""
+    trigger = f"{jobs_table}_cur"
+    with engine.begin() as connection:
+        if engine.dialect.name == "postgresql":
+            connection.execute(sa.text(f"DROP FUNCTION IF EXISTS {trigger}() CASCADE"))
+        elif engine.dialect.name == "sqlite":
+            connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger}_i"))
+            connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger}_u"))
 
 
 # -- state log -------------------------------------------------------------------------------

@@ -9,6 +9,12 @@ one claim, so runs of a job are ordered by their token. A unit is *committed* wh
 seconds) its row reached a finished state. A job is *controlled* when the driver revoked or
 cancelled it or sent it with ``expires``: it may end ``revoked`` or ``cancelled`` (see
 :func:`allowed_ends`); every other job must end ``done``.
+
+A *keyed* job has a lease key (its row's ``lease_key``): the driver's *triggers* (calls of the
+keyed task, as a webhook receiver makes them, recorded by the client with the database clock
+read just before each call) create keyed jobs or are coalesced into the key's live one; a
+key's *cursor* is written in the transaction of each unit its jobs commit (the cursor log holds
+every committed write, in commit order).
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ class JobRow:
     error: str | None
     #: When the row reached a finished state (database clock, epoch seconds); None while live.
     finished_at: float | None = None
+    #: The lease key of a keyed job, else None.
+    key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,36 @@ class StateRow:
     token: int
     state: str
     at: float
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """One call of the keyed task, as the client recorded it: the key, the task id the call
+    gave, the id of the job ``apply_async`` returned (the call's own job, or the job of the key
+    that serves it; None when the call raised: not a trigger the library took), and ``at``,
+    the database clock (epoch seconds) read just before the call."""
+
+    key: str
+    id: str
+    served: str | None
+    at: float
+
+
+@dataclass(frozen=True)
+class CursorRow:
+    """One committed write of a key's cursor, in commit order: the job and token of the
+    attempt that wrote it, the cursor (JSON text) and when (database clock, epoch seconds)."""
+
+    key: str
+    job_id: str
+    token: int
+    cursor: str | None
+    at: float = 0.0
+
+    @property
+    def units(self) -> int | None:
+        state = json.loads(self.cursor) if self.cursor else None
+        return state.get("units") if isinstance(state, dict) else None
 
 
 @dataclass(frozen=True)
@@ -161,6 +199,13 @@ class Evidence:
     #: the callback log, and the ids of the callback jobs (``chaos.on_done``)
     callbacks: list[Callback] | None = None
     callback_jobs: list[str] = field(default_factory=list)
+    #: the triggers of the keyed jobs, in the order they were sent (None: no keyed jobs)
+    triggers: list[Trigger] | None = None
+    #: units of a keyed job
+    key_units: int = 0
+    #: the cursor of each key at the end (key -> JSON value), and the cursor log
+    cursors: dict[str, Any] = field(default_factory=dict)
+    cursor_log: list[CursorRow] = field(default_factory=list)
     figures: dict[str, Any] = field(default_factory=dict)
 
 
@@ -181,6 +226,11 @@ def check_all(e: Evidence) -> list[Check]:
         _fencing(e, rows_by_job),
         _checkpoints(e),
         _table_rows(e),
+        _keyed_jobs(e, rows_by_job),
+        _one_run_per_key(e, rows_by_job),
+        _triggers_followed(e, rows_by_job),
+        _no_trigger_lost(e),
+        _cursors(e, rows_by_job),
     ]
 
 
@@ -823,3 +873,269 @@ def _table_rows(e: Evidence) -> Check:
         f"{e.table_rows} rows of the chaos tasks, {len(e.modes)} jobs submitted "
         f"(and {len(e.callback_jobs)} callback jobs)",
     )
+
+
+# -- keyed jobs ------------------------------------------------------------------------------
+
+NO_KEYS = "no keyed jobs in this run"
+
+
+def jobs_by_key(e: Evidence) -> dict[str, list[str]]:
+    """Every keyed job's id, by key, in id order."""
+    found: dict[str, list[str]] = {}
+    for job in sorted(e.jobs.values(), key=lambda j: j.id):
+        if job.key is not None:
+            found.setdefault(job.key, []).append(job.id)
+    return found
+
+
+def first_start(rows: list[Unit]) -> float | None:
+    """When the first unit of a job started (any attempt), or None if none did."""
+    return min((r.started_at for r in rows), default=None)
+
+
+def _keyed_jobs(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
+    """Every keyed job ended done with its full result, and each of its units committed
+    exactly once (the unit, its cursor write and its checkpoint share one transaction)."""
+    name = "keyed jobs: every one done, each unit committed exactly once"
+    if e.triggers is None:
+        return Check(name, True, NO_KEYS)
+    keyed = [job for job in e.jobs.values() if job.key is not None]
+    states = Counter(job.state for job in keyed)
+    problems: list[str] = []
+    once = duplicated = missing = 0
+    for job in sorted(keyed, key=lambda j: j.id):
+        counts = _committed_counts(rows_by_job.get(job.id, []))
+        twice = {u: n for u, n in sorted(counts.items()) if n > 1 or not 0 <= u < e.key_units}
+        duplicated += sum(n - 1 if 0 <= u < e.key_units else n for u, n in twice.items())
+        absent = [u for u in range(e.key_units) if not counts.get(u)] if job.state == DONE else []
+        missing += len(absent)
+        if job.state == DONE:
+            once += sum(1 for u in range(e.key_units) if counts.get(u) == 1)
+        if job.state != DONE or job.result != e.key_units or twice or absent:
+            problems.append(
+                f"{job.id} ({job.key}): {job.state}, attempts {job.attempts}, result "
+                f"{job.result!r}, error {job.error!r}; units committed more than once "
+                f"{twice or 'none'}, missing {absent or 'none'}"
+            )
+    expected = states[DONE] * e.key_units
+    attempts = sum(job.attempts for job in keyed)
+    e.figures.update(
+        keyed_jobs=len(keyed),
+        keyed_done=states[DONE],
+        keyed_duplicated=duplicated,
+        keyed_attempts=attempts,
+    )
+    text = (
+        f"{states[DONE]}/{len(keyed)} keyed jobs done ({dict(sorted(states.items()))}); "
+        f"{once}/{expected} of their units committed exactly once, {missing} missing, "
+        f"{duplicated} committed again; attempts {attempts} ({attempts - len(keyed)} after "
+        f"an interruption)"
+    )
+    for problem in problems[:3]:
+        text += f"\n      {problem}"
+    return Check(name, not problems, text)
+
+
+def _one_run_per_key(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
+    """Never two runs of one key at once, from the unit log: no committed units of two jobs of
+    one key overlap in time, and no run of a key's job started while another job of the key had
+    a run that started before it and committed a unit after (its first unit start to its last
+    commit). And from the state log: no two jobs of one key were live (queued or running) at
+    once (from the row's insert to its end)."""
+    name = "one run per key: never two runs of one key at once"
+    if e.triggers is None:
+        return Check(name, True, NO_KEYS)
+    overlaps: list[str] = []
+    inside: list[str] = []
+    live: list[str] = []
+    keys = jobs_by_key(e)
+    for key, job_ids in keys.items():
+        committed = sorted(
+            (r for j in job_ids for r in rows_by_job.get(j, []) if r.committed),
+            key=lambda r: r.started_at,
+        )
+        latest: dict[str, Unit] = {}  # per job, its committed unit that ended last so far
+        for b in committed:
+            for job_id, a in latest.items():
+                if job_id != b.job_id and (a.ended_at or 0.0) > b.started_at:
+                    overlaps.append(
+                        f"{key}: unit {a.unit} of {a.job_id} (token {a.token}, "
+                        f"{a.started_at:.3f}-{a.ended_at:.3f}) overlaps unit {b.unit} of "
+                        f"{b.job_id} (token {b.token}, {b.started_at:.3f}-{b.ended_at:.3f})"
+                    )
+            if b.job_id not in latest or (b.ended_at or 0.0) > (latest[b.job_id].ended_at or 0.0):
+                latest[b.job_id] = b
+        spans = []  # (job, token, first start, last commit) of every run that committed
+        starts = []  # (job, token, first start) of every run
+        for job_id in job_ids:
+            for run in runs_by_token(rows_by_job.get(job_id, [])):
+                starts.append((job_id, run[0].token, run[0].started_at))
+                ends = [r.ended_at for r in run if r.ended_at is not None]
+                if ends:
+                    spans.append((job_id, run[0].token, run[0].started_at, max(ends)))
+        for job_id, token, started in starts:
+            for other, other_token, first, last in spans:
+                if other != job_id and first <= started < last:
+                    inside.append(
+                        f"{key}: {job_id}'s run (token {token}) started at {started:.3f}, "
+                        f"while {other}'s run (token {other_token}) ran from {first:.3f} and "
+                        f"committed until {last:.3f}"
+                    )
+        intervals = []
+        for job_id in job_ids:
+            history = [r for r in e.history or [] if r.job_id == job_id]
+            if not history:
+                continue
+            end = next((r.at for r in history if r.state in FINISHED), float("inf"))
+            intervals.append((job_id, history[0].at, end))
+        for (a, a_from, a_to), (b, b_from, b_to) in itertools.combinations(intervals, 2):
+            if a_from < b_to and b_from < a_to:
+                live.append(
+                    f"{key}: {a} live {a_from:.3f}-{a_to:.3f} and {b} live "
+                    f"{b_from:.3f}-{b_to:.3f} (state log)"
+                )
+    e.figures.update(
+        keys=len(keys),
+        key_overlaps=len(overlaps),
+        key_runs_inside=len(inside),
+        key_live_overlaps=len(live),
+    )
+    text = (
+        f"{len(keys)} keys, {sum(len(j) for j in keys.values())} keyed jobs: {len(overlaps)} "
+        f"committed units of two jobs of a key overlapping, {len(inside)} runs started while "
+        f"another job of the key had a run that committed later, {len(live)} pairs of jobs of "
+        f"a key live at once" + ("" if e.history is not None else " (no state log recorded)")
+    )
+    for problem in [*overlaps[:2], *inside[:2], *live[:2]]:
+        text += f"\n      {problem}"
+    return Check(name, not overlaps and not inside and not live, text)
+
+
+def _triggers_followed(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
+    """For every trigger, some job of its key whose first unit started after the trigger (the
+    client's database clock just before its call) ended done: a run that saw everything the
+    trigger announced."""
+    name = "every trigger followed by a run of its key that started after it and ended done"
+    if e.triggers is None:
+        return Check(name, True, NO_KEYS)
+    keys = jobs_by_key(e)
+    starts = {j: first_start(rows_by_job.get(j, [])) for js in keys.values() for j in js}
+    taken = [t for t in e.triggers if t.served is not None]
+    unfollowed: list[str] = []
+    waits: list[float] = []
+    for t in taken:
+        after = [
+            starts[j]
+            for j in keys.get(t.key, [])
+            if e.jobs[j].state == DONE and (starts[j] or 0.0) > t.at
+        ]
+        if after:
+            waits.append(min(s for s in after if s is not None) - t.at)
+            continue
+        seen = sorted(
+            (j for j in keys.get(t.key, []) if starts[j] is not None),
+            key=lambda j: starts[j] or 0.0,
+        )
+        last = ", ".join(
+            f"{j} {e.jobs[j].state} first unit {(starts[j] or 0.0) - t.at:+.2f}s" for j in seen[-2:]
+        )
+        unfollowed.append(
+            f"trigger {t.id} of {t.key} at {t.at:.3f} (served by {t.served}): no done job of "
+            f"the key started after it; its last jobs: {last or 'none ran'}"
+        )
+    e.figures.update(
+        triggers=len(taken),
+        triggers_failed_calls=len(e.triggers) - len(taken),
+        triggers_unfollowed=len(unfollowed),
+        trigger_to_run_max=round(max(waits, default=0.0), 2),
+    )
+    text = (
+        f"{len(taken) - len(unfollowed)}/{len(taken)} triggers followed by a done run of their "
+        f"key that started after them (the first such start {max(waits, default=0.0):.1f} s "
+        f"after its trigger at most); {len(e.triggers) - len(taken)} calls raised (sent "
+        f"again as new calls)"
+    )
+    for problem in unfollowed[:3]:
+        text += f"\n      {problem}"
+    return Check(name, not unfollowed, text)
+
+
+def _no_trigger_lost(e: Evidence) -> Check:
+    """Every trigger's ``apply_async`` result id (its own job, or the job of its key that
+    served it) is a job of its key that ended done."""
+    name = "no trigger lost: every call's result id is a job of its key that ended done"
+    if e.triggers is None:
+        return Check(name, True, NO_KEYS)
+    taken = [t for t in e.triggers if t.served is not None]
+    lost: list[str] = []
+    for t in taken:
+        job = e.jobs.get(t.served or "")
+        if job is None:
+            lost.append(f"trigger {t.id} of {t.key}: served by {t.served}, which has no row")
+        elif job.state != DONE or job.key != t.key:
+            lost.append(
+                f"trigger {t.id} of {t.key}: served by {t.served}, {job.state} (key {job.key})"
+            )
+    own = sum(1 for t in taken if t.served == t.id)
+    served_by = len({t.served for t in taken})
+    e.figures.update(triggers_lost=len(lost), trigger_jobs=served_by)
+    text = (
+        f"{len(taken) - len(lost)}/{len(taken)} triggers' result ids ended done; {served_by} "
+        f"jobs served them ({own} calls answered with their own id, {len(taken) - own} with "
+        f"another job's)"
+    )
+    for problem in lost[:3]:
+        text += f"\n      {problem}"
+    return Check(name, not lost, text)
+
+
+def _cursors(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
+    """Each key's cursor equals the units its jobs committed, and the cursor log shows it
+    written only with them: one write per committed unit, by that unit's job and token, each
+    write one more than the one before (none lost, repeated or by a stale attempt)."""
+    name = "cursors: each key's cursor counts its jobs' committed units, written only with them"
+    if e.triggers is None:
+        return Check(name, True, NO_KEYS)
+    problems: list[str] = []
+    keys = jobs_by_key(e)
+    logged: dict[str, list[CursorRow]] = {}
+    for row in e.cursor_log:
+        logged.setdefault(row.key, []).append(row)
+    writes = 0
+    for key in sorted(set(keys) | set(logged) | set(e.cursors)):
+        units = [r for j in keys.get(key, []) for r in rows_by_job.get(j, []) if r.committed]
+        final = e.cursors.get(key)
+        count = final.get("units") if isinstance(final, dict) else None
+        if (count or 0) != len(units):
+            problems.append(f"{key}: cursor {final!r}, its jobs committed {len(units)} units")
+        rows = logged.get(key, [])
+        writes += len(rows)
+        previous = 0
+        for number, row in enumerate(rows, start=1):
+            if row.units != previous + 1:
+                problems.append(
+                    f"{key}: write #{number} by {row.job_id} (token {row.token}) set units="
+                    f"{row.units} after {previous}"
+                )
+            previous = row.units if isinstance(row.units, int) else previous
+        by_writer = Counter((r.job_id, r.token) for r in rows)
+        by_unit = Counter((r.job_id, r.token) for r in units)
+        for (job_id, token), n in sorted((by_writer - by_unit).items()):
+            problems.append(
+                f"{key}: {job_id} (token {token}) wrote the cursor {n} more time(s) than it "
+                f"committed units ({by_unit[(job_id, token)]})"
+            )
+        for (job_id, token), n in sorted((by_unit - by_writer).items()):
+            problems.append(
+                f"{key}: {job_id} (token {token}) committed {n} unit(s) with no cursor write"
+            )
+    e.figures.update(cursor_writes=writes, cursor_problems=len(problems))
+    text = (
+        f"{len(keys)} keys; {writes} cursor writes logged, {len(e.cursors)} cursors saved "
+        f"({', '.join(f'{k} {v}' for k, v in sorted(e.cursors.items()))}); {len(problems)} "
+        f"disagreements with the unit log"
+    )
+    for problem in problems[:4]:
+        text += f"\n      {problem}"
+    return Check(name, not problems, text)

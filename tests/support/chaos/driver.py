@@ -15,9 +15,12 @@ resumed and others end done first. The result backend (``--result-backend``) is 
 database of its own (an SQLite file with the embedded broker). Besides the process and service
 faults, the plan revokes running jobs (``revoke(terminate=True)``) and cancels queued or
 running ones (``celery leases cancel``, through the store); ``--no-controls`` leaves revokes,
-cancels and expiring jobs out. The seed is printed first; the same seed replays the same jobs,
-fault plan (kinds, moments by progress, targets, freeze lengths) and expiring jobs. Exits 1 if
-an invariant failed.
+cancels and expiring jobs out. Keyed jobs (``--keys``, ``--triggers``): bursts of triggers
+(calls of ``chaos.keyed``, one account each, as a webhook provider sends them) go out during the
+run while the faults happen, from a thread of their own (``tests/support/chaos/trigger.py``);
+``--keys 0`` leaves them out. The seed is printed first; the same seed replays the same jobs,
+fault plan (kinds, moments by progress, targets, freeze lengths), expiring jobs and trigger
+bursts. Exits 1 if an invariant failed.
 """
 
 from __future__ import annotations
@@ -47,18 +50,23 @@ from celery_leases import LeaseError, migrations
 from celery_leases.config import settings_for
 from celery_leases.store import store_for
 from tests.support.apps.chaos_app import (
+    KEYED_TASK,
     TASKS,
     add_chaos_tasks,
     callback_log_for,
     chaos_log_for,
     install_checkpoint_log,
+    install_cursor_log,
     install_state_log,
     remove_checkpoint_log,
+    remove_cursor_log,
     remove_state_log,
+    trigger_log_for,
 )
 from tests.support.apps.leased_app import app_env
 from tests.support.apps.leased_app import make_app as make_leased_app
 from tests.support.chaos import fault as F
+from tests.support.chaos import trigger as T
 from tests.support.chaos.check import (
     AT_LEAST_ONCE,
     EXACTLY_ONCE,
@@ -66,11 +74,13 @@ from tests.support.chaos.check import (
     Check,
     CheckpointRow,
     Control,
+    CursorRow,
     Evidence,
     JobRow,
     Kill,
     Outcome,
     StateRow,
+    Trigger,
     check_all,
 )
 from tests.support.scenario import freeze, kill_all, start_all, thaw
@@ -134,6 +144,18 @@ class Config:
     #: random multiple of a job's length in ``expires_after``.
     expiring: float = 0.0
     expires_after: tuple[float, float] = (0.1, 2.5)
+    #: Accounts (lease keys) of the keyed jobs, and the triggers sent for them in bursts of 1
+    #: to ``burst``, at most ``burst_gap`` seconds apart; 0 keys: no keyed jobs.
+    keys: int = 0
+    triggers: int = 0
+    burst: int = 6
+    burst_gap: float = 1.0
+    #: Units of a keyed job (of ``unit_seconds`` each).
+    key_units: int = 5
+
+    @property
+    def keyed(self) -> bool:
+        return self.keys > 0 and self.triggers > 0
 
     @property
     def slots(self) -> int:
@@ -164,6 +186,12 @@ class Config:
             f"with expires {low:g}-{high:g} s after they are sent, lease {self.lease_seconds:g} s "
             f"renewed every {self.renew_seconds:g} s, reaper every {self.reaper_every:g} s, "
             f"queued timeout {self.effective_queued_timeout():g} s"
+            + (
+                f"; {self.triggers} triggers of {self.keys} keys in bursts of 1-{self.burst} "
+                f"(<= {self.burst_gap:g} s apart), keyed jobs of {self.key_units} units"
+                if self.keyed
+                else "; no keyed jobs"
+            )
         )
 
 
@@ -254,6 +282,8 @@ class Chaos:
         self.expiring: dict[str, float] = {}
         self.client: Any = None
         self.store: Any = None
+        self.bursts: list[T.Burst] = []
+        self.sender: T.Sender | None = None
 
     # -- the run ---------------------------------------------------------------------------
 
@@ -262,6 +292,14 @@ class Chaos:
         modes = [EXACTLY_ONCE] * (c.jobs // 2) + [AT_LEAST_ONCE] * (c.jobs - c.jobs // 2)
         self.rng.shuffle(modes)
         plan = F.plan(self.rng, count=c.faults, kinds=c.kinds, lease_seconds=c.lease_seconds)
+        if c.keyed:  # a generator of their own: the other draws stay as they were for a seed
+            self.bursts = T.plan(
+                random.Random(f"{c.seed}-keys"),
+                triggers=c.triggers,
+                keys=c.keys,
+                largest=c.burst,
+                gap=c.burst_gap,
+            )
         self.out(f"chaos: seed {c.seed}")
         self.out(f"chaos: {c.describe()}")
         self.out(
@@ -270,10 +308,13 @@ class Chaos:
         )
         self.out(f"chaos: logs in {self.spawner.log_dir}")
         self.out("chaos: fault plan " + ", ".join(f.describe() for f in plan))
+        if self.bursts:
+            self.out("chaos: trigger bursts " + ", ".join(b.describe() for b in self.bursts))
         client = self.client = add_chaos_tasks(make_leased_app(self.env, name="chaos-client"))
         store = self.store = store_for(settings_for(client))
         log = chaos_log_for(client)
         callbacks = callback_log_for(client)
+        triggers = trigger_log_for(client)
         ids = {
             f"chaos-{c.seed}-{number:05d}-{'eo' if mode == EXACTLY_ONCE else 'alo'}": mode
             for number, mode in enumerate(modes)
@@ -292,28 +333,58 @@ class Chaos:
             migrations.upgrade(store)
             log.create()
             callbacks.create()
+            triggers.create()
             checkpoint_log = install_checkpoint_log(store.engine, self.table)
             state_log = install_state_log(store.engine, self.table)
+            cursor_log = install_cursor_log(store.engine, self.table)
             self._start_processes()
             self.started = time.monotonic()
+            if self.bursts:
+                self.sender = self._new_sender(client, store, triggers)
             self._drive(client, store, log, ids, plan)
+            self._stop_sender()
             self._settle(log)
             self.out(f"chaos: [{self._clock()}] stopping every process")
             self._thaw_all()
             kill_all(self.spawner)
             seconds = time.monotonic() - self.started
-            evidence = self._evidence(store, log, checkpoint_log, state_log, ids)
+            evidence = self._evidence(store, log, checkpoint_log, state_log, cursor_log, ids)
         finally:
             self._thaw_all()
+            self._stop_sender()
             kill_all(self.spawner)
-            for remove in (remove_checkpoint_log, remove_state_log):
+            for remove in (remove_checkpoint_log, remove_state_log, remove_cursor_log):
                 with contextlib.suppress(Exception):
                     remove(store.engine, self.table)
             close_app(client)
             log.dispose()
             callbacks.dispose()
+            triggers.dispose()
             store.engine.dispose()
         return self._report(evidence, seconds)
+
+    def _new_sender(self, client: Any, store: Any, triggers: Any) -> T.Sender:
+        c = self.config
+        task = client.tasks[KEYED_TASK]
+
+        def call(account: str, trigger_id: str) -> str:
+            return str(
+                task.apply_async((account, c.key_units, c.unit_seconds), task_id=trigger_id).id
+            )
+
+        sender = T.Sender(
+            call=call,
+            clock=store.now,
+            record=triggers.add,
+            out=self.out,
+            prefix=f"chaos-{c.seed}",
+        )
+        sender.start()
+        return sender
+
+    def _stop_sender(self) -> None:
+        if self.sender is not None and self.sender.is_alive() and not self.sender.stop(30):
+            self.out(f"chaos: [{self._clock()}] a trigger call was still waiting after 30 s")
 
     def _start_processes(self) -> None:
         c = self.config
@@ -376,6 +447,8 @@ class Chaos:
                 pending.pop(0)
                 submitted.append(job_id)
             progress = min(committed / total_units, 1.0)
+            while self.bursts and self.bursts[0].at <= progress and self.sender is not None:
+                self.sender.schedule(self.bursts.pop(0))
             if faults and faults[0].at <= progress and now - last_fault >= c.min_gap:
                 self._inject(faults.pop(0), progress)
                 last_fault = time.monotonic()
@@ -386,7 +459,7 @@ class Chaos:
                     f"{sum(self.done_faults.values())}/{c.faults}"
                 )
                 next_report = now + 10
-            if finished >= c.jobs and not pending:
+            if finished >= c.jobs and not pending and not self.bursts and self._sent_all():
                 break
             if now - last_change > c.stuck_seconds:
                 self.out(f"chaos: [{self._clock()}] no progress for {c.stuck_seconds:g} s: stuck")
@@ -401,6 +474,9 @@ class Chaos:
         if faults:
             self.out(f"chaos: {len(faults)} planned faults not done (the jobs ended first)")
 
+    def _sent_all(self) -> bool:
+        return self.sender is None or self.sender.idle or not self.sender.is_alive()
+
     def _expiry(self, job_id: str) -> dict[str, Any]:
         """``expires`` for a job chosen to expire (the moment is recorded), else nothing."""
         if job_id not in self.expiring:
@@ -410,9 +486,10 @@ class Chaos:
         return {"expires": datetime.fromtimestamp(moment, tz=timezone.utc)}
 
     def _settle(self, log: Any) -> None:
-        """Wait for what follows the last job's end: its callback job, and the reaper storing
-        the Celery state of jobs ended outside any attempt (cancelled while queued, expired).
-        At most twice the queued timeout (a callback whose message was lost), in seconds."""
+        """Wait for what follows the last job's end: its callback job, the reaper storing
+        the Celery state of jobs ended outside any attempt (cancelled while queued, expired),
+        the keyed jobs and their follow-ups. At most twice the queued timeout (a callback whose
+        message was lost), in seconds."""
         c = self.config
         t = self.store.table
         deadline = time.monotonic() + 2 * c.effective_queued_timeout() + 10
@@ -420,7 +497,13 @@ class Chaos:
         waiting = (
             sa.select(sa.func.count())
             .select_from(t)
-            .where(sa.or_(t.c.notify.is_not(None), t.c.state.in_(("queued", "running"))))
+            .where(
+                sa.or_(
+                    t.c.notify.is_not(None),
+                    t.c.followup_id.is_not(None),
+                    t.c.state.in_(("queued", "running")),
+                )
+            )
         )
         left = None
         while time.monotonic() < deadline:
@@ -482,8 +565,13 @@ class Chaos:
         return f"SIGSTOP {worker.name} for {fault.seconds:.1f} s"
 
     def _fault_freeze_in_transaction(self, fault: F.Fault, worker: Worker | None) -> str:
-        F.ask_for_hold(self.hold_dir, fault.number, fault.seconds)
-        return f"the next exactly-once checkpoint freezes its worker for {fault.seconds:.1f} s"
+        # In a run with keyed jobs, every other request waits for a keyed job's transaction.
+        keyed = self.config.keyed and self.done_faults["freeze_in_transaction"] % 2 == 1
+        F.ask_for_hold(self.hold_dir, fault.number, fault.seconds, keyed=keyed)
+        return (
+            f"the next transactional checkpoint ({'of a keyed job' if keyed else 'any'}) "
+            f"freezes its worker for {fault.seconds:.1f} s"
+        )
 
     def _take_holds(self, now: float) -> None:
         """Workers that froze themselves inside a transactional checkpoint: thaw them later."""
@@ -668,6 +756,7 @@ class Chaos:
         log: Any,
         checkpoint_log: sa.Table,
         state_log: sa.Table,
+        cursor_log: sa.Table,
         ids: dict[str, str],
     ) -> Evidence:
         t = store.table
@@ -685,6 +774,7 @@ class Chaos:
                     t.c.checkpoint,
                     t.c.error,
                     t.c.finished_at,
+                    t.c.lease_key,
                 )
             ).all()
             cl = checkpoint_log
@@ -701,6 +791,20 @@ class Chaos:
                     sa.select(sl.c.job_id, sl.c.token, sl.c.state, sl.c.at).order_by(sl.c.id)
                 )
             ]
+            ku = cursor_log
+            cursors = [
+                CursorRow(r.lease_key, r.job_id, r.token, r.cursor_state, r.at)
+                for r in connection.execute(
+                    sa.select(
+                        ku.c.lease_key, ku.c.job_id, ku.c.token, ku.c.cursor_state, ku.c.at
+                    ).order_by(ku.c.id)
+                )
+            ]
+            k = store.keys
+            saved = {
+                r.lease_key: _json(r.cursor_state)
+                for r in connection.execute(sa.select(k.c.lease_key, k.c.cursor_state))
+            }
         jobs = {
             r.id: JobRow(
                 r.id,
@@ -711,6 +815,7 @@ class Chaos:
                 _json(r.checkpoint),
                 r.error,
                 r.finished_at,
+                r.lease_key,
             )
             for r in rows
         }
@@ -731,7 +836,18 @@ class Chaos:
             backend=self._backend_outcomes(ids) if self.result_backend else None,
             callbacks=[Callback(*row) for row in callbacks.rows()],
             callback_jobs=[r.id for r in rows if r.task == CALLBACK_TASK],
+            triggers=(
+                [Trigger(key, i, served, at) for key, i, served, at, *_ in self._trigger_rows()]
+                if c.keyed
+                else None
+            ),
+            key_units=c.key_units,
+            cursors=saved,
+            cursor_log=cursors,
         )
+
+    def _trigger_rows(self) -> list[tuple[Any, ...]]:
+        return trigger_log_for(self.client).rows()
 
     def _backend_outcomes(self, ids: Iterable[str]) -> dict[str, Outcome]:
         """What the result backend holds for each job (PENDING: nothing)."""
@@ -752,6 +868,15 @@ class Chaos:
         f = evidence.figures
         revokes = [k for k in self.controls if k.kind == "revoke"]
         cancels = [k for k in self.controls if k.kind == "cancel"]
+        sender = self.sender
+        keyed = (
+            f"  keyed: {f.get('triggers', 0)} triggers of {c.keys} keys (and "
+            f"{f.get('triggers_failed_calls', 0)} calls that raised) -> "
+            f"{f.get('keyed_jobs', 0)} keyed jobs; the longest call took "
+            f"{sender.longest if sender else 0.0:.2f} s"
+            if c.keyed
+            else "  keyed: none"
+        )
         lines = [
             f"chaos: finished in {_duration(seconds)} (seed {c.seed})",
             f"  jobs {c.jobs} x {c.units} units ({c.jobs // 2} exactly-once, "
@@ -766,6 +891,7 @@ class Chaos:
             f"({sum(1 for k in cancels if k.detail == 'queued')} queued); jobs sent with "
             f"expires {len(self.expires)} (ended revoked {f.get('controls_expires_revoked', 0)}, "
             f"done {f.get('controls_expires_done', 0)})",
+            keyed,
             "  events in the worker logs: "
             + ", ".join(f"{name} {count}" for name, count in events.items()),
             "  invariants:",
@@ -796,9 +922,10 @@ class Chaos:
 
 def _tally(jobs: sa.Table, log: Any, units: int) -> tuple[int, int]:
     """(chaos jobs finished, units done): committed units, plus the units a job that stopped
-    early (revoked, cancelled, failed) will never commit."""
+    early (revoked, cancelled, failed) will never commit; keyed jobs left out."""
     u = log.table
-    committed = u.c.ended_at.is_not(None)
+    ours = sa.select(jobs.c.id).where(jobs.c.task.in_(TASKS))
+    committed = sa.and_(u.c.ended_at.is_not(None), u.c.job_id.in_(ours))
     stopped = sa.select(jobs.c.id).where(jobs.c.task.in_(TASKS), jobs.c.state.in_(STOPPED))
     with log.engine.connect() as connection:
         states = dict(
@@ -846,7 +973,8 @@ def new_seed() -> int:
 # -- command line --------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of the long form (``make chaos``)."""
     parser = argparse.ArgumentParser(
         prog="python -m tests.support.chaos.driver", description=__doc__.splitlines()[0]
     )
@@ -869,6 +997,19 @@ def main(argv: list[str] | None = None) -> int:
         "--no-controls",
         action="store_true",
         help="no revoke or cancel faults and no expiring jobs",
+    )
+    parser.add_argument(
+        "--keys", type=int, default=6, help="accounts (lease keys) of the keyed jobs; 0: none"
+    )
+    parser.add_argument(
+        "--triggers", type=int, default=240, help="triggers of keyed jobs, sent in bursts"
+    )
+    parser.add_argument("--burst", type=int, default=d.burst, help="triggers of a burst, at most")
+    parser.add_argument("--key-units", type=int, default=12, help="units of a keyed job")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated fault kinds: only those of the run's kinds (to replay one kind)",
     )
     parser.add_argument("--seed", type=int, default=None, help="random if not given")
     parser.add_argument(
@@ -900,18 +1041,12 @@ def main(argv: list[str] | None = None) -> int:
         "--log-dir", default=None, help="worker and beat logs (default: a temp dir)"
     )
     parser.add_argument("--keep", action="store_true", help="keep the tables at the end")
-    args = parser.parse_args(argv)
+    return parser
 
-    kinds = list(F.WORKER_KINDS)
-    if not args.database.startswith("sqlite"):
-        kinds += F.TRANSACTION_KINDS
-    if args.restart_database:
-        kinds.append("restart_database")
-    if args.restart_broker:
-        kinds.append("restart_broker")
-    if not args.no_controls:
-        kinds += F.CONTROL_KINDS
-    config = Config(
+
+def config_of(args: argparse.Namespace) -> Config:
+    """The run the command line ``args`` asks for (a random seed if none was given)."""
+    return Config(
         jobs=args.jobs,
         units=args.units,
         unit_seconds=args.unit_seconds,
@@ -923,10 +1058,42 @@ def main(argv: list[str] | None = None) -> int:
         renew_seconds=args.renew,
         reaper_every=args.reaper_every,
         queued_timeout=args.queued_timeout,
-        kinds=tuple(kinds),
+        kinds=fault_kinds(args),
         stuck_seconds=args.stuck_seconds,
         expiring=0.0 if args.no_controls else args.expiring,
+        keys=args.keys,
+        triggers=args.triggers,
+        burst=args.burst,
+        key_units=args.key_units,
     )
+
+
+def fault_kinds(args: argparse.Namespace) -> tuple[str, ...]:
+    """The fault kinds of a run with the command line ``args``: the worker faults, the
+    frozen-in-transaction one where the database bounds an idle transaction (not SQLite), the
+    service restarts asked for, and the controls unless ``--no-controls``."""
+    kinds = list(F.WORKER_KINDS)
+    if not args.database.startswith("sqlite"):
+        kinds += F.TRANSACTION_KINDS
+    if args.restart_database:
+        kinds.append("restart_database")
+    if args.restart_broker:
+        kinds.append("restart_broker")
+    if not args.no_controls:
+        kinds += F.CONTROL_KINDS
+    if args.only:
+        only = set(args.only.split(","))
+        unknown = only - set(kinds)
+        if unknown:
+            raise SystemExit(f"--only: {sorted(unknown)} not among this run's kinds {kinds}")
+        kinds = [k for k in kinds if k in only]
+    return tuple(kinds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = config_of(args)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="celery-leases-chaos-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     spawner = Spawner(log_dir=log_dir)

@@ -10,8 +10,12 @@ lost; the result backend's database is kept, as a persistent result store would 
 ``freeze_in_transaction`` is a freeze from inside a transactional checkpoint: the driver leaves
 a request in the run's hold directory, and the next ``chaos.exactly_once`` checkpoint that finds
 it SIGSTOPs its own worker after its checkpoint statement, before the commit (the job's row
-stays locked); the driver thaws it like a ``freeze``. Only where the database bounds an idle
-transaction (PostgreSQL, MariaDB): on SQLite it would hold the whole file's write lock.
+stays locked), or the next ``chaos.keyed`` unit after its cursor write, before its checkpoint
+(the key's cursor row and the job's row locked; in a run with keyed jobs every other request
+waits for a keyed unit, so both kinds of transaction freeze); the driver thaws it like a
+``freeze``. Only
+where the database bounds an idle transaction (PostgreSQL, MariaDB): on SQLite it would hold
+the whole file's write lock.
 
 Control kinds act on a job, not on a process: ``revoke`` (``app.control.revoke(id,
 terminate=True)`` of a job running under a live lease on a live worker) and ``cancel``
@@ -135,18 +139,20 @@ def plan(
 HOLD_DIR_ENV = "CHAOS_HOLD_DIR"
 
 
-def ask_for_hold(hold_dir: Path, number: int, seconds: float) -> None:
-    """Ask the next transactional checkpoint to freeze its worker for ``seconds``."""
+def ask_for_hold(hold_dir: Path, number: int, seconds: float, *, keyed: bool = False) -> None:
+    """Ask the next transactional checkpoint (``keyed``: of a keyed job) to freeze its worker
+    for ``seconds``."""
     written = hold_dir / f"tmp.{number}"  # not a request until renamed: complete when seen
     written.write_text(f"{seconds}")
-    written.rename(hold_dir / f"request.{number}")
+    written.rename(hold_dir / f"request.{number}{'.keyed' if keyed else ''}")
 
 
-def hold_if_asked(hold_dir: str, job_id: str) -> None:
+def hold_if_asked(hold_dir: str, job_id: str, *, keyed: bool = False) -> None:
     """In a task, after its checkpoint statement, before the commit: take one pending request
-    (an atomic rename: one taker) and SIGSTOP this worker's whole process group."""
+    (an atomic rename: one taker; a request for a keyed job only if ``keyed``) and SIGSTOP
+    this worker's whole process group."""
     for name in sorted(os.listdir(hold_dir)):
-        if not name.startswith("request."):
+        if not name.startswith("request.") or (name.endswith(".keyed") and not keyed):
             continue
         group = os.getpgrp()
         try:

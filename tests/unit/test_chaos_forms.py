@@ -1,0 +1,59 @@
+"""The chaos forms run what they claim: the long form (``make chaos``) and the short forms (CI)
+have keyed jobs and the freeze inside a transaction among their faults, and a trigger plan sends
+what it was asked to (no services)."""
+
+from __future__ import annotations
+
+import random
+import re
+import shlex
+from pathlib import Path
+
+from tests.chaos.test_chaos import POSTGRES_KINDS, SHORT
+from tests.support.chaos import trigger as T
+from tests.support.chaos.driver import build_parser, config_of
+
+MAKEFILE = Path(__file__).resolve().parents[2] / "Makefile"
+
+
+def long_form_arguments() -> list[str]:
+    """The driver's arguments in the Makefile's ``CHAOS_ARGS`` (continuation lines joined)."""
+    text = MAKEFILE.read_text().replace("\\\n", " ")
+    found = re.search(r"^CHAOS_ARGS \?=(.*)$", text, re.MULTILINE)
+    assert found, "no CHAOS_ARGS in the Makefile"
+    return shlex.split(found.group(1))
+
+
+def test_the_long_form_freezes_workers_inside_transactions_and_sends_keyed_triggers() -> None:
+    config = config_of(build_parser().parse_args(long_form_arguments()))
+
+    assert "freeze_in_transaction" in config.kinds
+    assert {"kill_child", "kill_worker", "freeze", "sigterm"} <= set(config.kinds)
+    assert config.keyed and config.keys >= 2 and config.triggers >= 100
+
+
+def test_the_long_form_without_service_restarts_keeps_every_other_fault() -> None:
+    # As it runs on a machine whose PostgreSQL and Redis others use
+    arguments = [a for a in long_form_arguments() if not a.startswith("--restart-")]
+
+    config = config_of(build_parser().parse_args(arguments))
+
+    assert "restart_database" not in config.kinds and "restart_broker" not in config.kinds
+    assert {"freeze_in_transaction", "revoke", "cancel"} <= set(config.kinds)
+
+
+def test_the_short_forms_have_keyed_jobs_and_the_postgresql_one_freezes_in_transactions() -> None:
+    assert SHORT.keyed and SHORT.triggers > SHORT.keys
+    assert "freeze_in_transaction" in POSTGRES_KINDS
+
+
+def test_a_trigger_plan_sends_every_trigger_asked_for_in_bursts_no_larger_than_asked() -> None:
+    bursts = T.plan(random.Random(7), triggers=40, keys=3, largest=5, gap=0.5)
+
+    assert sum(b.size for b in bursts) == 40
+    assert all(1 <= b.size <= 5 and all(0 <= g <= 0.5 for g in b.gaps) for b in bursts)
+    assert {b.account for b in bursts} == {0, 1, 2}
+    assert [b.at for b in bursts] == sorted(b.at for b in bursts)
+    assert all(0.03 <= b.at <= 0.92 for b in bursts)
+    # and a seed replays the same plan
+    assert T.plan(random.Random(7), triggers=40, keys=3, largest=5, gap=0.5) == bursts
