@@ -191,8 +191,10 @@ class Direct(Driver):
         self._autocommit(True)
 
     def begin(self) -> None:
-        """Open a transaction (for an operation of more than one statement)."""
-        self.query("BEGIN")
+        """Open a transaction (for an operation of more than one statement). On SQLite it
+        takes the write lock at once: a transaction that reads, then writes, would otherwise
+        fail (database is locked) when another did the same meanwhile."""
+        self.query("BEGIN IMMEDIATE" if self.dialect.name == "sqlite" else "BEGIN")
         self.in_transaction = True
 
     def commit(self) -> None:

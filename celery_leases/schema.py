@@ -36,6 +36,10 @@ SESSION_LOCK_PREFIX = "celery_leases:"
 MAX_ID_LENGTH = 155
 #: Longest lease key (``lease_key``: the resource a job works on) the table holds.
 MAX_KEY_LENGTH = 255
+#: SQL true for a job that holds its lease key: a live one, or one that ended with a trigger
+#: waiting for its follow-up (it hands the key to that follow-up, in one transaction). At
+#: most one job per key holds it (a unique index).
+KEY_HELD = f"state IN ({', '.join(repr(s) for s in LIVE_STATES)}) OR followup_id IS NOT NULL"
 
 
 class db_now(FunctionElement[float]):
@@ -74,13 +78,13 @@ def jobs_table(
 ) -> sa.Table:
     """Define the jobs table called ``name`` on ``metadata`` (or return the one already there).
 
-    ``dialect`` picks how "one live job per lease key" is enforced: a partial unique index on
-    PostgreSQL and SQLite (the default), a unique index on a generated column on MariaDB/MySQL,
-    which have no partial indexes."""
+    ``dialect`` picks how "one job holds each lease key" (``KEY_HELD``) is enforced: a
+    partial unique index on PostgreSQL and SQLite (the default), a unique index on a
+    generated column on MariaDB/MySQL, which have no partial indexes."""
     if name in metadata.tables:
         return metadata.tables[name]
     text = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
-    live = sa.text(f"state IN ({', '.join(repr(s) for s in LIVE_STATES)})")
+    live = sa.text(KEY_HELD)
     if dialect in ("mysql", "mariadb"):
         one_live_job_per_key: tuple[Any, ...] = (
             sa.Column(

@@ -603,28 +603,38 @@ class Statements:
         )
 
         # -- lease keys -------------------------------------------------------------------
-        # A trigger of a key whose live job exists: a job never claimed yet (attempts = 0)
-        # will start after it and absorbs it; one that has run keeps the first trigger that
-        # came while it ran as its follow-up. MySQL evaluates SET left to right: the follow-up
-        # text is decided before its id changes.
-        live_of_key = sa.and_(t.c.lease_key == param("key"), t.c.state.in_(LIVE_STATES))
-        takes_followup = sa.and_(t.c.attempts > 0, t.c.followup_id.is_(None))
-        coalesce = (
-            sa.update(t)
-            .where(live_of_key)
-            .ordered_values(
-                (t.c.followup, sa.case((takes_followup, param("message")), else_=t.c.followup)),
-                (t.c.followup_id, sa.case((takes_followup, param("id")), else_=t.c.followup_id)),
-            )
+        # The job holding a key (schema.KEY_HELD): live, or ended with a follow-up to start.
+        # A trigger of a held key is read first (no lock, nothing written in the usual case):
+        # a job never claimed yet (attempts = 0) starts after it and absorbs it; one with a
+        # follow-up already has the job that serves it. Otherwise the trigger becomes the
+        # follow-up of a job that has run, conditionally: MySQL evaluates SET left to right,
+        # so the follow-up text is decided before its id changes.
+        holds_key = sa.and_(
+            t.c.lease_key == param("key"),
+            sa.or_(t.c.state.in_(LIVE_STATES), t.c.followup_id.is_not(None)),
         )
         coalesced = (t.c.id, t.c.attempts, t.c.followup_id)
-        self.coalesce = coalesce.returning(*coalesced) if self.returning else coalesce
-        self.coalesced = sa.select(*coalesced).where(live_of_key)
+        self.key_holder = sa.select(*coalesced).where(holds_key)
+        takes_followup = sa.and_(holds_key, t.c.attempts > 0, t.c.followup_id.is_(None))
+        set_followup = (
+            sa.update(t)
+            .where(takes_followup)
+            .ordered_values(
+                (t.c.followup, param("message", t.c.followup.type)),
+                (t.c.followup_id, param("id", t.c.followup_id.type)),
+            )
+        )
+        self.set_followup = set_followup.returning(t.c.id) if self.returning else set_followup
         finished_with_followup = sa.and_(
             t.c.followup_id.is_not(None), t.c.state.in_(FINISHED_STATES)
         )
-        self.followup_of = sa.select(t.c.followup, t.c.followup_id).where(
-            t.c.id == param("id"), finished_with_followup
+        # The hand-over of the key to the follow-up, in one transaction: its row locked, the
+        # follow-up cleared (the key is free inside the transaction only), the follow-up
+        # recorded as a job of its own (``register``).
+        self.followup_of = (
+            sa.select(t.c.followup, t.c.followup_id)
+            .where(t.c.id == param("id"), finished_with_followup)
+            .with_for_update()
         )
         self.followups_pending = (
             sa.select(t.c.id).where(finished_with_followup).limit(param("batch"))

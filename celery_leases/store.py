@@ -223,52 +223,59 @@ class Store:
         return bool(self._keyed(c, lambda: c.execute(self.sql.take_over, params).rowcount == 1))
 
     def coalesce(self, message: Message, text: str) -> str | None:
-        """Hand a trigger (``message``, of a lease key that has a live job) to that job: one
-        that has not started yet absorbs it (it starts after the trigger), one that has
-        keeps the first trigger that came while it ran as its follow-up (started when it
-        ends); the id of the job that serves the trigger. None when the key has no live job
-        any more (record it as a job of its own)."""
+        """Hand a trigger (``message``, of a lease key a job holds) to that job: one that has
+        not started yet absorbs it (it starts after the trigger); one that has keeps the
+        first trigger that came while it ran as its follow-up (started when it ends), and
+        later ones are served by that follow-up; the id of the job that serves the trigger.
+        None when no job holds the key any more (record it as a job of its own)."""
         params = {"b_key": message.key, "b_message": text, "b_id": message.id}
-
-        def run(c: Connection) -> str | None:
-            if self.db.returning:
-                row = c.execute(self.sql.coalesce, params).first()
-            elif c.execute(self.sql.coalesce, params).rowcount:
-                row = c.execute(self.sql.coalesced, params).first()
-            else:
-                row = None
-            if row is None:
+        for _ in range(3):
+            found = self._hot(lambda c: c.execute(self.sql.key_holder, params).first())
+            if found is None:
                 return None
-            live_id, attempts, followup_id = row
-            return str(live_id if attempts == 0 else followup_id)
-
-        return self._hot(run, reads_back=True)  # type: ignore[no-any-return]
+            holder, attempts, followup_id = found
+            if followup_id is not None:
+                return str(followup_id)
+            if attempts == 0:
+                return str(holder)
+            if self._count(self.sql.set_followup, params) == 1:
+                return message.id
+            # It ended, or was claimed, or got a follow-up in between: look again.
+        raise LeaseError(f"lease key {message.key}: its holder kept changing; try again")
 
     def start_followup(self, job_id: str) -> Message | None:
-        """Record the follow-up run of an ended keyed job, if a trigger waits for it: the
-        message to publish, or None (none waits, it was coalesced into a live job of the key,
-        or another caller recorded it). Idempotent: the follow-up's id is the trigger's."""
-        found = self._hot(lambda c: c.execute(self.sql.followup_of, {"b_id": job_id}).first())
-        if found is None:
-            return None
-        text, followup_id = found
-        try:
-            followup = rows.load_message(text, followup_id)
-        except CorruptJob:
-            followup = None
-        registered = None
-        if followup is not None:
+        """Hand the lease key of the ended job ``job_id`` to its follow-up, if a trigger
+        waits for one: in one transaction, the follow-up is cleared from the ended job and
+        recorded as a job of its own, so the key is never free in between (a trigger meanwhile
+        waits, then is served by the follow-up). The message to publish, or None (none
+        waits, or another caller recorded it)."""
+        settings = self.settings
+
+        def hand_over(c: Any) -> Message | None:
+            found = c.execute(self.sql.followup_of, {"b_id": job_id}).first()
+            if found is None:
+                return None
+            text, followup_id = found
+            c.execute(self.sql.clear_followup, {"b_id": job_id, "b_followup_id": followup_id})
+            try:
+                followup = rows.load_message(text, followup_id)
+            except CorruptJob:
+                return None  # nothing can run it: dropped with the mark
             eta = followup.eta_in()
-            registered = self.register(
-                followup,
-                countdown=max(eta, 0.0) if eta else None,
-                # Its message goes out right after this; if that publish is lost (the caller
-                # dies), the reaper sends it once this has passed.
-                queued_timeout=self.settings.queued_timeout or self.settings.reap_grace,
-                fresh=False,
-            )
-        self._count(self.sql.clear_followup, {"b_id": job_id, "b_followup_id": followup_id})
-        return followup if registered is not None and registered.outcome == "new" else None
+            countdown = max(eta, 0.0) if eta else None
+            # Its message goes out right after this; if that publish is lost (the caller
+            # dies), the reaper sends it once this has passed.
+            wait = (countdown or 0.0) + (settings.queued_timeout or settings.reap_grace)
+            params = _job_params(followup, text) | {
+                "b_id": checked_id(followup.id),
+                "b_countdown": countdown,
+                "b_expires_in": wait,
+            }
+            return followup if self._insert(c, self.sql.register, params) else None
+
+        if not self._schema_ready:
+            self.check_schema()
+        return self.db.run(hand_over, single=False, direct=True)  # type: ignore[no-any-return]
 
     def followups_pending(self, *, batch: int) -> list[str]:
         """Ids of ended jobs whose follow-up run was not recorded yet (their ender died)."""

@@ -120,21 +120,61 @@ def test_a_run_that_ends_any_other_way_starts_its_followup_too(store: Store, end
     assert store.followups_pending(batch=10) == []
 
 
-def test_a_followup_whose_key_got_a_new_live_job_meanwhile_is_coalesced_into_it(
+def test_a_trigger_after_the_end_before_the_followup_is_recorded_is_served_by_it(
     store: Store,
 ) -> None:
+    # Given a run that ended with a follow-up waiting, not yet recorded (its ender is slow,
+    # or died and the reaper has not passed yet)
     first = trigger("t1")
     store.register(first)
     lease = claimed(store, first)
     store.register(trigger("t2"))
     store.finish("t1", lease.token, result=None)
-    # A trigger that came after the end but before the follow-up was recorded: a new run
-    assert store.register(trigger("t3")).outcome == "new"
 
-    assert store.start_followup("t1") is None
-
-    assert live_jobs(store) == ["t3"]
+    # When another trigger comes, then the ended job still holds the key: the follow-up
+    # serves it, and every id handed out becomes a job that runs
+    third = store.register(trigger("t3"))
+    assert (third.outcome, third.job_id) == ("coalesced", "t2")
+    assert store.get("t3") is None
+    followup = store.start_followup("t1")
+    assert followup is not None and followup.id == "t2"
+    assert live_jobs(store) == ["t2"]
     assert store.followups_pending(batch=10) == []
+
+
+def test_a_trigger_racing_the_hand_over_to_the_followup_is_served_by_one_job(
+    store: Store,
+) -> None:
+    # Given ended runs of many keys, each with a follow-up waiting
+    keys = [f"account:{n}" for n in range(8)]
+    for key in keys:
+        first = trigger(f"{key}/1", key=key)
+        store.register(first)
+        lease = claimed(store, first)
+        store.register(trigger(f"{key}/2", key=key))
+        store.finish(f"{key}/1", lease.token, result=None)
+
+    # When each follow-up is recorded while a trigger of its key comes at the same moment
+    barrier = threading.Barrier(2 * len(keys))
+
+    def hand_over(key: str) -> str | None:
+        barrier.wait()
+        followup = store.start_followup(f"{key}/1")
+        return None if followup is None else followup.id
+
+    def trigger_now(key: str) -> str:
+        barrier.wait()
+        return store.register(trigger(f"{key}/3", key=key)).job_id
+
+    with ThreadPoolExecutor(2 * len(keys)) as pool:
+        started = [pool.submit(hand_over, key) for key in keys]
+        served = [pool.submit(trigger_now, key) for key in keys]
+
+    # Then each key has one live job, its follow-up, and it serves the racing trigger too
+    for key, recorded, serving in zip(keys, started, served, strict=True):
+        assert recorded.result() == f"{key}/2"
+        assert serving.result() == f"{key}/2"
+        assert live_jobs(store, key) == [f"{key}/2"]
 
 
 def test_concurrent_triggers_of_one_key_record_one_job(store: Store) -> None:

@@ -1,8 +1,10 @@
 """Revision 0002: lease keys (schema 4). One live job per key, a trigger waiting for a run to
 end, and the cursor of each key.
 
-- ``lease_key``: the resource the job works on; a unique index over the live jobs' keys
-  (PostgreSQL and SQLite: partial; MariaDB, which has none: on a generated ``live_key``).
+- ``lease_key``: the resource the job works on; a unique index over the keys of the jobs
+  that hold theirs: the live ones, and an ended one until it has handed its key to its
+  follow-up (PostgreSQL and SQLite: partial; MariaDB, which has none: on a generated
+  ``live_key``).
 - ``followup`` and ``followup_id``: the first trigger of the key that came while the job ran
   (its whole message), started when the job ends; indexed by id for the reaper's sweep.
 - ``<table>_keys``: the cursor of each key, which outlives the key's jobs.
@@ -28,7 +30,9 @@ depends_on = None
 
 #: What the view of 0001 shows of the new columns (PostgreSQL).
 VIEW_COLUMNS = ("lease_key", "followup_id")
-LIVE = "state IN ('queued', 'running')"
+#: A job that holds its key: live, or ended with a follow-up to hand the key to (frozen
+#: here: schema.KEY_HELD may change in a later revision, this one never does).
+LIVE = "state IN ('queued', 'running') OR followup_id IS NOT NULL"
 
 
 def columns() -> list[sa.Column[Any]]:
