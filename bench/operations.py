@@ -35,6 +35,7 @@ from bench.common import (
 from celery_leases import migrations
 from celery_leases.config import DEFAULTS, validate
 from celery_leases.store import Store
+from tests.support.driver import direct_connection, is_control, traced
 from tests.support.message import job_message
 
 Call = Callable[[int], Any]
@@ -106,14 +107,6 @@ def state_text(size: int) -> str:
     return '{"cursor":"' + os.urandom(size // 2).hex()[: size - 13] + '"}'
 
 
-def direct(store: Store) -> Any:
-    """The store's one direct DBAPI connection (every call here is sequential)."""
-    idle = store.db.direct._idle
-    if len(idle) != 1:
-        raise RuntimeError("the store has no direct connection, or several")
-    return idle[0].connection
-
-
 @contextlib.contextmanager
 def raw(conn: Any, sent: Statements, transaction: bool) -> Iterator[Call]:
     """A call that sends ``sent(i)`` through ``conn``'s cursor (in autocommit, as the store's
@@ -140,56 +133,8 @@ def shape(store: Store, call: Callable[[], Any]) -> tuple[int, bool]:
     a transaction (seen at the driver)."""
     with traced(store) as seen:
         call()
-    statements = [s for s in seen if not s.strip().upper().startswith(CONTROL)]
+    statements = [s for s in seen if not is_control(s)]
     return len(statements), len(statements) < len(seen)
-
-
-@contextlib.contextmanager
-def traced(store: Store) -> Iterator[list[str]]:
-    """Every statement text the store's direct connection sends during the block (on
-    PostgreSQL, from the libpq trace: simple-protocol queries by text, extended-protocol
-    executions as ``EXECUTE``)."""
-    conn, db = direct(store), store.db.dialect
-    seen: list[str] = []
-    if db == "postgresql":
-        with tempfile.TemporaryFile("w+") as trace:
-            conn.pgconn.trace(os.dup(trace.fileno()))
-            try:
-                yield seen
-            finally:
-                conn.pgconn.untrace()
-                trace.seek(0)
-                for line in trace:
-                    if "\tF\t" not in line:
-                        continue
-                    if "\tQuery\t" in line:
-                        seen.append(line.split("\tQuery\t", 1)[1].split('"')[1])
-                    elif "\tExecute\t" in line:
-                        seen.append("EXECUTE")
-        return
-    if db == "sqlite":
-        conn.set_trace_callback(seen.append)
-        try:
-            yield seen
-        finally:
-            conn.set_trace_callback(None)
-        return
-    cls = type(conn)
-    original = cls._execute_command
-
-    def spy(self: Any, command: int, sql: Any) -> Any:
-        if self is conn:
-            seen.append(sql.decode() if isinstance(sql, bytes) else str(sql))
-        return original(self, command, sql)
-
-    cls._execute_command = spy
-    try:
-        yield seen
-    finally:
-        cls._execute_command = original
-
-
-CONTROL = ("BEGIN", "COMMIT", "ROLLBACK")
 
 
 def round_trips(db: str, conn: Any, call: Callable[[], Any]) -> int:
@@ -234,7 +179,7 @@ def measure(db: str, url: str, *, calls: int, block: int, big_calls: int) -> lis
         held = ("held", claim(store, "held"))
         for job_id in RAW_ROWS:
             claim(store, job_id)
-        conn = direct(store)
+        conn = direct_connection(store)
         p = "?" if db == "sqlite" else "%s"
 
         def compare(name: str, library: Call, state: str | None = None) -> None:

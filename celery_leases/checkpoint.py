@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from celery.utils.log import get_task_logger
 from sqlalchemy.engine import Connection
@@ -60,15 +60,7 @@ def save(
             )
         metrics.checkpoint_seconds(time.monotonic() - started, task=task.name)
         if not saved:
-            lease.lost = True
-            metrics.count("leases_lost", task=task.name)
-            logger.warning(
-                "lease lost on job %s (token %s): another attempt holds it; checkpoint not saved",
-                lease.job_id,
-                lease.token,
-                extra=lease_fields(lease),
-            )
-            raise LeaseLost(f"job {lease.job_id}: another attempt holds the lease; stop")
+            fenced_out(task, lease, "checkpoint")
         lease.deadline = started + lease.duration
         lease.last_progress = time.monotonic()
         if done_total is not None:
@@ -118,15 +110,22 @@ def save_cursor(
                 lost=True,
             )
         if not saved:
-            lease.lost = True
-            metrics.count("leases_lost", task=task.name)
-            logger.warning(
-                "lease lost on job %s (token %s): another attempt holds it; cursor not saved",
-                lease.job_id,
-                lease.token,
-            )
-            raise LeaseLost(f"job {lease.job_id}: another attempt holds the lease; stop")
+            fenced_out(task, lease, "cursor")
     lease.cursor = json.loads(text)
+
+
+def fenced_out(task: Any, lease: Lease, what: str) -> NoReturn:
+    """A write of ``lease``'s attempt found a newer token: it lost the lease (LeaseLost)."""
+    lease.lost = True
+    metrics.count("leases_lost", task=task.name)
+    logger.warning(
+        "lease lost on job %s (token %s): another attempt holds it; %s not saved",
+        lease.job_id,
+        lease.token,
+        what,
+        extra=lease_fields(lease),
+    )
+    raise LeaseLost(f"job {lease.job_id}: another attempt holds the lease; stop")
 
 
 def _encoded(task: Any, lease: Lease, state: Any, what: str) -> str:

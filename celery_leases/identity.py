@@ -51,24 +51,20 @@ def takes_over(message: Message, facts: Facts, *, published: bool = False) -> bo
 
 def checked_id(job_id: str) -> str:
     """``job_id``, or :class:`ArgumentsError` when the table cannot hold it whole."""
-    if not isinstance(job_id, str) or not job_id or len(job_id) > MAX_ID_LENGTH:
-        shown = repr(job_id) if len(str(job_id)) <= 60 else repr(str(job_id)[:57]) + "..."
-        raise ArgumentsError(
-            f"task id {shown} cannot be a celery-leases job id: it must be a string of 1 to "
-            f"{MAX_ID_LENGTH} characters (the table holds no more, and never truncates one)"
-        )
-    return job_id
+    return _whole(job_id, MAX_ID_LENGTH, "task id {} cannot be a celery-leases job id")
 
 
 def checked_key(key: str | None) -> str | None:
     """``key`` (a lease key, or None), or :class:`ArgumentsError` when the table cannot hold
     it whole."""
-    if key is None:
-        return None
-    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
-        shown = repr(key) if len(str(key)) <= 60 else repr(str(key)[:57]) + "..."
+    return None if key is None else _whole(key, MAX_KEY_LENGTH, "lease key {} cannot be stored")
+
+
+def _whole(value: str, longest: int, what: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > longest:
+        shown = repr(value) if len(str(value)) <= 60 else repr(str(value)[:57]) + "..."
         raise ArgumentsError(
-            f"lease key {shown} cannot be stored: it must be a string of 1 to "
-            f"{MAX_KEY_LENGTH} characters (the table holds no more, and never truncates one)"
+            f"{what.format(shown)}: it must be a string of 1 to {longest} characters (the "
+            f"table holds no more, and never truncates one)"
         )
-    return key
+    return value

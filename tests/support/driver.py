@@ -15,42 +15,50 @@ from celery_leases.store import Store
 CONTROL = ("BEGIN", "COMMIT", "ROLLBACK")
 
 
-@contextlib.contextmanager
-def sent(store: Store) -> Iterator[list[str]]:
-    """The statements ``store`` sends on its direct connection during the block, transaction
-    control left out (on PostgreSQL, whose trace has no text for a prepared statement, one
-    entry per round trip). The store must have run an operation before (its connection)."""
+def direct_connection(store: Store) -> Any:
+    """The store's one direct DBAPI connection (it must have run an operation, and only one
+    at a time)."""
     idle = store.db.direct._idle
     assert len(idle) == 1, "the store has no direct connection yet, or several"
-    connection = idle[0].connection
+    return idle[0].connection
+
+
+@contextlib.contextmanager
+def traced(store: Store) -> Iterator[list[str]]:
+    """Every statement text ``store``'s direct connection sends during the block (on
+    PostgreSQL, from the libpq trace: simple-protocol queries by their text, each execution
+    of the extended protocol as ``EXECUTE``)."""
+    conn, db = direct_connection(store), store.db.dialect
     seen: list[str] = []
-    dialect = store.db.dialect
-    if dialect == "postgresql":
+    if db == "postgresql":
         with tempfile.TemporaryFile("w+") as trace:
-            connection.pgconn.trace(os.dup(trace.fileno()))  # libpq keeps a FILE on it
+            conn.pgconn.trace(os.dup(trace.fileno()))  # libpq keeps a FILE on it
             try:
                 yield seen
             finally:
-                connection.pgconn.untrace()
+                conn.pgconn.untrace()
                 trace.seek(0)
-                seen += [line for line in trace if "ReadyForQuery" in line]
+                for line in trace:
+                    if "\tF\t" not in line:
+                        continue
+                    if "\tQuery\t" in line:
+                        seen.append(line.split("\tQuery\t", 1)[1].split('"')[1])
+                    elif "\tExecute\t" in line:
+                        seen.append("EXECUTE")
         return
-    if dialect == "sqlite":
-        connection.set_trace_callback(seen.append)
+    if db == "sqlite":
+        conn.set_trace_callback(seen.append)
         try:
             yield seen
         finally:
-            connection.set_trace_callback(None)
-            seen[:] = [s for s in seen if not s.strip().upper().startswith(CONTROL)]
+            conn.set_trace_callback(None)
         return
-    cls: Any = type(connection)
+    cls = type(conn)
     original = cls._execute_command
 
     def spy(self: Any, command: int, sql: Any) -> Any:
-        if self is connection:
-            text = sql.decode() if isinstance(sql, bytes) else str(sql)
-            if not text.strip().upper().startswith(CONTROL):
-                seen.append(text)
+        if self is conn:
+            seen.append(sql.decode() if isinstance(sql, bytes) else str(sql))
         return original(self, command, sql)
 
     cls._execute_command = spy
@@ -58,3 +66,17 @@ def sent(store: Store) -> Iterator[list[str]]:
         yield seen
     finally:
         cls._execute_command = original
+
+
+def is_control(statement: str) -> bool:
+    return statement.strip().upper().startswith(CONTROL)
+
+
+@contextlib.contextmanager
+def sent(store: Store) -> Iterator[list[str]]:
+    """The statements ``store`` sends on its direct connection during the block, transaction
+    control (BEGIN, COMMIT) left out."""
+    with traced(store) as seen:
+        statements: list[str] = []
+        yield statements
+    statements += [s for s in seen if not is_control(s)]
