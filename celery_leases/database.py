@@ -71,7 +71,10 @@ class Database:
     def _create_engine(self) -> Engine:
         # No pre-ping: run() retries once on a connection the server closed, which saves a
         # round trip on every operation (docs/benchmarks.md).
-        options: dict[str, Any] = {"pool_pre_ping": False}
+        # No idle pool connections: the hot path has connections of its own (direct.py);
+        # what goes through SQLAlchemy (the reaper, operators' reads) connects for each
+        # operation, so a worker process at rest keeps one connection, not two.
+        options: dict[str, Any] = {"pool_pre_ping": False, "poolclass": sa.pool.NullPool}
         if self.dialect == "sqlite":
             options["connect_args"] = {"timeout": 30}
         options.update(self.engine_options)
@@ -231,6 +234,8 @@ class Session:
             direct.close()
             raise
         self._direct = direct
+        if one_task_at_a_time():
+            self.db.direct.share(direct, self._lock)
         return direct
 
     def close(self) -> None:
@@ -241,7 +246,18 @@ class Session:
     def _close(self) -> None:
         direct, self._direct = self._direct, None
         if direct is not None:
+            self.db.direct.share(None, self._lock)
             direct.close()  # never back to a pool: its lock must go too
+
+
+def one_task_at_a_time() -> bool:
+    """True in a prefork pool process: it runs one task at a time (so its one lease, if any,
+    is the running task's, and ending the process frees one pool slot only)."""
+    try:
+        from billiard.process import current_process
+    except ImportError:
+        return False
+    return bool(current_process().name.startswith("ForkPoolWorker"))
 
 
 def local_process_gone(owner: str | None, pid: int | None) -> bool:

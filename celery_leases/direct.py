@@ -241,7 +241,15 @@ class Foreign(Driver):
 
 class Connections:
     """This process's direct connections, lent to one operation at a time: one per thread
-    that is running an operation, kept for the next (a prefork pool process keeps one)."""
+    that is running an operation, kept for the next.
+
+    A process that runs one task at a time (a prefork pool process) lends the connection of
+    its keeper's session (``share``) before any other: its task's statements and the keeper's
+    renewals then take turns on one connection, the only one the process keeps open."""
+
+    #: Seconds an operation waits for the shared connection (a renewal under way) before it
+    #: runs on a connection of its own.
+    SHARED_WAIT = 1.0
 
     def __init__(self, engine: Callable[[], Engine], *, keep: int = 5) -> None:
         self._engine = engine
@@ -250,6 +258,11 @@ class Connections:
         self._idle: list[Direct] = []
         self._compiled: dict[Any, Compiled] = {}
         self._pid = os.getpid()
+        self._shared: tuple[Direct, threading.Lock] | None = None
+
+    def share(self, direct: Direct | None, lock: threading.Lock) -> None:
+        """Lend ``direct`` (None: stop), whose owner holds ``lock`` while it uses it."""
+        self._shared = None if direct is None else (direct, lock)
 
     def run(self, operation: Callable[[Direct], T], *, single: bool) -> T:
         """Run ``operation`` on a direct connection: in autocommit if it is ``single`` (one
@@ -293,6 +306,14 @@ class Connections:
             direct.close()
 
     def _take(self) -> Direct:
+        shared = self._shared
+        if shared is not None:
+            direct, lock = shared
+            usable = not direct.broken and direct.pid == os.getpid()
+            if usable and lock.acquire(timeout=self.SHARED_WAIT):
+                if self._shared is shared and not direct.broken:
+                    return direct
+                lock.release()
         with self._lock:
             if self._pid != os.getpid():  # a forked child: the parent's connections are its own
                 self._idle, self._pid = [], os.getpid()
@@ -301,6 +322,10 @@ class Connections:
         return self.open()
 
     def _give_back(self, direct: Direct) -> None:
+        shared = self._shared
+        if shared is not None and shared[0] is direct:
+            shared[1].release()  # its owner closes it, broken or not
+            return
         if direct.broken or direct.pid != os.getpid():
             direct.close()
             return

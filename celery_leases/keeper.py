@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 
-from .database import Session
+from .database import Session, one_task_at_a_time
 from .errors import LeaseError
 from .lease import Lease
 from .log import lease_fields
@@ -128,7 +128,7 @@ class Keeper(threading.Thread):
             lease.stall_timeout or 0,
             extra=lease_fields(lease),
         )
-        if not (lease.kill_when_stalled and _is_pool_process()):
+        if not (lease.kill_when_stalled and one_task_at_a_time()):
             return
         try:
             if self.store.hand_back(lease.job_id, lease.token, reap_in=0.0):
@@ -199,15 +199,6 @@ def keeper_for(store: Store) -> Keeper:
             keeper = _keepers[key] = Keeper(store)
             keeper.start()
         return keeper
-
-
-def _is_pool_process() -> bool:
-    """True in a prefork pool child, where ending the process frees one slot only."""
-    try:
-        from billiard.process import current_process
-    except ImportError:
-        return False
-    return bool(current_process().name.startswith("ForkPoolWorker"))
 
 
 def all_keepers() -> list[Keeper]:

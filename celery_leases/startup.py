@@ -92,7 +92,7 @@ def check(app: Any, *, who: str) -> list[str]:
 
 def _check(app: Any, settings: Settings, store: Any, place: str, *, who: str) -> list[str]:
     try:
-        store.now()
+        store.db.run(lambda c: c.execute(store.sql.now).scalar_one(), single=True, direct=True)
     except LeaseError as exc:
         logger.warning(
             "celery-leases: %s: the leases database is unreachable at start (%s); leased jobs "
@@ -102,7 +102,13 @@ def _check(app: Any, settings: Settings, store: Any, place: str, *, who: str) ->
         )
         return [str(exc)]
     logger.info("celery-leases: %s: leases live in %s", who, place)
-    warnings = default_file_warnings(app, settings)
+    warnings = []
+    try:
+        store.check_schema()
+    except ConfigurationError as exc:  # every leased job fails with it until it is done
+        logger.error("celery-leases: %s: %s", who, exc)
+        warnings.append(str(exc))
+    warnings += default_file_warnings(app, settings)
     if store.dialect == "sqlite":
         warnings += shared_file_warnings(store, place)
     for warning in warnings:

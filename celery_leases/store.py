@@ -279,7 +279,7 @@ class Store:
 
     def followups_pending(self, *, batch: int) -> list[str]:
         """Ids of ended jobs whose follow-up run was not recorded yet (their ender died)."""
-        found = self._run(lambda c: c.execute(self.sql.followups_pending, {"b_batch": batch}))
+        found = self._run(lambda c: c.execute(self.sql.followups_pending, {"b_batch": batch}).all())
         return [r[0] for r in found]
 
     def cursor(self, key: str) -> Any:

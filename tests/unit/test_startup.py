@@ -66,3 +66,16 @@ def test_a_server_url_is_shown_without_its_password() -> None:
     assert where(settings_for(app)) == (
         "postgresql+psycopg://app:***@db.internal/app, table celery_leases_jobs"
     )
+
+
+def test_a_missing_table_is_said_at_start_with_the_command_that_makes_it(
+    app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger="celery_leases"):
+        warnings = check(app, who="worker w0")
+
+    assert "leases live in" in caplog.text  # the database answers: where is said first
+    assert len(warnings) == 1 and "no leases table" in warnings[0]
+    assert "celery -A proj leases init-db" in warnings[0]
+    migrate(app)
+    assert check(app, who="worker w0") == []

@@ -1,0 +1,77 @@
+"""The connection budget: a prefork worker keeps one leases connection per process at rest,
+whatever it ran (leased jobs, a pool process killed mid-job, reaper passes). Counted by
+PostgreSQL itself (``pg_stat_activity``): the connections with an ``application_name`` of the
+test's own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from tests.support.scenario import Scenario, wait_for
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(120),
+    pytest.mark.parametrize("database_url", ["postgres"], indirect=True),
+    pytest.mark.parametrize("broker_url", ["redis"], indirect=True),
+]
+
+MakeScenario = Callable[..., Scenario]
+POOL_PROCESSES = 3
+
+
+def connections(database_url: str, name: str) -> int:
+    engine = sa.create_engine(database_url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as connection:
+            query = "SELECT count(*) FROM pg_stat_activity WHERE application_name = :name"
+            return int(connection.execute(sa.text(query), {"name": name}).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def test_a_prefork_worker_at_rest_keeps_one_connection_per_pool_process(
+    scenario: MakeScenario, celery_settings: dict[str, Any], database_url: str
+) -> None:
+    # Given a worker with three pool processes whose leases connections carry a name of their
+    # own, and a beat reaping every second
+    name = f"leases-{uuid.uuid4().hex[:8]}"
+    options = {"connect_args": {"application_name": name}}
+    s = scenario(
+        {**celery_settings, "leases_engine_options": options},
+        lease_seconds=2.0,
+        renew_seconds=0.5,
+        reaper_every=1.0,
+    )
+    s.app.conf.leases_engine_options = None  # this test process's own are not counted
+    s.start_workers(1, concurrency=POOL_PROCESSES)
+    s.start_beat()
+
+    # When it has run leased jobs on every pool process, seen one of them killed mid-job
+    # (its job resumed), and run reaper passes
+    jobs = [s.send("e2e.units", 6, 0.1) for _ in range(2 * POOL_PROCESSES)]
+    row = s.wait_unit(jobs[0], unit=2, timeout=30)
+    os.kill(row.pid, signal.SIGKILL)
+    for job_id in jobs:
+        assert s.wait_finished(job_id, timeout=60).state == "done"
+    s.send("e2e.units", 1, 0.0)  # one more, after the pool replaced its process
+
+    # Then, at rest, it keeps one connection per process at most: each pool process its
+    # keeper's session (which its task's statements share), the main process the one it
+    # handed the dead process's job back on
+    processes = POOL_PROCESSES + 1
+    wait_for(
+        lambda: connections(database_url, name) <= processes,
+        timeout=20,
+        interval=0.5,
+        what=f"the worker's connections to settle at {processes} at most",
+    )
+    assert 1 <= connections(database_url, name) <= processes
