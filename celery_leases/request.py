@@ -36,7 +36,7 @@ from .errors import LeaseError
 from .log import job_fields
 from .message import Message
 from .rows import Job
-from .schema import DONE, LIVE_STATES, QUEUED, REVOKED
+from .schema import DONE, FINISHED_STATES, LIVE_STATES, QUEUED, REVOKED
 from .store import Store, store_for
 from .worker import SHUTTING_DOWN, end_job
 
@@ -165,6 +165,18 @@ class LeasedRequest(Request):  # type: ignore[misc]
                 self.worker_pid,
                 job.state,
                 f", held by {job.owner}" if job.owner else "",
+                extra=job_fields(self.id),
+            )
+            return True
+        if job.state in FINISHED_STATES and job.state != DONE:
+            # Ended since, outside this attempt (the reaper gave up on it, an operator
+            # cancelled it, Celery revoked it): whoever ended it stored its end in the
+            # result backend, which a WorkerLostError stored now would contradict.
+            logger.warning(
+                "celery-leases: job %s: pool process %s died; the job has ended %s since",
+                self.id,
+                self.worker_pid,
+                job.state,
                 extra=job_fields(self.id),
             )
             return True

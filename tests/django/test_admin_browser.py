@@ -136,7 +136,11 @@ def test_a_staff_user_sees_a_running_job_progress_in_the_admin_and_cancels_it(
         row.find_element(By.NAME, "_selected_action").click()
         Select(driver.find_element(By.NAME, "action")).select_by_value("cancel")
         driver.find_element(By.NAME, "index").click()
-        assert "it stops at its next checkpoint and ends cancelled" in driver.page_source
+        said = [m.text for m in driver.find_elements(By.CSS_SELECTOR, "ul.messagelist li")]
+        assert any("it stops at its next checkpoint and ends cancelled" in m for m in said), (
+            said,
+            job_of(shop, batch),
+        )
 
         # Then the list soon shows it cancelled, the worker having stopped at a checkpoint
         def cancelled() -> bool | None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.cli import migrate_table
 from tests.support.service import celery_client, celery_env
 from tests.support.worker import CeleryProcess, Spawner
 
@@ -78,6 +79,7 @@ def test_flower_shows_the_running_tasks_progress_then_its_result(
         "leases_database_url": f"sqlite:///{tmp_path}/leases.sqlite3",
         "worker_send_task_events": True,
     }
+    migrate_table(settings["leases_database_url"], "celery_leases_jobs")
     env = celery_env(settings)
     spawn.worker(PROGRESS_APP, env=env)
     flower = Flower(PROGRESS_APP, port=free_port(), env=env, log_dir=spawn.log_dir)
