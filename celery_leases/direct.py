@@ -260,6 +260,12 @@ class Connections:
         self._pid = os.getpid()
         self._shared: tuple[Direct, threading.Lock] | None = None
 
+    def compile(self, statement: Any) -> None:
+        """Compile ``statement`` now, for every connection of this process (and of the
+        processes it forks, which share the result until they change it)."""
+        if statement not in self._compiled:
+            self._compiled[statement] = Compiled(statement, self._engine().dialect)
+
     def share(self, direct: Direct | None, lock: threading.Lock) -> None:
         """Lend ``direct`` (None: stop), whose owner holds ``lock`` while it uses it."""
         self._shared = None if direct is None else (direct, lock)

@@ -47,7 +47,16 @@ OWNERS_SAMPLE = 100
 def validate_at_worker_start(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None) or current_app
     if uses_leases(app):
-        validated(app, who=f"worker {getattr(sender, 'hostname', None) or socket.gethostname()}")
+        who = f"worker {getattr(sender, 'hostname', None) or socket.gethostname()}"
+        settings = validated(app, who=who)
+        from .store import store_for
+
+        try:
+            # Before the pool forks: its processes share the driver and the statements.
+            store_for(settings).warm()
+        except ConfigurationError as exc:  # no driver for the URL, say
+            logger.critical("celery-leases: %s does not start: %s", who, exc)
+            raise SystemExit(f"celery-leases: {who} does not start: {exc}") from exc
 
 
 @worker_ready.connect(weak=False)  # type: ignore[untyped-decorator]

@@ -708,6 +708,17 @@ class Statements:
             (now - t.c.created_at).label("age"),
         ]
 
+    def hot(self) -> list[Any]:
+        """The statements of a worker's hot path (claim, renew, checkpoint, finish and their
+        neighbours), for ``Store.warm``."""
+        names = (
+            "schema_revision", "register", "create_claimed", "claim_version", "claim_job",
+            "claimed", "facts", "renew_bound", "renew", "renewed", "checkpoint",
+            "checkpoint_progress", "finish", "fail", "hand_back", "hand_back_retry",
+            "state_of", "replace", "key_holder", "set_followup",
+        )  # fmt: skip
+        return [getattr(self, name) for name in names]
+
     def select_jobs(self, *where: Any) -> Any:
         """A SELECT of whole jobs (as :func:`rows.job` reads them)."""
         return sa.select(*self.job_columns).where(*where)

@@ -170,6 +170,13 @@ class Store:
             f"no leases table {name!r} in {where}: create it with {migrations.INIT_COMMAND}"
         )
 
+    def warm(self) -> None:
+        """Import the database driver and compile the hot path's statements in this process,
+        opening no connection: a worker's main process calls it before forking its pool, so
+        every pool process shares them (copy-on-write) instead of building its own."""
+        for statement in self.sql.hot():
+            self.db.direct.compile(statement)
+
     def schema_changed(self) -> None:
         """The table was migrated: check it again at the next operation."""
         self._schema_ready = False

@@ -25,6 +25,7 @@ from .keeper import all_keepers
 from .log import job_fields, lease_fields
 from .migrations import upgrade
 from .schema import FAILED, REVOKED
+from .startup import uses_leases
 from .store import store_for
 
 logger = logging.getLogger("celery_leases")
@@ -39,7 +40,7 @@ def migrate_on_start(sender: Any = None, **_: Any) -> None:
     """``leases_migrate_on_start``: create or upgrade the leases table before the worker
     consumes (its main process, before the pool starts)."""
     app = getattr(sender, "app", None) or current_app
-    if not _uses_leases(app):
+    if not uses_leases(app):
         return
     try:
         settings = settings_for(app)
@@ -79,7 +80,7 @@ def preempt_on_shutdown(sender: Any = None, **_: Any) -> None:
     """Warm shutdown: ask this worker's running attempts to stop at their next checkpoint."""
     app = current_app
     # Every `celery` command imports this package (its CLI plugin): act only for leased apps.
-    if not _uses_leases(app):
+    if not uses_leases(app):
         return
     SHUTTING_DOWN.set()
     try:
@@ -101,7 +102,7 @@ def fail_unknown_task(sender: Any = None, name: str = "", id: str = "", **_: Any
     """A message for a task this worker does not know: Celery discards it, so fail the job
     with the reason instead of leaving the reaper to re-publish it forever."""
     app = getattr(sender, "app", None) or current_app
-    if not _uses_leases(app) or not id:
+    if not uses_leases(app) or not id:
         return
     hostname = getattr(sender, "hostname", None) or "this worker"
     try:
@@ -192,9 +193,3 @@ def _in_pool_process() -> bool:
     except ImportError:
         return False
     return bool(current_process().name != "MainProcess")
-
-
-def _uses_leases(app: Any) -> bool:
-    from .task import LeasedTask
-
-    return any(isinstance(task, LeasedTask) for task in app.tasks.values())

@@ -764,3 +764,24 @@ def test_expiring_a_running_job_lets_the_next_reaper_pass_take_it(store: Store) 
 
     assert ids(reap(store).republish) == ["j1"]
     assert store.release("j1") is False
+
+
+def test_warming_compiles_the_hot_statements_and_opens_no_connection(store: Store) -> None:
+    # Given a store of a process that has not used it yet
+    connected: list[object] = []
+    sa.event.listen(store.engine, "connect", lambda *_: connected.append(1))
+
+    # When it is warmed (a worker's main process, before forking its pool)
+    store.warm()
+
+    # Then every hot statement is compiled, and no connection was opened
+    compiled = store.db.direct._compiled
+    assert all(statement in compiled for statement in store.sql.hot())
+    assert connected == []
+    # and a claim, checkpoint and finish after it compile nothing more
+    before = len(compiled)
+    register(store, "j1")
+    lease = claimed(store, "j1")
+    store.checkpoint("j1", lease.token, "1")
+    store.finish("j1", lease.token, result="1")
+    assert len(compiled) == before
