@@ -97,7 +97,7 @@ def test_a_staff_user_sees_a_running_job_progress_in_the_admin_and_cancels_it(
 ) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.remote.webdriver import WebDriver
-    from selenium.webdriver.support.ui import Select
+    from selenium.webdriver.support.ui import Select, WebDriverWait
 
     driver: WebDriver = browser  # type: ignore[assignment]
     user = f"staff-{uuid.uuid4().hex[:6]}"
@@ -136,6 +136,10 @@ def test_a_staff_user_sees_a_running_job_progress_in_the_admin_and_cancels_it(
         row.find_element(By.NAME, "_selected_action").click()
         Select(driver.find_element(By.NAME, "action")).select_by_value("cancel")
         driver.find_element(By.NAME, "index").click()
+        # The action's answer is the next page, once it has loaded (a click does not wait).
+        WebDriverWait(driver, 30).until(
+            lambda d: d.find_elements(By.CSS_SELECTOR, "ul.messagelist li")
+        )
         said = [m.text for m in driver.find_elements(By.CSS_SELECTOR, "ul.messagelist li")]
         assert any("it stops at its next checkpoint and ends cancelled" in m for m in said), (
             said,

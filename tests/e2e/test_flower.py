@@ -81,10 +81,16 @@ def test_flower_shows_the_running_tasks_progress_then_its_result(
     }
     migrate_table(settings["leases_database_url"], "celery_leases_jobs")
     env = celery_env(settings)
-    spawn.worker(PROGRESS_APP, env=env)
+    worker = spawn.worker(PROGRESS_APP, env=env)
     flower = Flower(PROGRESS_APP, port=free_port(), env=env, log_dir=spawn.log_dir)
     spawn.processes.append(flower)
     flower.start(timeout=60)
+    # Flower lists a worker once its events reach it (heartbeats): only then does it see a
+    # task's events from the start.
+    deadline = time.monotonic() + 60
+    while worker.name not in (flower.page("/workers?json=1") or ""):
+        assert time.monotonic() < deadline, "Flower never heard from the worker"
+        time.sleep(0.5)
     release = tmp_path / "release"
 
     with celery_client(settings) as client:
