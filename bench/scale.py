@@ -20,6 +20,7 @@ from celery import Celery
 
 from bench.common import median_ms, parser, report, row, scratch
 from bench.operations import claim, engine, finish, open_store, register, renew
+from celery_leases import register_reaper
 from celery_leases.config import DEFAULTS
 from tests.support.scenario import close_app
 from tests.support.service import POSTGRES_URL, private_redis_url
@@ -79,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             c.execute(sa.text(f"VACUUM ANALYZE {table}"))
         app = Celery("bench-scale", set_as_current=False)
         app.conf.update(broker_url=broker, leases_database_url=POSTGRES_URL, leases_table=table)
+        register_reaper(app)
         reap, outcomes = app.tasks["celery_leases.reap"], []
         try:
             for label, passes in (("reaper pass", 1), ("idle reaper pass", 5)):

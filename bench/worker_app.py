@@ -94,3 +94,20 @@ if CONFIG in os.environ:
     # both variants a write each, so the per-task loggers are quieter.
     for logger in ("celery.app.trace", "celery.worker.strategy", "celery_leases"):
         logging.getLogger(logger).setLevel(logging.WARNING)
+
+if os.environ.get("BENCH_PROFILE"):
+    # Profile each pool process (cProfile), written to $BENCH_PROFILE/<pid>.prof on its exit.
+    import cProfile
+
+    from celery.signals import worker_process_init, worker_process_shutdown
+
+    _profile = cProfile.Profile()
+
+    @worker_process_init.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _start_profile(**_: Any) -> None:
+        _profile.enable()
+
+    @worker_process_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _write_profile(**_: Any) -> None:
+        _profile.disable()
+        _profile.dump_stats(os.path.join(os.environ["BENCH_PROFILE"], f"{os.getpid()}.prof"))

@@ -71,10 +71,7 @@ class Database:
     def _create_engine(self) -> Engine:
         # No pre-ping: run() retries once on a connection the server closed, which saves a
         # round trip on every operation (docs/benchmarks.md).
-        # No idle pool connections: the hot path has connections of its own (direct.py);
-        # what goes through SQLAlchemy (the reaper, operators' reads) connects for each
-        # operation, so a worker process at rest keeps one connection, not two.
-        options: dict[str, Any] = {"pool_pre_ping": False, "poolclass": sa.pool.NullPool}
+        options: dict[str, Any] = {"pool_pre_ping": False}
         if self.dialect == "sqlite":
             options["connect_args"] = {"timeout": 30}
         options.update(self.engine_options)
@@ -111,6 +108,15 @@ class Database:
     def _postgres_on_connect(self, dbapi_connection: Any, record: Any) -> None:
         if self.pooler is not None and hasattr(dbapi_connection, "prepare_threshold"):
             dbapi_connection.prepare_threshold = None  # psycopg 3: never prepare
+
+    def release_pool(self) -> None:
+        """Close the idle connections of SQLAlchemy's pool (not the direct ones): after work
+        a worker process does now and then (a reaper pass), so it keeps no second connection
+        open at rest."""
+        if self._engine is not None and self._pid == os.getpid():
+            pool = self._engine.pool
+            self._engine.pool = pool.recreate()
+            pool.dispose()
 
     def run(
         self, operation: Callable[[Any], T], *, single: bool = False, direct: bool = False

@@ -31,7 +31,7 @@ class Compiled:
     """A statement in the driver's SQL, and how to order its parameters."""
 
     __slots__ = (
-        "compiled", "defaults", "execute_options", "expanding", "names", "positional",
+        "compiled", "defaults", "execute_options", "expanding", "keys", "names", "positional",
         "processors", "sql",
     )  # fmt: skip
 
@@ -56,6 +56,12 @@ class Compiled:
             names = state.positiontup if self.positional else list(given)
         self.defaults = {name: value for name, value in given.items() if name not in required}
         self.names: Sequence[str] = tuple(names or ())
+        #: Names of the columns it returns (a SELECT, or RETURNING).
+        self.keys: Sequence[str] = tuple(
+            getattr(statement, "selected_columns", None).keys()  # type: ignore[union-attr]
+            if getattr(statement, "selected_columns", None) is not None
+            else ()
+        )
         # psycopg prepares a statement run often on a connection; PostgreSQL then plans it
         # once for any values, which a statement over arrays of any length must not get
         # (``statements.NOT_PREPARED``).
@@ -96,13 +102,21 @@ def _processed(processors: dict[str, Callable[[Any], Any]], key: str, value: Any
 
 
 class Result:
-    """What a statement gave back: its rows (read at once) and its row count."""
+    """What a statement gave back: its rows (read at once), their column names and its row
+    count."""
 
-    __slots__ = ("rowcount", "rows")
+    __slots__ = ("keys", "rowcount", "rows")
 
-    def __init__(self, rows: list[tuple[Any, ...]], rowcount: int) -> None:
+    def __init__(
+        self, rows: list[tuple[Any, ...]], rowcount: int, keys: Sequence[str] = ()
+    ) -> None:
         self.rows = rows
         self.rowcount = rowcount
+        self.keys = keys
+
+    def mappings(self) -> list[dict[str, Any]]:
+        """The rows as dicts of column name to value."""
+        return [dict(zip(self.keys, row, strict=True)) for row in self.rows]
 
     def first(self) -> tuple[Any, ...] | None:
         return self.rows[0] if self.rows else None
@@ -139,8 +153,10 @@ class Driver:
         cursor = self._dbapi_connection.cursor()
         try:
             cursor.execute(sql, parameters, **compiled.execute_options)
-            rows = cursor.fetchall() if cursor.description is not None else []
-            return Result([tuple(r) for r in rows], cursor.rowcount)
+            if cursor.description is None:
+                return Result([], cursor.rowcount)
+            rows = [tuple(r) for r in cursor.fetchall()]
+            return Result(rows, cursor.rowcount, compiled.keys)
         except self.dialect.loaded_dbapi.Error as exc:
             raise self._wrapped(exc, sql, parameters, cursor) from exc
         finally:
@@ -332,7 +348,9 @@ class Connections:
         if shared is not None and shared[0] is direct:
             shared[1].release()  # its owner closes it, broken or not
             return
-        if direct.broken or direct.pid != os.getpid():
+        if shared is not None or direct.broken or direct.pid != os.getpid():
+            # (A process that shares its session's connection keeps no second one: this
+            # one served while a renewal held that connection for long.)
             direct.close()
             return
         with self._lock:

@@ -137,6 +137,7 @@ def reap(app: Any) -> ReapReport:
     report.purged = store.purge_all(
         older_than=settings.retention, batch=settings.reap_batch, max_batches=MAX_BATCHES
     )
+    store.db.release_pool()  # a pass every few seconds: no idle connection kept between them
     return report
 
 

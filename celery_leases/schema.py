@@ -155,6 +155,13 @@ def jobs_table(
         sa.Index(f"ix_{name}_expiry", "state", "expires_at"),
         sa.Index(f"ix_{name}_finished", "finished_at"),
         sa.Index(f"ix_{name}_followup", "followup_id"),
+        # The few jobs whose end the result backend has not been told (each reaper pass).
+        sa.Index(
+            f"ix_{name}_notify",
+            "notify",
+            postgresql_where=sa.text("notify IS NOT NULL"),
+            sqlite_where=sa.text("notify IS NOT NULL"),
+        ),
     )
 
 

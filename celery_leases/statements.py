@@ -719,6 +719,14 @@ class Statements:
         )  # fmt: skip
         return [getattr(self, name) for name in names]
 
+    @property
+    def job_by_id(self) -> Any:
+        """The whole job of id ``b_id`` (``Store.get``), built once."""
+        found = self.__dict__.get("_job_by_id")
+        if found is None:
+            found = self.__dict__["_job_by_id"] = self.select_jobs(self.table.c.id == param("id"))
+        return found
+
     def select_jobs(self, *where: Any) -> Any:
         """A SELECT of whole jobs (as :func:`rows.job` reads them)."""
         return sa.select(*self.job_columns).where(*where)

@@ -620,8 +620,8 @@ class Store:
 
     def get(self, job_id: str) -> Job | None:
         """The job recorded under ``job_id``, or None."""
-        found = self._jobs(self.table.c.id == job_id, limit=1)
-        return found[0] if found else None
+        found = self._hot(lambda c: c.execute(self.sql.job_by_id, {"b_id": job_id}).mappings())
+        return rows.job(found[0]) if found else None
 
     def list_jobs(
         self, *, states: Iterable[str] = (), task: str | None = None, limit: int = 50

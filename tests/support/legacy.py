@@ -18,7 +18,7 @@ def drop_lease_keys(engine: sa.Engine, table: str) -> None:
     mysql = engine.dialect.name in ("mysql", "mariadb")
     on = f" ON {table}" if mysql else ""
     with engine.begin() as connection:
-        for index in ("live_key", "followup"):
+        for index in ("live_key", "followup", "notify"):
             connection.execute(sa.text(f"DROP INDEX ix_{table}_{index}{on}"))
         for column in ("lease_key", "followup", "followup_id"):
             connection.execute(sa.text(f"ALTER TABLE {table} DROP COLUMN {column}"))

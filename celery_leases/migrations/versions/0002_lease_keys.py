@@ -8,6 +8,8 @@ end, and the cursor of each key.
 - ``followup`` and ``followup_id``: the first trigger of the key that came while the job ran
   (its whole message), started when the job ends; indexed by id for the reaper's sweep.
 - ``<table>_keys``: the cursor of each key, which outlives the key's jobs.
+- an index of the jobs whose end the result backend has not been told (``notify``), which
+  every reaper pass looks for.
 
 Every new column is nullable with no default: the table is not rewritten, and older workers
 of a rolling deploy go on (they ignore the columns).
@@ -72,6 +74,15 @@ def upgrade() -> None:
             sqlite_where=sa.text(LIVE),
         )
     op.create_index(f"ix_{name}_followup", name, ["followup_id"])
+    # The jobs whose end the backend has not been told, found by each reaper pass: it read
+    # the whole table before (33 ms at 200,000 jobs; docs/benchmarks.md section 5).
+    op.create_index(
+        f"ix_{name}_notify",
+        name,
+        ["notify"],
+        postgresql_where=sa.text("notify IS NOT NULL"),
+        sqlite_where=sa.text("notify IS NOT NULL"),
+    )
     text = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
     op.create_table(
         f"{name}_keys",
@@ -91,6 +102,7 @@ def downgrade() -> None:
     if bind.dialect.name == "postgresql":
         _extend_view(name, ())  # 0001's view: it must not use a column dropped below
     op.drop_table(f"{name}_keys")
+    op.drop_index(f"ix_{name}_notify", table_name=name)
     op.drop_index(f"ix_{name}_followup", table_name=name)
     op.drop_index(f"ix_{name}_live_key", table_name=name)
     dropped = [c.name for c in columns()]
