@@ -1,25 +1,70 @@
 """Dispatch cost: ``apply_async`` of a LeasedTask (INSERT, then publish) vs a plain task.
 
-Redis broker, PostgreSQL store, no worker; alternating blocks, medians and p90 in ms.
+Redis broker, PostgreSQL store, no worker; alternating blocks, medians and p90 in ms. The
+floor of a leased dispatch is a plain one plus its INSERT: ``raw INSERT`` sends the statement
+the library sent (its text and parameters, read at the driver, a new id each call) by hand on
+the same connection in autocommit, so ``leased - plain - raw INSERT`` is the library's own work.
 
     python -m bench.dispatch [--quick]
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from bench.common import interleaved, median_ms, p90_ms, parser, report, row, scratch, steady
 from bench.worker_app import make_app
+from celery_leases import direct
 from tests.support.scenario import close_app
 from tests.support.service import POSTGRES_URL, private_redis_url
+
+COLUMNS = "task median_ms p90_ms mean_ms median/plain added_ms raw_insert_ms library_own_ms"
 
 
 def send(task: Any, i: int) -> None:
     task.apply_async()
+
+
+@contextlib.contextmanager
+def sent_by(task: Any) -> Iterator[list[tuple[Any, str, dict[str, Any]]]]:
+    """(DBAPI connection, SQL, parameters) of every statement the store runs in the block."""
+    seen: list[tuple[Any, str, dict[str, Any]]] = []
+    execute = direct.Driver.execute
+
+    def spy(self: direct.Driver, statement: Any, params: dict[str, Any] | None = None) -> Any:
+        result = execute(self, statement, params)
+        sql, parameters = self._compiled[statement].parameters(params or {})
+        seen.append((self._dbapi_connection, sql, parameters))
+        return result
+
+    direct.Driver.execute = spy  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        direct.Driver.execute = execute  # type: ignore[method-assign]
+
+
+def raw_insert(task: Any) -> Callable[[int], None]:
+    """The INSERT a leased ``apply_async`` sends, by hand, with a new id at each call."""
+    with sent_by(task) as seen:
+        task.apply_async()
+    ((conn, sql, parameters),) = seen  # one statement, or the baseline is not like for like
+    run = uuid.uuid4().hex[:8]
+
+    def insert(i: int) -> None:
+        cursor = conn.cursor()
+        try:
+            cursor.execute(sql, {**parameters, "b_id": f"raw-{run}-{i}"})
+            cursor.fetchall()
+        finally:
+            cursor.close()
+
+    return insert
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -34,20 +79,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             for _ in range(20):  # connections, schema check, compiled statements
                 for task in tasks.values():
                     task.apply_async()
-            times = interleaved(
-                {name: steady(functools.partial(send, task)) for name, task in tasks.items()},
-                calls=calls,
-                block=block,
-            )
+            variants = {name: steady(functools.partial(send, t)) for name, t in tasks.items()}
+            variants["raw INSERT"] = steady(raw_insert(tasks["leased"]))
+            times = interleaved(variants, calls=calls, block=block)
         finally:
             close_app(app)
-    plain = median_ms(times["plain"])
+    plain, insert = median_ms(times["plain"]), median_ms(times["raw INSERT"])
     rows = []
-    for name, seconds in times.items():
+    for name in ("plain", "leased"):
+        seconds = times[name]
         median = median_ms(seconds)
         mean = statistics.fmean(seconds) * 1000
-        values = (name, median, p90_ms(seconds), mean, median / plain, median - plain)
-        rows.append(row("task median_ms p90_ms mean_ms median/plain added_ms", *values))
+        added = median - plain
+        own = added - insert if name == "leased" else 0.0
+        values = (name, median, p90_ms(seconds), mean, median / plain, added, insert, own)
+        rows.append(row(COLUMNS, *values))
     title = f"apply_async, Redis broker, PostgreSQL store ({calls} calls each, ms)"
     report("dispatch", rows, quick=args.quick, title=title, block=block)
 

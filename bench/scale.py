@@ -1,4 +1,5 @@
-"""Scale on PostgreSQL: a reaper pass over many jobs, and renew ticks of 1, 50 and 500 leases.
+"""Scale on PostgreSQL: a reaper pass over many jobs, and renew ticks of 1, 50 and 500 leases
+(each next to its floor: one raw UPDATE of the same rows on the same connection).
 
 1,000,000 jobs (``--quick``: 200,000) copied from rows the store wrote: 1 % with an expired
 lease, 1 % live, 1 % past the retention, the rest recently done. The pass is the real
@@ -22,8 +23,15 @@ from bench.common import median_ms, parser, report, row, scratch
 from bench.operations import claim, engine, finish, open_store, register, renew
 from celery_leases import register_reaper
 from celery_leases.config import DEFAULTS
+from tests.support.driver import direct_connection
 from tests.support.scenario import close_app
 from tests.support.service import POSTGRES_URL, private_redis_url
+
+#: The renew tick's floor: an UPDATE of the same rows' two lease columns, nothing else.
+RAW_RENEW = (
+    "UPDATE {table} SET expires_at = expires_at + 0.001,"
+    " renewed_at = extract(epoch from clock_timestamp()) WHERE id = ANY(%s)"
+)
 
 #: What is set by hand on the rows the store wrote (the rest is copied as it is).
 AGED = {"expired": "expires_at = expires_at - 7200", "old": "finished_at = finished_at - {}"}
@@ -92,10 +100,19 @@ def main(argv: Sequence[str] | None = None) -> None:
                 outcomes.clear()
         finally:
             close_app(app)
+        raw = direct_connection(store)
         for held in (1, 50, 500):
             leases = [(f"live-{n}", tokens["live"]) for n in range(1, held + 1)]
-            seconds = timed(functools.partial(renew, store, leases), 20 if args.quick else 100)
-            rows.append(result(f"renew tick, {held} leases held", held, seconds))
+            ids = [job_id for job_id, _ in leases]
+            # The floor: one statement writing the same rows, found by primary key, on the
+            # same connection in autocommit; alternated with the ticks.
+            same_rows = functools.partial(raw.execute, RAW_RENEW.format(table=table), (ids,))
+            times: dict[str, list[float]] = {"tick": [], "raw": []}
+            for _ in range(20 if args.quick else 100):
+                times["tick"] += timed(functools.partial(renew, store, leases), 1)
+                times["raw"] += timed(same_rows, 1)
+            rows.append(result(f"renew tick, {held} leases held", held, times["tick"]))
+            rows.append(result(f"raw UPDATE of the same {held} rows", held, times["raw"]))
         engine(store).dispose()
     title = f"Reaper and renewals over {total:,} jobs (PostgreSQL)"
     report("scale", rows, quick=args.quick, title=title, jobs=copies)

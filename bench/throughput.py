@@ -4,6 +4,12 @@ One ``celery worker -P prefork -c 2`` per run (PostgreSQL store) starts after th
 published; rate = (tasks - 1) / (last - first completion). ``added_ms`` = (1/leased -
 1/plain) x 2 processes: what a leased task adds in its pool process.
 
+The floor: a leased task makes two durable writes (claim, finish), so it cannot take less than
+plain + 2 raw writes. ``raw_write_ms`` is one single-row autocommit UPDATE through psycopg on
+its own connection (as the store connects), each after an idle gap as long as the task's body
+(none for no-op, 10 ms for 10 ms tasks: on a virtual machine a write after a pause costs more
+than one in a loop); ``floor`` = plain per-task time / (that + 2 raw writes).
+
     python -m bench.throughput [--quick]
 """
 
@@ -12,9 +18,12 @@ from __future__ import annotations
 import contextlib
 import statistics
 import tempfile
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
+
+import sqlalchemy as sa
 
 from bench.common import available, parser, report, row, scratch
 from bench.worker_app import make_app, publish, start_worker, wait_done
@@ -24,7 +33,33 @@ from tests.support.worker import Spawner
 
 CONCURRENCY = 2
 KINDS = {"no-op": ("noop", ()), "10 ms": ("sleep", (0.010,))}
-COLUMNS = "broker task plain_per_s leased_per_s leased/plain added_ms runs"
+COLUMNS = "broker task plain_per_s leased_per_s leased/plain added_ms raw_write_ms floor runs"
+
+
+def raw_write_ms(gap: float, *, writes: int = 300) -> float:
+    """Median ms of a single-row autocommit UPDATE on PostgreSQL, each after ``gap`` s idle."""
+    with scratch(POSTGRES_URL, "tpraw", leases=False) as table:
+        engine = sa.create_engine(POSTGRES_URL)
+        try:
+            with engine.begin() as connection:
+                connection.execute(sa.text(f"CREATE TABLE {table} (id int PRIMARY KEY, v float)"))
+                connection.execute(sa.text(f"INSERT INTO {table} VALUES (1, 0)"))
+            raw = engine.raw_connection()
+            try:
+                conn = raw.driver_connection
+                conn.autocommit = True
+                seconds = []
+                for i in range(writes):
+                    if gap:
+                        time.sleep(gap)
+                    started = time.perf_counter()
+                    conn.execute(f"UPDATE {table} SET v = %s WHERE id = 1", (float(i),))
+                    seconds.append(time.perf_counter() - started)
+            finally:
+                raw.close()
+        finally:
+            engine.dispose()
+    return statistics.median(seconds) * 1000
 
 
 def measure(
@@ -73,7 +108,10 @@ def measure(
                         print(f"{broker} {kind} {variant}: {rates[variant][-1]:.0f}/s", flush=True)
                 plain, leased = (statistics.median(rates[v]) for v in ("plain", "leased"))
                 added = (1 / leased - 1 / plain) * 1000 * CONCURRENCY
-                values = (broker, kind, plain, leased, leased / plain, added, rates)
+                write = raw_write_ms(args[0] if args else 0.0)
+                per_task = 1000 * CONCURRENCY / plain
+                floor = per_task / (per_task + 2 * write)
+                values = (broker, kind, plain, leased, leased / plain, added, write, floor, rates)
                 rows.append(row(COLUMNS, *values))
         finally:
             close_app(app)

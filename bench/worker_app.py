@@ -111,3 +111,18 @@ if os.environ.get("BENCH_PROFILE"):
     def _write_profile(**_: Any) -> None:
         _profile.disable()
         _profile.dump_stats(os.path.join(os.environ["BENCH_PROFILE"], f"{os.getpid()}.prof"))
+
+    # The worker's main process too, from when its pool is up: main-<pid>.prof.
+    from celery.signals import worker_ready, worker_shutdown
+
+    _main_profile = cProfile.Profile()
+
+    @worker_ready.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _start_main_profile(**_: Any) -> None:
+        _main_profile.enable()
+
+    @worker_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _write_main_profile(**_: Any) -> None:
+        _main_profile.disable()
+        path = os.path.join(os.environ["BENCH_PROFILE"], f"main-{os.getpid()}.prof")
+        _main_profile.dump_stats(path)

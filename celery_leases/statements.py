@@ -300,19 +300,35 @@ class Statements:
         elif dialect in ("mysql", "mariadb"):
             lockable_rows = lockable.subquery("lockable")
             renewable = t.c.id == lockable_rows.c.id
+
         # A keeper renews on its session's own connection and binds the leases to it; any
         # other renewal (one without a keeper) leaves them unbound: expiry only.
-        renewals = {}
-        for bound, session in ((True, holder_session(dialect)), (False, None)):
-            renew = (
-                (SkipLockedUpdate(t) if dialect in ("mysql", "mariadb") else sa.update(t))
-                .where(renewable)
-                .values(expires_at=now + t.c.duration, renewed_at=now, session=session)
-            )
-            renewals[bound] = (
-                renew.returning(t.c.id, t.c.stop_requested) if self.returning else renew
-            )
-        self.renew_bound, self.renew = renewals[True], renewals[False]
+        def renewals(renewable: Any) -> tuple[Any, Any]:
+            """(bound, unbound) renewals of the rows ``renewable`` selects."""
+            made = {}
+            for bound, session in ((True, holder_session(dialect)), (False, None)):
+                renew = (
+                    (SkipLockedUpdate(t) if dialect in ("mysql", "mariadb") else sa.update(t))
+                    .where(renewable)
+                    .values(expires_at=now + t.c.duration, renewed_at=now, session=session)
+                )
+                made[bound] = (
+                    renew.returning(t.c.id, t.c.stop_requested) if self.returning else renew
+                )
+            return made[True], made[False]
+
+        self.renew_bound, self.renew = renewals(renewable)
+        # One lease (what a prefork pool process holds): the same renewal with the lease as
+        # two scalars. PostgreSQL prepares it (its plan does not depend on a list's length),
+        # and no list is expanded on the client at each tick.
+        lockable_one = sa.select(t.c.id).where(by_token).with_for_update(skip_locked=True)
+        renewable_one: Any = by_token
+        if dialect == "postgresql":
+            renewable_one = t.c.id.in_(lockable_one)
+        elif dialect in ("mysql", "mariadb"):
+            renewable_one = t.c.id == lockable_one.subquery("lockable").c.id
+        self.renew_one_bound, self.renew_one = renewals(renewable_one)
+        self.renewed_one = sa.select(t.c.id, t.c.stop_requested).where(by_token)
         if dialect == "postgresql":
             # Planned for the arrays they get: a plan made once for arrays of any length
             # (a prepared statement's generic plan) took a 500-lease tick from 9 to 80 ms.
@@ -713,7 +729,8 @@ class Statements:
         neighbours), for ``Store.warm``."""
         names = (
             "schema_revision", "register", "create_claimed", "claim_version", "claim_job",
-            "claimed", "facts", "renew_bound", "renew", "renewed", "checkpoint",
+            "claimed", "facts", "renew_bound", "renew", "renewed", "renew_one_bound", "renew_one",
+            "renewed_one", "checkpoint",
             "checkpoint_progress", "finish", "fail", "hand_back", "hand_back_retry",
             "state_of", "replace", "key_holder", "set_followup",
         )  # fmt: skip

@@ -436,23 +436,31 @@ class Store:
         ``session``, the statement runs on that session and binds the leases to it."""
         if not leases:
             return Renewal(frozenset(), {})
-        params = {
-            "b_ids": [i for i, _ in leases],
-            "b_tokens": [k for _, k in leases],
-            "b_leases": [(i, k) for i, k in leases],
-            "b_pid": os.getpid(),
-        }
-        renew = self.sql.renew if session is None else self.sql.renew_bound
+        sql = self.sql
+        if len(leases) == 1:
+            ((job_id, token),) = leases
+            params: dict[str, Any] = {"b_id": job_id, "b_token": token, "b_pid": os.getpid()}
+            renew = sql.renew_one if session is None else sql.renew_one_bound
+            renewed = sql.renewed_one
+        else:
+            params = {
+                "b_ids": [i for i, _ in leases],
+                "b_tokens": [k for _, k in leases],
+                "b_leases": [(i, k) for i, k in leases],
+                "b_pid": os.getpid(),
+            }
+            renew = sql.renew if session is None else sql.renew_bound
+            renewed = sql.renewed
 
         def run(c: Connection) -> Renewal:
             if self.db.returning:
                 kept = c.execute(renew, params).all()
                 if len(kept) < len(leases) and self.dialect == "postgresql":
                     # Skipped rows (locked) that are still held count as held.
-                    kept = c.execute(self.sql.renewed, params).all()
+                    kept = c.execute(renewed, params).all()
             else:
                 c.execute(renew, params)
-                kept = c.execute(self.sql.renewed, params).all()
+                kept = c.execute(renewed, params).all()
             return Renewal(
                 frozenset(r[0] for r in kept), {r[0]: r[1] for r in kept if r[1] is not None}
             )
