@@ -6,6 +6,11 @@ connection (the store's direct connection, ``celery_leases/direct.py``), as many
 and round trips as the library sends (counted at the driver): on PostgreSQL and SQLite ONE
 single-row autocommit UPDATE; on MariaDB, for claim and renew (no RETURNING there: they read
 their row back), BEGIN, UPDATE, SELECT by primary key, COMMIT. Medians and p90 in ms.
+
+A third variant, ``same``, sends the library's own statements (their text and parameters, read
+at the driver during one library call, for rows of its own) by hand on the same connection:
+``library/same`` is the library's Python around its statements, ``same/raw`` what the
+statement itself costs the database more than the one-column baseline (the floor).
 This module is the one place in bench/ that calls the Store ("store calls" below).
 
     python -m bench.operations [--quick] [--database postgresql mariadb sqlite]
@@ -32,7 +37,7 @@ from bench.common import (
     scratch,
     steady,
 )
-from celery_leases import migrations
+from celery_leases import direct, migrations
 from celery_leases.config import DEFAULTS, validate
 from celery_leases.store import Store
 from tests.support.driver import direct_connection, is_control, traced
@@ -99,7 +104,7 @@ def finish(store: Store, job_id: str, token: int) -> None:
 RAW_ROWS = ("raw-row", "raw-checkpoint")
 SIZES = {"100 B": 100, "10 KB": 10 * 1024, "1 MB": 1024 * 1024 - 64}
 COLUMNS = "database operation calls library_ms raw_ms library/raw library_p90_ms raw_p90_ms"
-COLUMNS += " round_trips_library round_trips_raw"
+COLUMNS += " same_ms library/same same/raw round_trips_library round_trips_raw"
 
 
 def state_text(size: int) -> str:
@@ -126,6 +131,46 @@ def raw(conn: Any, sent: Statements, transaction: bool) -> Iterator[Call]:
         cursor.close()
 
     yield call
+
+
+@contextlib.contextmanager
+def captured(store: Store) -> Iterator[list[tuple[Any, dict[str, Any]]]]:
+    """(compiled statement, parameters) of each statement the store runs in the block."""
+    seen: list[tuple[Any, dict[str, Any]]] = []
+    execute = direct.Driver.execute
+
+    def spy(self: direct.Driver, statement: Any, params: dict[str, Any] | None = None) -> Any:
+        result = execute(self, statement, params)
+        seen.append((self._compiled[statement], dict(params or {})))
+        return result
+
+    direct.Driver.execute = spy  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        direct.Driver.execute = execute  # type: ignore[method-assign]
+
+
+def same_statements(
+    store: Store, once: Callable[[], Any], calls: int, rows: Callable[[int], dict[str, Any]]
+) -> Callable[[int], list[tuple[str, Any]]]:
+    """What one library call (``once``) sent, made ready by hand for ``calls`` calls, the
+    i-th with the parameters ``rows(i)`` changes (its own row): each call's SQL and driver
+    parameters, built before the timing."""
+    with captured(store) as seen:
+        once()
+    ready = [
+        [compiled.parameters({**params, **rows(i)}) for compiled, params in seen]
+        for i in range(calls)
+    ]
+    return lambda i: ready[i]
+
+
+def same_rows(store: Store, table: str, column: str) -> dict[str, Any]:
+    """``column`` of each row of the ``same`` variant, by id."""
+    with store.engine.connect() as connection:
+        query = f"SELECT id, {column} FROM {table} WHERE id LIKE 'same-%'"
+        return dict(connection.execute(sa.text(query)).tuples().all())
 
 
 def shape(store: Store, call: Callable[[], Any]) -> tuple[int, bool]:
@@ -182,7 +227,9 @@ def measure(db: str, url: str, *, calls: int, block: int, big_calls: int) -> lis
         conn = direct_connection(store)
         p = "?" if db == "sqlite" else "%s"
 
-        def compare(name: str, library: Call, state: str | None = None) -> None:
+        def compare(
+            name: str, library: Call, state: str | None = None, *, same: Statements
+        ) -> None:
             statements, transaction = shape(store, lambda: library(calls))
             raw_row = RAW_ROWS[state is not None]
             sets = f"renewed_at = {p}" + ("" if state is None else f", checkpoint = {p}")
@@ -196,30 +243,67 @@ def measure(db: str, url: str, *, calls: int, block: int, big_calls: int) -> lis
             def baseline() -> contextlib.AbstractContextManager[Call]:
                 return raw(conn, sent, transaction)
 
+            n = big_calls if state and len(state) > 100_000 else calls
+            variants = {
+                "library": steady(library),
+                "raw": baseline,
+                "same": lambda: raw(conn, same, transaction),
+            }
+            times = interleaved(variants, calls=n, block=min(block, n // 4))
+            # Counted after the timing: a statement psycopg prepares (at its sixth run on a
+            # connection) takes one more round trip that once.
             library_trips = round_trips(db, conn, lambda: library(calls + 1))
             with baseline() as call:
                 raw_trips = round_trips(db, conn, lambda: call(calls + 1))
-            n = big_calls if state and len(state) > 100_000 else calls
-            times = interleaved(
-                {"library": steady(library), "raw": baseline}, calls=n, block=min(block, n // 4)
-            )
-            lib, base = median_ms(times["library"]), median_ms(times["raw"])
-            print(f"  {db} {name}: {lib:.3f} vs {base:.3f} ms", flush=True)
+            lib, base, again = (median_ms(times[v]) for v in ("library", "raw", "same"))
+            print(f"  {db} {name}: {lib:.3f} vs {base:.3f} ms (same: {again:.3f})", flush=True)
             p90 = p90_ms(times["library"]), p90_ms(times["raw"])
-            values = (db, name, n, lib, base, lib / base, *p90, library_trips, raw_trips)
+            values = (
+                db, name, n, lib, base, lib / base, *p90, again, lib / again, again / base,
+                library_trips, raw_trips,
+            )  # fmt: skip
             rows.append(row(COLUMNS, *values))
 
+        # The rows the ``same`` variant claims and finishes (one each per call), and the
+        # probes whose library calls give it the statements.
+        fresh = [f"same-{i}" for i in range(calls + 1)]
+        for job_id in [*fresh, "probe-claim", "probe-finish"]:
+            register(store, job_id)
+        versions = same_rows(store, table, "version")
+        claim_rows = same_statements(
+            store,
+            lambda: claim(store, "probe-claim"),
+            calls,
+            lambda i: {"b_id": fresh[i], "b_version": versions[fresh[i]]},
+        )
+        unchanged = same_statements(store, lambda: renew(store, [held]), calls, lambda i: {})
+
         tokens: dict[int, int] = {}
-        compare("claim", lambda i: tokens.__setitem__(i, claim(store, ids[i])))
-        compare("renew", lambda i: renew(store, [held]))
+        compare("claim", lambda i: tokens.__setitem__(i, claim(store, ids[i])), same=claim_rows)
+        compare("renew", lambda i: renew(store, [held]), same=unchanged)
         for label, size in SIZES.items():
             text = state_text(size)
 
             def write(i: int, text: str = text) -> None:
                 checkpoint(store, *held, text)
 
-            compare(f"checkpoint {label}", write, text)
-        compare("finish", lambda i: finish(store, ids[i], tokens[i]))
+            n = big_calls if size > 100_000 else calls
+            same = same_statements(store, lambda: write(0), n, lambda i: {})
+            compare(f"checkpoint {label}", write, text, same=same)
+        # The same variant's rows, claimed by its claims above (each once: token 1).
+        fresh_tokens = same_rows(store, table, "token")
+        if sorted(fresh_tokens.values()) != [0] + [1] * calls:  # same-<calls> is never claimed
+            raise RuntimeError("the same variant's claims did not all claim their row")
+        probe = claim(store, "probe-finish")
+        finish_rows = same_statements(
+            store,
+            lambda: finish(store, "probe-finish", probe),
+            calls,
+            lambda i: {"b_id": fresh[i], "b_token": fresh_tokens[fresh[i]]},
+        )
+        compare("finish", lambda i: finish(store, ids[i], tokens[i]), same=finish_rows)
+        if list(same_rows(store, table, "state").values()).count("done") != calls:
+            raise RuntimeError("the same variant's finishes did not all finish their row")
         engine(store).dispose()
     return rows
 
