@@ -22,6 +22,7 @@ import logging
 import os
 import select
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
@@ -254,6 +255,9 @@ class Deaths(threading.Thread):
 
     def __init__(self) -> None:
         super().__init__(name="celery-leases-deaths", daemon=True)
+        #: Called after each death this thread handled: a prefork worker asks its pool to
+        #: replace the dead process now (``worker.replace_dead_processes_at_once``).
+        self.after_death: Callable[[], Any] | None = None
         self._lock = threading.Lock()
         self._jobs: dict[int, LeasedRequest] = {}
         self._pids: dict[int, int] = {}  # pidfd -> pid
@@ -289,6 +293,12 @@ class Deaths(threading.Thread):
                     request = self._jobs.pop(self._pids.pop(fd), None)
                 if request is not None:
                     request.resume_after_death()
+                after = self.after_death
+                if after is not None:
+                    try:
+                        after()
+                    except Exception:  # billiard's own check replaces the process later
+                        logger.exception("celery-leases: replacing a dead pool process failed")
 
 
 def _is_child(pid: int) -> bool:

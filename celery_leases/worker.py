@@ -16,6 +16,7 @@ from celery.signals import (
     task_unknown,
     worker_init,
     worker_process_shutdown,
+    worker_ready,
     worker_shutting_down,
 )
 
@@ -48,6 +49,30 @@ def migrate_on_start(sender: Any = None, **_: Any) -> None:
             logger.warning("celery-leases: %s", upgrade(store_for(settings)).describe())
     except LeaseError as exc:
         logger.error("celery-leases: leases_migrate_on_start failed: %s", exc)
+
+
+@worker_ready.connect(weak=False)  # type: ignore[untyped-decorator]
+def replace_dead_processes_at_once(sender: Any = None, **_: Any) -> None:
+    """A prefork worker's main process: when a pool process that ran a leased job dies
+    (``request.Deaths`` sees it at once and sends the job again), billiard replaces it now, on
+    the worker's event loop, instead of at its own check (every 5 s). Otherwise a job sent
+    again to this same worker could wait for it, when the dead process was its only one."""
+    hub = getattr(sender, "hub", None)
+    app = getattr(sender, "app", None)
+    if hub is None or app is None or not uses_leases(app):
+        return
+    consumer = sender
+
+    def maintain() -> None:
+        pool = getattr(getattr(consumer, "pool", None), "_pool", None)  # the AsynPool now
+        maintain_pool = getattr(pool, "maintain_pool", None)
+        if maintain_pool is not None:
+            logger.info("celery-leases: a pool process died; the pool replaces it now")
+            maintain_pool()
+
+    from .request import deaths  # request imports this module
+
+    deaths().after_death = lambda: hub.call_soon(maintain)
 
 
 @worker_process_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]

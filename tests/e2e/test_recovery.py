@@ -61,6 +61,30 @@ def test_a_killed_pool_process_job_resumes_at_once_not_when_its_lease_expires(
     assert "died; sent again to resume from its checkpoint" in s.logs()
 
 
+def test_a_worker_whose_only_pool_process_died_replaces_it_at_once_and_resumes_the_job(
+    scenario: MakeScenario, celery_settings: dict[str, Any]
+) -> None:
+    # Given one worker with a single pool process, a 60 s lease and no reaper: the job sent
+    # again after the death can only go to this worker, which has no live process left
+    s = scenario(celery_settings, lease_seconds=60.0)
+    add_handoff_tasks(s.app)
+    start(s, 1, concurrency=1)
+    job_id = s.app.tasks["e2e.units"].apply_async((8, 0.25)).id
+
+    # When that pool process is SIGKILLed during unit 3
+    row = s.wait_unit(job_id, unit=3, timeout=20)
+    os.kill(row.pid, signal.SIGKILL)
+
+    # Then the worker's main process has its pool replace the process as soon as it hands the
+    # job back (not at billiard's own check, every 5 s), and the job resumes there, in the new
+    # process, from its checkpoint
+    job = s.wait_finished(job_id, timeout=40)
+    assert (job.state, job.attempts) == ("done", 2), job
+    runs = check_unit_log(s.log.rows(job_id), 8, crashes=1)
+    assert runs[1].first.unit == row.unit and runs[1].first.pid != row.pid
+    assert "a pool process died; the pool replaces it now" in s.logs()
+
+
 def test_a_hand_off_saves_the_unit_it_was_given_before_it_stops(
     scenario: MakeScenario, celery_settings: dict[str, Any]
 ) -> None:
