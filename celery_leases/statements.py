@@ -351,6 +351,15 @@ class Statements:
         self.checkpoint_progress = self._returning_stop(
             sa.update(t).where(by_token).values(saved | progress)
         )
+        # No RETURNING (MariaDB, MySQL): a checkpoint first writes only a row with no stop
+        # request, one statement in the common case; a row it skipped is then saved as above
+        # and its request read (``Store.checkpoint``).
+        unstopped = sa.and_(by_token, t.c.stop_requested.is_(None))
+        self.unstopped = {
+            self.checkpoint: sa.update(t).where(unstopped).values(saved),
+            self.checkpoint_progress: sa.update(t).where(unstopped).values(saved | progress),
+        }
+        self.stop_of = sa.select(t.c.stop_requested).where(by_token)
         # In a transaction of the task's (checkpoint(connection=...)), on PostgreSQL: the
         # same statement also bounds how long that transaction may sit idle (the lease's
         # length), so a worker frozen before its commit cannot hold the row's lock, and the
@@ -731,10 +740,10 @@ class Statements:
             "schema_revision", "register", "create_claimed", "claim_version", "claim_job",
             "claimed", "facts", "renew_bound", "renew", "renewed", "renew_one_bound", "renew_one",
             "renewed_one", "checkpoint",
-            "checkpoint_progress", "finish", "fail", "hand_back", "hand_back_retry",
+            "checkpoint_progress", "stop_of", "finish", "fail", "hand_back", "hand_back_retry",
             "state_of", "replace", "key_holder", "set_followup",
         )  # fmt: skip
-        return [getattr(self, name) for name in names]
+        return [getattr(self, name) for name in names] + list(self.unstopped.values())
 
     @property
     def job_by_id(self) -> Any:

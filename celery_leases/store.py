@@ -503,9 +503,15 @@ class Store:
             if self.db.returning:
                 row = c.execute(stmt, params).first()
                 return (row is not None, row[0] if row is not None else None)
-            # No RETURNING on MariaDB: the stop request reaches the attempt at the keeper's
-            # next renew tick instead, to keep the checkpoint one statement.
-            return (c.execute(stmt, params).rowcount == 1, None)
+            # No RETURNING on MariaDB: the write skips a row with a stop request, so the
+            # common case is one statement; a row it skipped is saved (fenced as ever), then
+            # its request read, so a hand-off or a cancel is seen at this checkpoint.
+            if c.execute(self.sql.unstopped[stmt], params).rowcount == 1:
+                return (True, None)
+            if c.execute(stmt, params).rowcount != 1:
+                return (False, None)
+            row = c.execute(self.sql.stop_of, params).first()
+            return (True, row[0] if row is not None else None)
 
         if connection is None:
             return self._hot(run)  # type: ignore[no-any-return]

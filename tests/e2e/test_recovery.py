@@ -1,5 +1,6 @@
 """Recovery that does not wait for the lease: a dead pool process is seen at once, and a
-hand-off redoes no unit. Real prefork workers on Redis with a PostgreSQL store."""
+hand-off redoes no unit. Real prefork workers on Redis with a PostgreSQL store (the hand-off
+on MariaDB too, whose checkpoint reads a stop request another way: no RETURNING there)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from tests.support.scenario import Scenario, check_unit_log, resume_delay, start
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(90),
-    pytest.mark.parametrize("database_url", ["postgres"], indirect=True),
     pytest.mark.parametrize("broker_url", ["redis"], indirect=True),
 ]
+POSTGRES = pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
 
 HANDOFF_APP = "tests.support.apps.handoff_app"
 MakeScenario = Callable[..., Scenario]
@@ -32,6 +33,7 @@ def start(s: Scenario, count: int, **options: Any) -> list[Any]:
     return workers
 
 
+@POSTGRES
 def test_a_killed_pool_process_job_resumes_at_once_not_when_its_lease_expires(
     scenario: MakeScenario, celery_settings: dict[str, Any], result_backend: str
 ) -> None:
@@ -61,6 +63,7 @@ def test_a_killed_pool_process_job_resumes_at_once_not_when_its_lease_expires(
     assert "died; sent again to resume from its checkpoint" in s.logs()
 
 
+@POSTGRES
 def test_a_worker_whose_only_pool_process_died_replaces_it_at_once_and_resumes_the_job(
     scenario: MakeScenario, celery_settings: dict[str, Any]
 ) -> None:
@@ -85,6 +88,7 @@ def test_a_worker_whose_only_pool_process_died_replaces_it_at_once_and_resumes_t
     assert "a pool process died; the pool replaces it now" in s.logs()
 
 
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
 def test_a_hand_off_saves_the_unit_it_was_given_before_it_stops(
     scenario: MakeScenario, celery_settings: dict[str, Any]
 ) -> None:
@@ -109,6 +113,31 @@ def test_a_hand_off_saves_the_unit_it_was_given_before_it_stops(
     assert runs[1].first.unit == runs[0].committed[-1].unit + 1
 
 
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
+def test_a_deploys_stop_request_is_seen_by_the_next_checkpoint_not_the_next_renew_tick(
+    scenario: MakeScenario, celery_settings: dict[str, Any]
+) -> None:
+    # Given two workers with the default 30 s lease (renewed every 10 s) and a 6 s job that
+    # checkpoints every 0.5 s: it would end long before its keeper's next renew tick
+    s = scenario(celery_settings, lease_seconds=30.0)
+    add_handoff_tasks(s.app)
+    start(s, 2)
+    job_id = s.send("e2e.units", 12, 0.5)
+    row = s.wait_unit(job_id, unit=3, timeout=30)
+
+    # When its worker gets SIGTERM (a deploy)
+    s.worker_of(row).signal(signal.SIGTERM)
+
+    # Then the attempt's next checkpoint saves its unit and hands the job back: it resumes on
+    # the other worker instead of the warm shutdown waiting for it to end
+    job = s.wait_finished(job_id, timeout=40)
+    assert (job.state, job.result, job.attempts) == ("done", 12, 2), job
+    runs = check_unit_log(s.log.rows(job_id), 12, crashes=0)
+    assert len(runs) == 2 and runs[1].first.host != runs[0].first.host
+    assert runs[1].first.unit == runs[0].committed[-1].unit + 1
+
+
+@POSTGRES
 def test_a_pool_process_killed_right_after_its_job_is_done_still_delivers_the_result(
     scenario: MakeScenario, celery_settings: dict[str, Any], result_backend: str
 ) -> None:

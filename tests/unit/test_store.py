@@ -412,15 +412,13 @@ def test_a_stop_request_reaches_the_attempt_through_renew_and_checkpoint(store: 
     renewal = store.renew([("j1", lease.token), ("j2", other.token)])
     assert renewal.held == frozenset({"j1", "j2"})
     assert renewal.stops == {"j1": "cancel"}
-    saved, stop = store.checkpoint("j1", lease.token, "1")
-    assert saved is True
-    if store.dialect in ("mysql", "mariadb"):
-        # No UPDATE ... RETURNING there: checkpoint() stays one statement and cannot see the
-        # request; the keeper's next renew tick does (see the store's module docstring).
-        assert stop is None
-    else:
-        assert stop == "cancel"
+    assert store.checkpoint("j1", lease.token, "1") == (True, "cancel")
+    assert store.checkpoint("j1", lease.token, "2", progress=(2, 3)) == (True, "cancel")
     assert store.checkpoint("j2", other.token, "1") == (True, None)
+    job = store.get("j1")
+    assert job is not None and (job.checkpoint, job.progress_done) == (2, 2)
+    # A stale token is refused whether or not the job has a stop request.
+    assert store.checkpoint("j1", lease.token - 1, "3") == (False, None)
 
 
 def test_a_stop_request_only_reaches_running_jobs_and_ends_with_them(store: Store) -> None:
