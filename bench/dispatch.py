@@ -10,16 +10,15 @@ the same connection in autocommit, so ``leased - plain - raw INSERT`` is the lib
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import statistics
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.common import interleaved, median_ms, p90_ms, parser, report, row, scratch, steady
 from bench.worker_app import make_app
-from celery_leases import direct
+from tests.support.driver import executed
 from tests.support.scenario import close_app
 from tests.support.service import POSTGRES_URL, private_redis_url
 
@@ -30,30 +29,12 @@ def send(task: Any, i: int) -> None:
     task.apply_async()
 
 
-@contextlib.contextmanager
-def sent_by(task: Any) -> Iterator[list[tuple[Any, str, dict[str, Any]]]]:
-    """(DBAPI connection, SQL, parameters) of every statement the store runs in the block."""
-    seen: list[tuple[Any, str, dict[str, Any]]] = []
-    execute = direct.Driver.execute
-
-    def spy(self: direct.Driver, statement: Any, params: dict[str, Any] | None = None) -> Any:
-        result = execute(self, statement, params)
-        sql, parameters = self._compiled[statement].parameters(params or {})
-        seen.append((self._dbapi_connection, sql, parameters))
-        return result
-
-    direct.Driver.execute = spy  # type: ignore[method-assign]
-    try:
-        yield seen
-    finally:
-        direct.Driver.execute = execute  # type: ignore[method-assign]
-
-
 def raw_insert(task: Any) -> Callable[[int], None]:
     """The INSERT a leased ``apply_async`` sends, by hand, with a new id at each call."""
-    with sent_by(task) as seen:
+    with executed() as seen:
         task.apply_async()
-    ((conn, sql, parameters),) = seen  # one statement, or the baseline is not like for like
+    ((conn, compiled, params),) = seen  # one statement, or the baseline is not like for like
+    sql, parameters = compiled.parameters(params)
     run = uuid.uuid4().hex[:8]
 
     def insert(i: int) -> None:

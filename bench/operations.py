@@ -37,10 +37,10 @@ from bench.common import (
     scratch,
     steady,
 )
-from celery_leases import direct, migrations
+from celery_leases import migrations
 from celery_leases.config import DEFAULTS, validate
 from celery_leases.store import Store
-from tests.support.driver import direct_connection, is_control, traced
+from tests.support.driver import direct_connection, executed, is_control, traced
 from tests.support.message import job_message
 
 Call = Callable[[int], Any]
@@ -133,34 +133,16 @@ def raw(conn: Any, sent: Statements, transaction: bool) -> Iterator[Call]:
     yield call
 
 
-@contextlib.contextmanager
-def captured(store: Store) -> Iterator[list[tuple[Any, dict[str, Any]]]]:
-    """(compiled statement, parameters) of each statement the store runs in the block."""
-    seen: list[tuple[Any, dict[str, Any]]] = []
-    execute = direct.Driver.execute
-
-    def spy(self: direct.Driver, statement: Any, params: dict[str, Any] | None = None) -> Any:
-        result = execute(self, statement, params)
-        seen.append((self._compiled[statement], dict(params or {})))
-        return result
-
-    direct.Driver.execute = spy  # type: ignore[method-assign]
-    try:
-        yield seen
-    finally:
-        direct.Driver.execute = execute  # type: ignore[method-assign]
-
-
 def same_statements(
     store: Store, once: Callable[[], Any], calls: int, rows: Callable[[int], dict[str, Any]]
 ) -> Callable[[int], list[tuple[str, Any]]]:
     """What one library call (``once``) sent, made ready by hand for ``calls`` calls, the
     i-th with the parameters ``rows(i)`` changes (its own row): each call's SQL and driver
     parameters, built before the timing."""
-    with captured(store) as seen:
+    with executed() as seen:
         once()
     ready = [
-        [compiled.parameters({**params, **rows(i)}) for compiled, params in seen]
+        [compiled.parameters({**params, **rows(i)}) for _, compiled, params in seen]
         for i in range(calls)
     ]
     return lambda i: ready[i]

@@ -298,7 +298,7 @@ class Deaths(threading.Thread):
                     try:
                         after()
                     except Exception:  # billiard's own check replaces the process later
-                        logger.exception("celery-leases: replacing a dead pool process failed")
+                        logger.exception("celery-leases: asking for a new pool process failed")
 
 
 def _is_child(pid: int) -> bool:

@@ -738,10 +738,10 @@ class Statements:
         neighbours), for ``Store.warm``."""
         names = (
             "schema_revision", "register", "create_claimed", "claim_version", "claim_job",
-            "claimed", "facts", "renew_bound", "renew", "renewed", "renew_one_bound", "renew_one",
-            "renewed_one", "checkpoint",
-            "checkpoint_progress", "stop_of", "finish", "fail", "hand_back", "hand_back_retry",
-            "state_of", "replace", "key_holder", "set_followup",
+            "claimed", "facts", "renew_bound", "renew", "renewed", "renew_one_bound",
+            "renew_one", "renewed_one", "checkpoint", "checkpoint_progress", "stop_of",
+            "finish", "fail", "hand_back", "hand_back_retry", "state_of", "replace",
+            "key_holder", "set_followup",
         )  # fmt: skip
         return [getattr(self, name) for name in names] + list(self.unstopped.values())
 

@@ -63,12 +63,16 @@ def replace_dead_processes_at_once(sender: Any = None, **_: Any) -> None:
         return
     consumer = sender
 
-    def maintain() -> None:
+    def maintain() -> None:  # on the event loop, where an error must not stop the worker
         pool = getattr(getattr(consumer, "pool", None), "_pool", None)  # the AsynPool now
         maintain_pool = getattr(pool, "maintain_pool", None)
-        if maintain_pool is not None:
-            logger.info("celery-leases: a pool process died; the pool replaces it now")
+        if maintain_pool is None:
+            return
+        logger.info("celery-leases: a pool process died; the pool replaces it now")
+        try:
             maintain_pool()
+        except Exception:  # billiard's own check, every 5 s, tries again
+            logger.exception("celery-leases: replacing a dead pool process failed")
 
     from .request import deaths  # request imports this module
 

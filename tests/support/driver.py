@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from celery_leases import direct
 from celery_leases.store import Store
 
 #: Transaction control, not a statement of the operation.
@@ -80,3 +81,23 @@ def sent(store: Store) -> Iterator[list[str]]:
         statements: list[str] = []
         yield statements
     statements += [s for s in seen if not is_control(s)]
+
+
+@contextlib.contextmanager
+def executed() -> Iterator[list[tuple[Any, Any, dict[str, Any]]]]:
+    """(DBAPI connection, compiled statement, parameters) of each statement any store of this
+    process runs on a direct connection during the block: what to send again by hand
+    (``compiled.parameters(params)`` gives the driver's SQL and parameters)."""
+    seen: list[tuple[Any, Any, dict[str, Any]]] = []
+    execute = direct.Driver.execute
+
+    def spy(self: direct.Driver, statement: Any, params: dict[str, Any] | None = None) -> Any:
+        result = execute(self, statement, params)
+        seen.append((self._dbapi_connection, self._compiled[statement], dict(params or {})))
+        return result
+
+    direct.Driver.execute = spy  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        direct.Driver.execute = execute  # type: ignore[method-assign]
