@@ -245,8 +245,11 @@ def test_a_finish_during_a_short_outage_waits_for_the_database_and_is_recorded(
     worker = o.worker()
     job_id = o.send(2, 0.2, tail_seconds=2.0)
 
-    # When the database goes down right after the last checkpoint, for 3 s
+    # When the database goes down right after the last checkpoint, for 3 s (once the
+    # attempt is in its tail: stopped at the very moment of the commit, the proxy can cut the
+    # COMMIT's reply, and the task's own transaction then fails instead of the finish)
     o.committed(job_id, 1, timeout=30)
+    time.sleep(0.3)
     o.proxy.stop()
     time.sleep(3.0)
     o.proxy.start()
