@@ -36,7 +36,21 @@ fi
 
 psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'celery_suite'" \
     | grep -q 1 || psql -h 127.0.0.1 -U postgres -qc "CREATE DATABASE celery_suite"
-psql -h 127.0.0.1 -U postgres -d celery_suite -qc "DROP TABLE IF EXISTS celery_leases_jobs"
+# A fresh leases table for the run, made by the migrations (nothing creates it at first use).
+PYTHONPATH="$ROOT/scripts" "$VENV/bin/python" - <<'PY'
+from celery import Celery
+
+from celery_leases import migrations
+from celery_leases.config import settings_for
+from celery_leases.store import store_for
+from celery_suite_conf import CONFIG
+
+app = Celery("celery-suite-setup", set_as_current=False)
+app.conf.update(CONFIG)
+store = store_for(settings_for(app))
+migrations.downgrade(store)
+print("celery-suite:", migrations.upgrade(store).describe())
+PY
 
 status=0
 VENV=$VENV TASK_CLS=celery_leases:LeasedTask EXTRA_CONFIG=celery_suite_conf \
