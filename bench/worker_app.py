@@ -96,33 +96,27 @@ if CONFIG in os.environ:
         logging.getLogger(logger).setLevel(logging.WARNING)
 
 if os.environ.get("BENCH_PROFILE"):
-    # Profile each pool process (cProfile), written to $BENCH_PROFILE/<pid>.prof on its exit.
+    # cProfile of each pool process, written to $BENCH_PROFILE/<pid>.prof on its exit, and of
+    # the worker's main process from when its pool is up, to main-<pid>.prof.
     import cProfile
 
-    from celery.signals import worker_process_init, worker_process_shutdown
+    from celery.signals import (
+        worker_process_init,
+        worker_process_shutdown,
+        worker_ready,
+        worker_shutdown,
+    )
 
-    _profile = cProfile.Profile()
+    def _profile_between(start: Any, stop: Any, prefix: str) -> None:
+        profile = cProfile.Profile()
+        start.connect(lambda **_: profile.enable(), weak=False)
 
-    @worker_process_init.connect(weak=False)  # type: ignore[untyped-decorator]
-    def _start_profile(**_: Any) -> None:
-        _profile.enable()
+        def write(**_: Any) -> None:
+            profile.disable()
+            name = f"{prefix}{os.getpid()}.prof"
+            profile.dump_stats(os.path.join(os.environ["BENCH_PROFILE"], name))
 
-    @worker_process_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
-    def _write_profile(**_: Any) -> None:
-        _profile.disable()
-        _profile.dump_stats(os.path.join(os.environ["BENCH_PROFILE"], f"{os.getpid()}.prof"))
+        stop.connect(write, weak=False)
 
-    # The worker's main process too, from when its pool is up: main-<pid>.prof.
-    from celery.signals import worker_ready, worker_shutdown
-
-    _main_profile = cProfile.Profile()
-
-    @worker_ready.connect(weak=False)  # type: ignore[untyped-decorator]
-    def _start_main_profile(**_: Any) -> None:
-        _main_profile.enable()
-
-    @worker_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
-    def _write_main_profile(**_: Any) -> None:
-        _main_profile.disable()
-        path = os.path.join(os.environ["BENCH_PROFILE"], f"main-{os.getpid()}.prof")
-        _main_profile.dump_stats(path)
+    _profile_between(worker_process_init, worker_process_shutdown, "")
+    _profile_between(worker_ready, worker_shutdown, "main-")

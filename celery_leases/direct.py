@@ -57,11 +57,8 @@ class Compiled:
         self.defaults = {name: value for name, value in given.items() if name not in required}
         self.names: Sequence[str] = tuple(names or ())
         #: Names of the columns it returns (a SELECT, or RETURNING).
-        self.keys: Sequence[str] = tuple(
-            getattr(statement, "selected_columns", None).keys()  # type: ignore[union-attr]
-            if getattr(statement, "selected_columns", None) is not None
-            else ()
-        )
+        selected = getattr(statement, "selected_columns", None)
+        self.keys: Sequence[str] = tuple(selected.keys()) if selected is not None else ()
         # psycopg prepares a statement run often on a connection; PostgreSQL then plans it
         # once for any values, which a statement over arrays of any length must not get
         # (``statements.NOT_PREPARED``).

@@ -353,13 +353,12 @@ class Statements:
         )
         # No RETURNING (MariaDB, MySQL): a checkpoint first writes only a row with no stop
         # request, one statement in the common case; a row it skipped is then saved as above
-        # and its request read (``Store.checkpoint``).
+        # and its request read with ``renewed_one`` (``Store.checkpoint``).
         unstopped = sa.and_(by_token, t.c.stop_requested.is_(None))
         self.unstopped = {
             self.checkpoint: sa.update(t).where(unstopped).values(saved),
             self.checkpoint_progress: sa.update(t).where(unstopped).values(saved | progress),
         }
-        self.stop_of = sa.select(t.c.stop_requested).where(by_token)
         # In a transaction of the task's (checkpoint(connection=...)), on PostgreSQL: the
         # same statement also bounds how long that transaction may sit idle (the lease's
         # length), so a worker frozen before its commit cannot hold the row's lock, and the
@@ -739,7 +738,7 @@ class Statements:
         names = (
             "schema_revision", "register", "create_claimed", "claim_version", "claim_job",
             "claimed", "facts", "renew_bound", "renew", "renewed", "renew_one_bound",
-            "renew_one", "renewed_one", "checkpoint", "checkpoint_progress", "stop_of",
+            "renew_one", "renewed_one", "checkpoint", "checkpoint_progress",
             "finish", "fail", "hand_back", "hand_back_retry", "state_of", "replace",
             "key_holder", "set_followup",
         )  # fmt: skip

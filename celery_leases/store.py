@@ -510,8 +510,8 @@ class Store:
                 return (True, None)
             if c.execute(stmt, params).rowcount != 1:
                 return (False, None)
-            row = c.execute(self.sql.stop_of, params).first()
-            return (True, row[0] if row is not None else None)
+            row = c.execute(self.sql.renewed_one, params).first()  # (id, stop request)
+            return (True, row[1] if row is not None else None)
 
         if connection is None:
             return self._hot(run)  # type: ignore[no-any-return]
