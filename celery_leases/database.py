@@ -82,6 +82,8 @@ class Database:
         hook = _ON_CONNECT.get(self.dialect)
         if hook is not None:
             sa.event.listen(engine, "connect", hook)
+        if self.dialect == "sqlite":
+            sa.event.listen(engine, "begin", _sqlite_begin)
         # Disposing of the engine closes this process's direct connections too.
         sa.event.listen(engine, "engine_disposed", lambda _: self.direct.close())
         if self.dialect == "postgresql":
@@ -376,6 +378,15 @@ def _sqlite_on_connect(dbapi_connection: Any, record: Any) -> None:
     cursor.execute("PRAGMA busy_timeout=30000")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.close()
+
+
+def _sqlite_begin(connection: Connection) -> None:
+    """An SQLAlchemy transaction on SQLite takes the write lock at once (``BEGIN IMMEDIATE``),
+    as the direct path's do. Python's sqlite3 would begin one only at the first write, so the
+    reads before it ran outside any transaction: two reaper passes could both take the same
+    job's notice (one read the row after the other had cleared it)."""
+    if connection.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def _mysql_on_connect(dbapi_connection: Any, record: Any) -> None:

@@ -46,6 +46,8 @@ def request_of(job: Job) -> Context:
 def announce(app: Any, job: Job) -> bool:
     """Store the Celery state ``job.notify`` for ``job`` in ``app``'s result backend; False
     when the backend refused (logged)."""
+    if job.notify not in (states.REVOKED, states.FAILURE):
+        raise ValueError(f"job {job.id}: no Celery state to announce ({job.notify!r})")
     request = request_of(job)
     backend = app.backend
     store_result = not request.ignore_result

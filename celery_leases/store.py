@@ -816,7 +816,8 @@ class Store:
                 return []
             jobs, _ = self._parse_jobs(c, ids)
             c.execute(self.sql.clear_notices, {"b_ids": ids})
-            return jobs
+            # Only what is still marked: a notice another pass took meanwhile is its own.
+            return [job for job in jobs if job.notify is not None]
 
         return self._run(run)  # type: ignore[no-any-return]
 

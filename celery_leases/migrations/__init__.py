@@ -183,9 +183,10 @@ def _serialised(connection: sa.Connection, table: str) -> Iterator[None]:
         if got != 1:
             raise ConfigurationError(f"another process has been migrating {table} for 60 s")
     elif dialect == "sqlite":
-        # pysqlite opens no transaction for DDL: take the write lock first, so a second
-        # process waits here (busy timeout) and then finds the table migrated.
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        # The store's engine begins each transaction with BEGIN IMMEDIATE (pysqlite would
+        # open none for DDL): take the write lock first, so a second process waits here
+        # (busy timeout) and then finds the table migrated.
+        connection.exec_driver_sql("SELECT 1")
     try:
         yield
         connection.commit()

@@ -523,6 +523,44 @@ def test_an_expired_job_is_returned_once_when_two_reapers_run_at_the_same_time(
         assert job is not None and (job.state, job.stalled_attempts) == ("queued", 1)
 
 
+def test_each_notice_is_taken_by_exactly_one_of_several_reapers_running_at_once(
+    store: Store, database_url: str, table_name: str
+) -> None:
+    # Given 60 jobs cancelled while queued, each to be told REVOKED in the result backend
+    for n in range(60):
+        register(store, f"j{n}")
+        assert store.cancel_queued(f"j{n}")
+
+    # When four reapers, each with a store of its own (as four processes), take notices at once
+    settings = validate(DEFAULTS | {"database_url": database_url, "table": table_name})
+    taken: list[tuple[str, str | None]] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def take() -> None:
+        own = Store(settings)
+        try:
+            start.wait()
+            while batch := own.take_notices(batch=3):
+                taken.extend((job.id, job.notify) for job in batch)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            own.engine.dispose()
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+
+    # Then every job was handed out once, with its state to store (never without one: a job
+    # taken without one was stored as FAILURE)
+    assert errors == []
+    assert sorted(taken) == sorted((f"j{n}", "REVOKED") for n in range(60))
+    assert store.take_notices(batch=100) == []
+
+
 def test_a_requeued_job_whose_message_was_lost_is_reaped_again_after_the_grace(
     store: Store,
 ) -> None:
