@@ -69,11 +69,14 @@ class LeasedRequest(Request):  # type: ignore[misc]
                 extra=job_fields(self.id),
             )
 
-    def execute_using_pool(self, pool: Any, **kwargs: Any) -> Any:
+    def revoked(self) -> bool:
+        # Celery's worker runs a subclass of this class whose execute_using_pool is its own
+        # (celery.worker.request.create_request_cls): it asks revoked() first, and skips a
+        # request for which it is true. A request put back is skipped the same way.
         if self._put_back:
-            task_ready(self)
-            return None
-        return super().execute_using_pool(pool, **kwargs)
+            task_ready(self)  # out of the worker's reserved requests
+            return True
+        return bool(super().revoked())
 
     def on_accepted(self, pid: int, time_accepted: float) -> Any:
         result = super().on_accepted(pid, time_accepted)
