@@ -7,11 +7,12 @@ during unit 5; the figure is crash -> first unit of the next run, both from the 
 (1 s) from a real beat; plain Celery in the same run, its runs interleaved with the leased ones:
 ``task_acks_late``, Redis ``visibility_timeout`` 10 s, unacked messages swept every second
 (``unacked_restore_interval`` 1, throttle 1: kombu's default sweep is every ~100 s).
-``stale_units``: units the crashed run committed after the next run had started (a frozen,
-then woken, run). ``worker SIGTERM (hand-off)`` is a warm shutdown: the job hands back at its
-next checkpoint. ``stall``: the attempt hangs at the start of unit 5 (an hour's sleep, as on a
-dead socket); leased with ``leases_stall_timeout`` 2 s (``leases_kill_stalled`` on, the
-default); measured from the start of the hung unit.
+``redone_units``: units the crashed run had started (finished, or in flight at the crash) that
+the next run started again; ``stale_units``: units the crashed run committed after the next
+run had started (a frozen, then woken, run). ``worker SIGTERM (hand-off)`` is a warm
+shutdown: the job hands back at its next checkpoint. ``stall``: the attempt hangs at the
+start of unit 5 (an hour's sleep, as on a dead socket); leased with ``leases_stall_timeout``
+2 s (``leases_kill_stalled`` on, the default); measured from the start of the hung unit.
 
     python -m bench.recovery [--quick] [--runs N] [--no-plain] [--lease S ...]
         [--reaper-every S ...] [--database postgres|mariadb] [--crash C ...] [--tag T]
@@ -108,13 +109,16 @@ def crash_once(
             else:
                 time.sleep(UNITS * UNIT_SECONDS)
             rows = s.log.rows(job_id)
+            last_started = max(r.unit for r in rows if r.run == row.run)
             return {
                 "mode": mode,
                 "crash": crash,
                 "lease_s": options.get("lease_seconds"),
                 "reaper_s": options.get("reaper_every"),
                 "seconds": resumed.started_at - crashed_at,
-                "redone_units": max(row.unit - resumed.unit + 1, 0),
+                # Units the crashed run had started (finished or in flight) that the next
+                # run started again.
+                "redone_units": max(last_started - resumed.unit + 1, 0),
                 "stale_units": sum(
                     r.run == row.run and (r.ended_at or 0) > resumed.started_at for r in rows
                 ),

@@ -31,11 +31,31 @@ class Keeper(threading.Thread):
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._failing = False
+        #: Monotonic time of the next renew tick (None: nothing held).
+        self._due: float | None = None
+        #: Monotonic time the thread wakes by itself next (None: not before add() wakes it).
+        self._wakes_at: float | None = None
+        #: Seconds an idle keeper sleeps: the shortest renew interval seen, so that a lease
+        #: added later is due no sooner than the keeper wakes anyway.
+        self._idle_seconds: float | None = None
 
     def add(self, lease: Lease) -> None:
+        """Hold ``lease`` from now on: its first renewal is one renew interval away (the claim
+        has just set its expiry). The thread is woken only if it would sleep past that, or
+        past the lease's stall deadline: a process running one short task after another
+        sets no event and switches to no other thread per task."""
         with self._lock:
             self._leases[id(lease)] = lease
-        self._wake.set()
+            now = time.monotonic()
+            needed = now + lease.renew_interval
+            self._due = needed if self._due is None else min(self._due, needed)
+            if lease.stall_timeout is not None:
+                needed = min(needed, lease.last_progress + lease.stall_timeout)
+            if self._idle_seconds is None or lease.renew_interval < self._idle_seconds:
+                self._idle_seconds = lease.renew_interval
+            wake = self._wakes_at is None or needed < self._wakes_at
+        if wake:
+            self._wake.set()
 
     def remove(self, lease: Lease) -> None:
         with self._lock:
@@ -44,10 +64,6 @@ class Keeper(threading.Thread):
     def held(self) -> list[Lease]:
         with self._lock:
             return list(self._leases.values())
-
-    def interval(self) -> float | None:
-        leases = self.held()
-        return min(lease.renew_interval for lease in leases) if leases else None
 
     def next_stall(self) -> float | None:
         """The monotonic time the first held lease will count as stalled (None: none can)."""
@@ -149,35 +165,42 @@ class Keeper(threading.Thread):
         os.kill(os.getpid(), signal.SIGKILL)
 
     def run(self) -> None:
-        due: float | None = None  # monotonic time of the next tick
         while not self._stopped.is_set():
-            interval = self.interval()
-            now = time.monotonic()
-            if interval is None:
-                due = None
-            elif due is None or due > now + interval:
-                due = now + interval
             # A stall is acted on when it happens, not at the next renewal (every third of a
             # 30 s lease): a stalled prefork process (leases_kill_stalled) hands its job back
             # and ends then, and the next reaper pass sends the job again; elsewhere renewals
             # stop then, and the job moves when its lease expires.
             stall = self.next_stall()
-            wake = min((t for t in (due, stall) if t is not None), default=None)
+            now = time.monotonic()
+            with self._lock:
+                if not self._leases:
+                    self._due = None
+                due = self._due
+                wake = min((t for t in (due, stall) if t is not None), default=None)
+                if wake is None and self._idle_seconds is not None:
+                    wake = now + self._idle_seconds
+                self._wakes_at = wake
             self._wake.wait(None if wake is None else max(wake - now, 0.0))
             self._wake.clear()
             if self._stopped.is_set():
                 return
             try:
                 if due is None or time.monotonic() < due:
-                    # Woken by add() or for a stall: a claim has just renewed its lease, so
-                    # only the next tick renews (earlier, for a shorter interval); renewing
-                    # now would cost one more committed write per task.
+                    # Idle, woken by add() or for a stall: a claim has just renewed its
+                    # lease, so only the next tick renews it; renewing now would cost one
+                    # more committed write per task.
                     self.check_stalls()
                     continue
-                due = None
+                self._next_tick()
                 self.tick()
             except Exception:
                 logger.exception("celery-leases: keeper tick failed")
+
+    def _next_tick(self) -> None:
+        """Set the tick after this one: a renew interval from now (the shortest held)."""
+        with self._lock:
+            intervals = [lease.renew_interval for lease in self._leases.values()]
+            self._due = time.monotonic() + min(intervals) if intervals else None
 
     def stop(self) -> None:
         """Stop renewing, and end the session (after a renewal under way, if any)."""

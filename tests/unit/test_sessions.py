@@ -226,13 +226,30 @@ def test_behind_pgbouncer_in_transaction_mode_nothing_is_bound_and_every_operati
             assert connection.connection.dbapi_connection.prepare_threshold is None
 
         # And a job's whole life works there, each statement run more often than psycopg's
-        # threshold for preparing one (5)
-        lease = claim_here(store, "j1", session=ident)
-        for n in range(8):
-            assert store.renew([("j1", lease.token)], session=None).held == frozenset({"j1"})
-            assert store.checkpoint("j1", lease.token, f'{{"n": {n}}}') == (True, None)
-        assert store.finish("j1", lease.token, result="8")
-        job = store.get("j1")
-        assert job is not None and (job.state, job.session) == ("done", None)
+        # threshold for preparing one (5): the record at dispatch, the claim, renewals,
+        # checkpoints (on their own and in a transaction of the caller's) and the finish
+        for j in range(8):
+            job_id = f"j{j}"
+            message = job_message(job_id)  # one version: the one recorded is the one claimed
+            assert store.register(message).outcome == "new"
+            outcome = store.claim(
+                message, owner=owner_here(os.getpid()), duration=LEASE, session=ident
+            )
+            assert isinstance(outcome, Claimed), outcome
+            token = outcome.token
+            assert store.renew([(job_id, token)], session=None).held == frozenset({job_id})
+            assert store.checkpoint(job_id, token, f'{{"n": {j}}}') == (True, None)
+            with store.engine.begin() as connection:
+                saved = store.checkpoint(job_id, token, '{"n": -1}', connection=connection)
+                assert saved == (True, None)
+            assert store.finish(job_id, token, result=str(j))
+            job = store.get(job_id)
+            assert job is not None, job_id
+            assert (job.state, job.session, job.checkpoint, job.result) == (
+                "done",
+                None,
+                {"n": -1},
+                j,
+            )
     finally:
         session.close()
