@@ -1,4 +1,6 @@
-"""Write docs/api.md, the API reference, from the docstrings of ``celery_leases.__all__``.
+"""Write docs/api.md, the API reference, from the docstrings of ``celery_leases.__all__``, then
+of the other public modules: ``celery_leases.contrib.django``, ``celery_leases.testing`` and
+the pytest plugin's fixtures.
 
     python scripts/api_reference.py            # write docs/api.md
     python scripts/api_reference.py --check    # exit 1 if docs/api.md is out of date
@@ -9,6 +11,7 @@ A unit test (tests/unit/test_api_reference.py) fails when the file is out of dat
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 import sys
@@ -62,7 +65,32 @@ def render() -> str:
         out += [f"## {heading}", ""]
         for name in names:
             out += entry(name, getattr(celery_leases, name))
+    for module, heading in MODULES.items():
+        found = importlib.import_module(module)
+        out += [f"## {heading}", "", doc(found), ""]
+        for name in found.__all__:
+            out += entry(name, getattr(found, name))
+    out += fixtures()
     return "\n".join(out).rstrip() + "\n"
+
+
+#: The other public modules, each with the heading of its section.
+MODULES = {
+    "celery_leases.contrib.django": "Django (`celery_leases.contrib.django`)",
+    "celery_leases.testing": "Testing helpers (`celery_leases.testing`)",
+}
+
+
+def fixtures() -> list[str]:
+    """The section of the pytest plugin's fixtures (loaded by the ``pytest11`` entry point)."""
+    plugin = importlib.import_module("celery_leases.pytest_plugin")
+    out = ["## pytest fixtures (`celery_leases.pytest_plugin`)", "", doc(plugin), ""]
+    for name, value in vars(plugin).items():
+        if type(value).__name__ == "FixtureFunctionDefinition":
+            out += [f"### `{name}` (fixture)", "", doc(value), ""]
+    for name in plugin.__all__:
+        out += entry(name, getattr(plugin, name))
+    return out
 
 
 def entry(name: str, obj: Any) -> list[str]:

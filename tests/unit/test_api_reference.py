@@ -32,7 +32,8 @@ def test_the_api_reference_is_what_the_docstrings_say_now() -> None:
 def test_the_api_reference_has_an_entry_for_every_exported_name() -> None:
     text = (ROOT / "docs/api.md").read_text()
 
-    headings = [line for line in text.splitlines() if line.startswith("### ")]
+    main = text[: text.index("## Django (")]  # the other public modules follow
+    headings = [line for line in main.splitlines() if line.startswith("### ")]
     assert len(headings) == len(celery_leases.__all__)
     for name, heading in zip(celery_leases.__all__, headings, strict=True):
         assert heading.startswith((f"### `{name}", f"### `class {name}")), (name, heading)
