@@ -90,7 +90,9 @@ class LeasedRequest(Request):  # type: ignore[misc]
         lease back and send the job again now; nothing if the job has moved on or ended."""
         try:
             store = store_for(self.task.lease_settings)
-            self._resumed_after_death = self._resume_at_once(store, self._dead_owner())
+            self._resumed_after_death = self._resume_at_once(
+                store, self._dead_owner(), seen_at_once=True
+            )
         except Exception as exc:  # billiard's report of the death comes later and retries
             logger.warning(
                 "celery-leases: job %s: pool process lost, %r",
@@ -186,9 +188,10 @@ class LeasedRequest(Request):  # type: ignore[misc]
             return True
         return job.state == DONE and self._finish_done(job)
 
-    def _resume_at_once(self, store: Store, owner: str) -> bool:
+    def _resume_at_once(self, store: Store, owner: str, *, seen_at_once: bool = False) -> bool:
         """Hand back the dead process's lease and send the job again; False when that process
-        held no lease on it that it may hand back (see ``Store.hand_back_owned``)."""
+        held no lease on it that it may hand back (see ``Store.hand_back_owned``).
+        ``seen_at_once``: the death was seen by :class:`Deaths`, not reported by billiard."""
         settings = self.task.lease_settings
         state, text = store.hand_back_owned(self.id, owner, reap_in=settings.reap_grace)
         if state is None:
@@ -204,9 +207,10 @@ class LeasedRequest(Request):  # type: ignore[misc]
                     extra=job_fields(self.id),
                 )
         logger.warning(
-            "celery-leases: job %s: pool process %s died; %s",
+            "celery-leases: job %s: pool process %s died%s; %s",
             self.id,
             self.worker_pid,
+            " (seen at once)" if seen_at_once else "",
             "sent again to resume from its checkpoint" if state == QUEUED else f"now {state}",
             extra=job_fields(self.id),
         )
