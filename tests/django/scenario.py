@@ -51,8 +51,23 @@ def where() -> dict[str, Any]:
     return {
         "celery_url": settings.database_url,
         "django_url": database.url_for("default"),
+        "alias": database.alias(),
+        "alias_url": database.url_for(database.alias()),
         "table": settings.table,
     }
+
+
+@scenario
+def url_error() -> str | None:
+    """What building the leases URL from ``DATABASES["default"]`` refuses, or None."""
+    from celery_leases.contrib.django import database
+    from celery_leases.errors import ConfigurationError
+
+    try:
+        database.url_for("default")
+    except ConfigurationError as exc:
+        return str(exc)
+    return None
 
 
 @scenario
@@ -217,8 +232,9 @@ def admin() -> dict[str, Any]:
 
 @scenario
 def idle_in_atomic() -> dict[str, Any]:
-    """PostgreSQL: a block that sits idle past the lease after its checkpoint is ended by the
-    database (the checkpoint's idle-in-transaction bound), and the attempt sees it as such."""
+    """PostgreSQL and MariaDB: a block that sits idle past the lease after its checkpoint is
+    ended by the database (the checkpoint's idle-in-transaction bound), and the attempt sees
+    it as such."""
     import time
 
     from billing.models import Invoice

@@ -4,6 +4,8 @@ delay_on_commit, and the admin (Django's test client)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import sqlalchemy as sa
 
@@ -100,7 +102,7 @@ def test_the_admin_lists_filters_and_searches_jobs_and_its_actions_use_the_store
     assert seen["failed job's checkpoint"] == {"next": 4}
 
 
-@pytest.mark.parametrize("shop", ["postgres"], indirect=True)
+@pytest.mark.parametrize("shop", ["postgres", "mariadb"], indirect=True)
 def test_a_block_idle_past_the_lease_after_its_checkpoint_is_ended_and_seen_as_such(
     shop: Shop,
 ) -> None:
@@ -109,3 +111,54 @@ def test_a_block_idle_past_the_lease_after_its_checkpoint_is_ended_and_seen_as_s
     assert seen["idle bounded"] is True
     assert seen["ended idle"] is True, seen
     assert (seen["invoices"], seen["checkpoint"]) == (0, None)
+
+
+def test_leases_in_a_database_alias_of_their_own_are_migrated_read_and_administered_there(
+    tmp_path: Path,
+) -> None:
+    # Given the project with CELERY_LEASES_DATABASE_ALIAS = "leases", a second SQLite file
+    default, leases = tmp_path / "default.sqlite3", tmp_path / "leases.sqlite3"
+    env = {
+        "SHOP_DATABASE": "sqlite",
+        "SHOP_DB_NAME": str(default),
+        "SHOP_LEASES_DB_NAME": str(leases),
+        "SHOP_LEASES_TABLE": TABLE,
+        "SHOP_DEBUG": "0",
+    }
+    shop = Shop("sqlite", env, f"sqlite:///{leases}")
+
+    # When both databases are migrated
+    shop.manage("migrate", "--verbosity", "0")
+    made = shop.manage("migrate", "--database", "leases", "--verbosity", "1")
+
+    try:
+        # Then the jobs table is in the leases database only, where the Celery app keeps its
+        # leases, and the admin lists and acts on the jobs there
+        tables = {}
+        for path in (default, leases):
+            engine = sa.create_engine(f"sqlite:///{path}")
+            with engine.connect() as connection:
+                tables[path.name] = sa.inspect(connection).get_table_names()
+            engine.dispose()
+        assert TABLE in tables["leases.sqlite3"] and TABLE not in tables["default.sqlite3"]
+        assert f"celery-leases: leases table {TABLE} in " in made.stdout
+        where = shop.run("where")
+        assert (where["alias"], where["celery_url"]) == ("leases", f"sqlite:///{leases}")
+        assert where["celery_url"] == where["alias_url"] != where["django_url"]
+        seen = shop.run("admin")
+        assert seen["listed"] == ["done", "failed", "queued", "running"]
+        assert seen["after"]["queued"][:2] == ["cancelled", None]
+    finally:
+        if shop._store is not None:
+            shop._store.engine.dispose()
+
+
+def test_an_in_memory_sqlite_database_is_refused_with_the_reason(tmp_path: Path) -> None:
+    # Given a project whose database is SQLite in memory (no other connection can see it)
+    env = {"SHOP_DATABASE": "sqlite", "SHOP_DB_NAME": ":memory:", "SHOP_DEBUG": "0"}
+    shop = Shop("sqlite", env, "sqlite://")
+
+    # When the leases URL is built from it, then it is refused, saying why and what to do
+    error = shop.run("url_error")
+    assert error is not None and "in-memory SQLite database" in error
+    assert "give it a file" in error

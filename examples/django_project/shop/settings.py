@@ -86,6 +86,16 @@ else:
         }
     }
 
+if os.environ.get("SHOP_LEASES_DB_NAME"):
+    # The leases in a database of their own (an SQLite file here): migrate it with
+    # ``manage.py migrate --database leases``; checkpoints then join atomic(using="leases").
+    DATABASES["leases"] = {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": os.environ["SHOP_LEASES_DB_NAME"],
+        "OPTIONS": {"timeout": 30},
+    }
+    CELERY_LEASES_DATABASE_ALIAS = "leases"
+
 USE_TZ = True
 TIME_ZONE = "UTC"
 STATIC_URL = "static/"
