@@ -6,12 +6,14 @@ process, calling ``apply_async`` through LeasedTask as a webhook receiver would.
 
 - **absorb**: while a job of the key runs (one long run, started first), a loop of
   ``apply_async`` on that key for ``--seconds`` (a single client, then N threads at once);
-  every call is coalesced into the run's one follow-up job (an ``INSERT`` the unique index on
-  live keys refuses, then one ``UPDATE``; nothing is published). Calls per second, and the
+  every call is coalesced into the run's one follow-up job (one read of the key's holder; the
+  first call also one ``UPDATE`` that makes it the follow-up; nothing is published). Calls
+  per second, and the
   median and p90 of one call. Checked: every call returned the same follow-up id, which waits
   in the run's row (the key has one job). Next to it, in the same run, the same loop with a
-  key of its own per call: a new job each (the ``INSERT``, then a publish to a queue no worker
-  reads), what each trigger costs when nothing coalesces it. Checked: an id per call.
+  key of its own per call: a new job each (the read of the key's holder, the ``INSERT``, then
+  a publish to a queue no worker reads), what each trigger costs when nothing coalesces it.
+  Checked: an id per call.
 - **follow-up latency**: a run of 3 units of 0.1 s, one trigger while it runs; from the run's
   end (``finished_at``) to the follow-up's claim (``claimed_at``), both the database clock.
   The worker that ends the run records and publishes the follow-up right after its finish;

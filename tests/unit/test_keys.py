@@ -22,6 +22,7 @@ from celery_leases.keeper import all_keepers, keeper_for
 from celery_leases.message import KEY_HEADER, Message
 from celery_leases.rows import Claimed, Refused
 from celery_leases.store import Store, store_for
+from tests.support.driver import sent
 from tests.support.message import job_message
 
 OWNER = "worker-a/1"
@@ -72,6 +73,40 @@ def test_triggers_during_a_run_leave_one_followup_the_first_of_them(store: Store
     job = store.get("t1")
     assert job is not None and job.followup_id == "t2"
     assert live_jobs(store) == ["t1"]
+
+
+def test_a_trigger_of_a_busy_key_is_coalesced_by_reads_only_with_no_refused_insert(
+    store: Store,
+) -> None:
+    # Given a key whose run has started and already has its follow-up
+    first = trigger("t1")
+    store.register(first)
+    claimed(store, first)
+    store.register(trigger("t2"))
+
+    # When one more trigger comes
+    with sent(store) as statements:
+        outcome = store.register(trigger("t3"))
+
+    # Then it is served by the follow-up after one read: no INSERT that the key's unique
+    # index would refuse (an ERROR line in PostgreSQL's log for each trigger)
+    assert (outcome.outcome, outcome.job_id) == ("coalesced", "t2")
+    assert len(statements) == 1, statements
+    assert "INSERT" not in statements[0].upper(), statements
+
+
+def test_a_second_message_of_the_keys_own_job_is_a_copy_not_a_trigger(store: Store) -> None:
+    # Given the key's job, running
+    first = trigger("t1")
+    store.register(first)
+    claimed(store, first)
+
+    # When a message with its own id (and key) is recorded again
+    again = store.register(trigger("t1"))
+
+    # Then it is a copy of that job (dropped at its claim), not a trigger for a follow-up
+    assert (again.outcome, again.job_id) == ("running", "t1")
+    assert store.get("t1").followup_id is None  # type: ignore[union-attr]
 
 
 def test_a_trigger_of_another_key_or_none_is_a_job_of_its_own(store: Store) -> None:
