@@ -4,17 +4,16 @@ One ``celery worker -P prefork -c 2`` per run (PostgreSQL store) starts after th
 published; rate = (tasks - 1) / (last - first completion). ``added_ms`` = (1/leased -
 1/plain) x 2 processes: what a leased task adds in its pool process.
 
-The floor: a leased task makes two durable writes (claim, finish), and they cost it twice.
-In time: each pool process cannot take less than plain + 2 raw writes per task. In CPU: the
-machine runs the worker, the broker and the database on the same cores, so the database's and
-the driver's work for those writes (``raw_write_cpu_ms``, all cores) is taken from the worker.
-``raw_write_ms`` and ``raw_write_cpu_ms`` are one single-row autocommit UPDATE through psycopg
-on its own connection (as the store connects), each after an idle gap as long as the task's
-body (none for no-op, 10 ms for 10 ms tasks: on a virtual machine a write after a pause costs
-more than one in a loop). ``cpu_ms`` is the machine's busy CPU time per task during the run
-(``/proc/stat``, every core, from the first completion to the last). The floor is the lower
-of the two bounds: ``floor`` = min(plain per-task time / (that + 2 raw writes), plain CPU per
-task / (that + 2 raw writes' CPU)) when the plain run kept every core busy, else the first.
+The floor is measured, not computed: a leased task makes two durable writes (the claim before
+its body, the finish after it), so its baseline is the same plain task making two raw writes
+in the same places (``bench.floor_*`` of ``bench/worker_app.py``: a single-row autocommit
+``UPDATE`` each, through psycopg, on the pool process's own connection, as the store
+connects), in the same worker, on the same machine, its runs interleaved with the others.
+That counts everything two writes cost a worker: their round trips, and the database's work
+on the same two cores as the worker and the broker (a pool process waits for a core too).
+``leased/floor`` is then what the library costs beyond its two writes. ``cpu_ms`` is the
+machine's busy CPU time per task during a run (``/proc/stat``, every core, from the first
+completion to the last).
 
     python -m bench.throughput [--quick]
 """
@@ -41,21 +40,24 @@ from tests.support.worker import Spawner
 
 CONCURRENCY = 2
 KINDS = {"no-op": ("noop", ()), "10 ms": ("sleep", (0.010,))}
+#: The variants of each task, as ``bench.<variant>_<body>``.
+VARIANTS = ("plain", "floor", "leased")
 COLUMNS = (
-    "broker task plain_per_s leased_per_s leased/plain added_ms plain_cpu_ms leased_cpu_ms "
-    "busy_cores raw_write_ms raw_write_cpu_ms floor runs"
+    "broker task plain_per_s floor_per_s leased_per_s leased/plain floor/plain leased/floor "
+    "added_ms plain_cpu_ms floor_cpu_ms leased_cpu_ms runs"
 )
 #: Seconds between two reads of /proc/stat while a worker runs.
 CPU_SAMPLE_SECONDS = 0.01
-CORES = os.cpu_count() or 1
 
 
 def busy_cpu_seconds() -> float:
-    """CPU seconds every core of the machine has spent busy since boot (/proc/stat)."""
+    """CPU seconds every core of the machine has spent busy since boot (/proc/stat: user,
+    nice, system, irq, softirq; not idle or iowait, nor steal, a virtual machine's time taken
+    by its host)."""
     with open("/proc/stat") as stat:
         fields = [int(v) for v in stat.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 class CpuSampler(threading.Thread):
@@ -87,39 +89,6 @@ class CpuSampler(threading.Thread):
         self.join()
 
 
-def raw_write(gap: float, *, writes: int = 300) -> tuple[float, float]:
-    """Median ms of a single-row autocommit UPDATE on PostgreSQL, each after ``gap`` s idle,
-    and the machine's busy CPU ms per write (every core: the driver's and the server's)."""
-    with scratch(POSTGRES_URL, "tpraw", leases=False) as table:
-        engine = sa.create_engine(POSTGRES_URL)
-        try:
-            with engine.begin() as connection:
-                connection.execute(sa.text(f"CREATE TABLE {table} (id int PRIMARY KEY, v float)"))
-                connection.execute(sa.text(f"INSERT INTO {table} VALUES (1, 0)"))
-            raw = engine.raw_connection()
-            try:
-                conn = raw.driver_connection
-                conn.autocommit = True
-                # What the machine spends with nothing running here, taken off below.
-                background = busy_cpu_seconds()
-                time.sleep(1.0)
-                background = busy_cpu_seconds() - background
-                seconds = []
-                busy, began = busy_cpu_seconds(), time.monotonic()
-                for i in range(writes):
-                    if gap:
-                        time.sleep(gap)
-                    started = time.perf_counter()
-                    conn.execute(f"UPDATE {table} SET v = %s WHERE id = 1", (float(i),))
-                    seconds.append(time.perf_counter() - started)
-                busy = busy_cpu_seconds() - busy - background * (time.monotonic() - began)
-            finally:
-                raw.close()
-        finally:
-            engine.dispose()
-    return statistics.median(seconds) * 1000, max(busy, 0.0) / writes * 1000
-
-
 def measure(
     broker: str, url: str | None, table: str, *, counts: dict[str, int], repeats: int
 ) -> list[dict[str, Any]]:
@@ -129,6 +98,7 @@ def measure(
     with (
         tempfile.TemporaryDirectory(prefix="bench-throughput-") as logs,
         private_redis_url() as counter,
+        floor_table() as floor,
     ):
         spawner = Spawner(logs)
         config = {
@@ -149,7 +119,12 @@ def measure(
             publish(app, task, count, args)
             with CpuSampler() as cpu:
                 worker = start_worker(
-                    spawner, config, counter_url=counter, run=run, concurrency=CONCURRENCY
+                    spawner,
+                    config,
+                    counter_url=counter,
+                    run=run,
+                    concurrency=CONCURRENCY,
+                    floor_table=floor,
                 )
                 try:
                     first, last = wait_done(
@@ -161,10 +136,12 @@ def measure(
 
         try:
             for kind, (body, args) in KINDS.items():
-                rates: dict[str, list[float]] = {"leased": [], "plain": []}
-                cpus: dict[str, list[float]] = {"leased": [], "plain": []}
+                rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
+                cpus: dict[str, list[float]] = {v: [] for v in VARIANTS}
                 for repeat in range(repeats):
-                    for variant in sorted(rates, reverse=repeat % 2 == 1):
+                    # Each variant first, in the middle and last in turn.
+                    order = VARIANTS[repeat % 3 :] + VARIANTS[: repeat % 3]
+                    for variant in order:
                         per_s, cpu_ms = rate(f"bench.{variant}_{body}", args, counts[kind])
                         rates[variant].append(round(per_s, 1))
                         cpus[variant].append(round(cpu_ms, 3))
@@ -172,18 +149,12 @@ def measure(
                             f"{broker} {kind} {variant}: {per_s:.0f}/s, {cpu_ms:.2f} ms CPU a task",
                             flush=True,
                         )
-                plain, leased = (statistics.median(rates[v]) for v in ("plain", "leased"))
-                plain_cpu, leased_cpu = (statistics.median(cpus[v]) for v in ("plain", "leased"))
+                plain, floor_rate, leased = (statistics.median(rates[v]) for v in VARIANTS)
+                cpu = [statistics.median(cpus[v]) for v in VARIANTS]
                 added = (1 / leased - 1 / plain) * 1000 * CONCURRENCY
-                write, write_cpu = raw_write(args[0] if args else 0.0)
-                per_task = 1000 * CONCURRENCY / plain
-                floor = per_task / (per_task + 2 * write)
-                busy_cores = plain * plain_cpu / 1000
-                if busy_cores > 0.9 * CORES:  # the plain run kept every core busy
-                    floor = min(floor, plain_cpu / (plain_cpu + 2 * write_cpu))
                 values = (
-                    broker, kind, plain, leased, leased / plain, added, plain_cpu, leased_cpu,
-                    busy_cores, write, write_cpu, floor, {"rates": rates, "cpu_ms": cpus},
+                    broker, kind, plain, floor_rate, leased, leased / plain, floor_rate / plain,
+                    leased / floor_rate, added, *cpu, {"rates": rates, "cpu_ms": cpus},
                 )  # fmt: skip
                 rows.append(row(COLUMNS, *values))
         finally:
@@ -197,9 +168,24 @@ def measure(
     return rows
 
 
+@contextlib.contextmanager
+def floor_table() -> Any:
+    """The scratch table of the floor tasks' writes (a row per pool process)."""
+    with scratch(POSTGRES_URL, "tpfloor", leases=False) as table:
+        engine = sa.create_engine(POSTGRES_URL)
+        try:
+            with engine.begin() as connection:
+                connection.execute(
+                    sa.text(f"CREATE TABLE {table} (id int PRIMARY KEY, v bigint NOT NULL)")
+                )
+        finally:
+            engine.dispose()
+        yield table
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser(__doc__).parse_args(argv)
-    repeats = 1 if args.quick else 3
+    repeats = 1 if args.quick else 5
     counts = {"no-op": 500, "10 ms": 200} if args.quick else {"no-op": 2000, "10 ms": 500}
     rows = []
     with scratch(POSTGRES_URL, "throughput") as table:

@@ -2,6 +2,12 @@
 
 Started by ``tests.support.worker`` with its settings in ``BENCH_CELERY_CONFIG``; every finished
 task is counted in Redis from ``task_postrun``, after a LeasedTask recorded its finish.
+
+``bench.floor_noop`` / ``bench.floor_sleep``: plain tasks that make the two writes a leased
+task makes (before and after the body), as raw single-row autocommit ``UPDATE``s through
+psycopg on a connection of the pool process's own (as the store connects), each process on a
+row of its own of ``BENCH_FLOOR_TABLE``: what two durable writes per task cost a worker with
+no library at all.
 """
 
 from __future__ import annotations
@@ -20,6 +26,27 @@ from celery_leases import LeasedTask
 from tests.support.worker import CeleryProcess, Spawner, Worker
 
 CONFIG, COUNTER, RUN = "BENCH_CELERY_CONFIG", "BENCH_COUNTER_URL", "BENCH_RUN"
+FLOOR_TABLE = "BENCH_FLOOR_TABLE"
+
+_writers: dict[int, Any] = {}
+
+
+def raw_write(url: str) -> None:
+    """One single-row autocommit UPDATE of this process's row of ``BENCH_FLOOR_TABLE``."""
+    connection = _writers.get(os.getpid())
+    if connection is None:  # one per pool process, made after the fork
+        import psycopg
+        import sqlalchemy as sa
+
+        dsn = sa.engine.make_url(url).set(drivername="postgresql").render_as_string(False)
+        connection = _writers[os.getpid()] = psycopg.connect(dsn, autocommit=True)
+        connection.execute(
+            f"INSERT INTO {os.environ[FLOOR_TABLE]} VALUES (%s, 0) ON CONFLICT DO NOTHING",
+            (os.getpid(),),
+        )
+    connection.execute(
+        f"UPDATE {os.environ[FLOOR_TABLE]} SET v = v + 1 WHERE id = %s", (os.getpid(),)
+    )
 
 
 def make_app(config: dict[str, Any], name: str = "bench") -> Celery:
@@ -33,17 +60,37 @@ def make_app(config: dict[str, Any], name: str = "bench") -> Celery:
     def sleep(self: Task, seconds: float) -> None:
         time.sleep(seconds)
 
+    def floor_noop(self: Task) -> None:
+        raw_write(self.app.conf.leases_database_url)
+        raw_write(self.app.conf.leases_database_url)
+
+    def floor_sleep(self: Task, seconds: float) -> None:
+        raw_write(self.app.conf.leases_database_url)
+        time.sleep(seconds)
+        raw_write(self.app.conf.leases_database_url)
+
     for kind, body in (("noop", noop), ("sleep", sleep)):
         app.task(body, base=LeasedTask, bind=True, shared=False, name=f"bench.leased_{kind}")
         app.task(body, bind=True, shared=False, name=f"bench.plain_{kind}")
+    app.task(floor_noop, bind=True, shared=False, name="bench.floor_noop")
+    app.task(floor_sleep, bind=True, shared=False, name="bench.floor_sleep")
     return app
 
 
 def start_worker(
-    spawner: Spawner, config: dict[str, Any], *, counter_url: str, run: str, concurrency: int = 1
+    spawner: Spawner,
+    config: dict[str, Any],
+    *,
+    counter_url: str,
+    run: str,
+    concurrency: int = 1,
+    floor_table: str | None = None,
 ) -> Worker:
-    """A ready ``celery worker -P prefork -c <concurrency>`` of this app, counting as ``run``."""
+    """A ready ``celery worker -P prefork -c <concurrency>`` of this app, counting as ``run``
+    (``floor_table``: the table of the ``bench.floor_*`` tasks' writes)."""
     env = {CONFIG: json.dumps(config), COUNTER: counter_url, RUN: run}
+    if floor_table is not None:
+        env[FLOOR_TABLE] = floor_table
     return spawner.worker(__name__, env=env, concurrency=concurrency, timeout=60)
 
 
