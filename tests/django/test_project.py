@@ -31,6 +31,41 @@ def test_migrate_creates_the_leases_table_in_django_own_database_and_zero_drops_
     assert f"celery-leases: leases table {TABLE} in " in again.stdout
 
 
+def test_migrate_upgrades_a_leases_table_an_older_release_made_keeping_its_jobs(
+    shop: Shop,
+) -> None:
+    # Given the leases table at the first revision (as celery-leases before lease keys made
+    # it), holding a job
+    first = migrations.revisions()[0]
+    migrations.downgrade(shop.store, revision=first)
+    assert migrations.current(shop.store) == first
+    job_id = f"old-{shop.kind}"
+    with shop.store.engine.begin() as connection:
+        connection.execute(
+            sa.text(
+                f"INSERT INTO {TABLE} (id, task, generation, message, state, token, attempts, "
+                "stalled_attempts, sends, created_at, schema_version) VALUES (:id, 'billing.x', "
+                "0, '{}', 'done', 1, 1, 0, 0, 0, 3)"
+            ),
+            {"id": job_id},
+        )
+
+    # When the project is migrated, as a deploy of a newer celery-leases does
+    done = shop.manage("migrate", "--verbosity", "1")
+
+    # Then the table is at the code's revision, the job still in it, and migrate said where
+    shop.store.schema_changed()
+    assert migrations.current(shop.store) == migrations.head()
+    with shop.store.engine.connect() as connection:
+        found = connection.execute(
+            sa.text(f"SELECT state FROM {TABLE} WHERE id = :id"), {"id": job_id}
+        ).scalar()
+    assert found == "done"
+    assert f"celery-leases: leases table {TABLE} in " in done.stdout
+    with shop.store.engine.begin() as connection:
+        connection.execute(sa.text(f"DELETE FROM {TABLE} WHERE id = :id"), {"id": job_id})
+
+
 def test_the_celery_app_keeps_its_leases_in_django_database_without_a_url_of_its_own(
     shop: Shop,
 ) -> None:
