@@ -20,7 +20,7 @@ from tests.support.worker import Spawner
 pytest.importorskip("prometheus_client")
 pytestmark = pytest.mark.e2e
 
-TASK = "metrics.count"
+TASK = "progress.count"
 
 
 def free_port() -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +18,7 @@ from celery_leases.config import DEFAULTS, validate
 from celery_leases.direct import Direct
 from celery_leases.schema import jobs_table, keys_table
 from celery_leases.store import Store
+from tests.support.concurrent import at_once
 from tests.support.message import job_message
 
 
@@ -178,26 +178,15 @@ def test_a_table_a_newer_release_migrated_is_used_with_a_warning(
 
 def test_processes_migrating_at_once_create_the_table_once(store: Store) -> None:
     url, name = str(store.db.url), store.table.name
-    outcomes: list[Any] = []
 
-    def migrate() -> None:
+    def migrate(_: int) -> migrations.Migrated:
         own = new_store(url, name)
         try:
-            outcomes.append(migrations.upgrade(own))
-        except Exception as exc:
-            outcomes.append(exc)
+            return migrations.upgrade(own)
         finally:
             own.engine.dispose()
 
-    threads = [threading.Thread(target=migrate) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-
-    errors = [o for o in outcomes if not isinstance(o, migrations.Migrated)]
-    assert errors == []
-    assert len(outcomes) == 4
+    outcomes = at_once(4, migrate)
     assert sum(not o.existed for o in outcomes) == 1
     assert migrations.current(store) == migrations.head()
     with store.engine.connect() as connection:

@@ -17,6 +17,7 @@ from celery_leases.message import Message
 from celery_leases.rows import Claimed, Reaped, Refused
 from celery_leases.statements import GAVE_UP_MAX_ATTEMPTS, GAVE_UP_NO_PROGRESS
 from celery_leases.store import Store
+from tests.support.concurrent import at_once
 from tests.support.driver import sent
 from tests.support.message import job_message
 
@@ -483,25 +484,7 @@ def test_an_expired_job_is_requeued_and_returned_once_by_sequential_reapers(stor
 
 
 def reap_in_two_threads_at_once(store: Store) -> list[Reaped]:
-    barrier = threading.Barrier(2)
-    results: list[Reaped] = []
-    errors: list[BaseException] = []
-
-    def reaper() -> None:
-        try:
-            barrier.wait(timeout=10)
-            results.append(reap(store))
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=reaper) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert errors == []
-    assert len(results) == 2
-    return results
+    return at_once(2, lambda _: reap(store))
 
 
 def test_an_expired_job_is_returned_once_when_two_reapers_run_at_the_same_time(
@@ -533,30 +516,21 @@ def test_each_notice_is_taken_by_exactly_one_of_several_reapers_running_at_once(
 
     # When four reapers, each with a store of its own (as four processes), take notices at once
     settings = validate(DEFAULTS | {"database_url": database_url, "table": table_name})
-    taken: list[tuple[str, str | None]] = []
-    errors: list[BaseException] = []
-    start = threading.Barrier(4)
 
-    def take() -> None:
+    def take(_: int) -> list[tuple[str, str | None]]:
         own = Store(settings)
+        taken = []
         try:
-            start.wait()
             while batch := own.take_notices(batch=3):
-                taken.extend((job.id, job.notify) for job in batch)
-        except BaseException as exc:
-            errors.append(exc)
+                taken += [(job.id, job.notify) for job in batch]
         finally:
             own.engine.dispose()
+        return taken
 
-    threads = [threading.Thread(target=take) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    taken = [item for batch in at_once(4, take) for item in batch]
 
     # Then every job was handed out once, with its state to store (never without one: a job
     # taken without one was stored as FAILURE)
-    assert errors == []
     assert sorted(taken) == sorted((f"j{n}", "REVOKED") for n in range(60))
     assert store.take_notices(batch=100) == []
 

@@ -1,11 +1,8 @@
-"""A celery-leases app that serves its metrics as the README says (prefork, prometheus_client's
+"""``progress_app`` serving its metrics as the README says (prefork, prometheus_client's
 multiprocess mode, the worker's main process serving them), for the metrics test.
 
-Settings come from ``TEST_CELERY_CONFIG`` (``tests.support.service.celery_env``); the port to
-serve on from ``TEST_METRICS_PORT``. ``PROMETHEUS_MULTIPROC_DIR`` is set by the test before the
-worker starts.
-
-- ``metrics.count(total)``: ``total`` checkpoints; returns ``total``.
+The port to serve on comes from ``TEST_METRICS_PORT``; ``PROMETHEUS_MULTIPROC_DIR`` is set by
+the test before the worker starts.
 """
 
 from __future__ import annotations
@@ -13,24 +10,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from celery import Celery
 from celery.signals import worker_ready
 from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 
-from celery_leases import JobsCollector, LeasedTask
-from tests.support.service import config_from_env
+from celery_leases import JobsCollector
+from tests.support.apps.progress_app import app
 
-app = Celery("metrics_app")
-app.conf.update(config_from_env())
-
-
-@app.task(base=LeasedTask, bind=True, name="metrics.count")
-def count(self: LeasedTask, total: int) -> int:
-    done = (self.lease.checkpoint or {}).get("done", 0)
-    while done < total:
-        done += 1
-        self.checkpoint({"done": done}, progress=(done, total))
-    return total
+__all__ = ["app"]
 
 
 @worker_ready.connect
