@@ -21,19 +21,28 @@ PROGRESS_APP = "tests.support.apps.progress_app"
 
 class Monitor:
     """What a Flower-like monitor sees: every event applied to a ``State``, and the task's
-    (state, result) right after each one."""
+    (state, result) right after each one.
+
+    Entering returns once an event this monitor sent itself has come back: kombu's Redis
+    transport subscribes to the events channel only at the first poll after the consumer is
+    ready, and an event published before that is lost to the monitor."""
 
     def __init__(self, app: Any) -> None:
         self.state = State()
         self.seen: list[tuple[str, dict[str, Any], str, Any]] = []
         self.ready = threading.Event()
+        self.listening = threading.Event()
         self.done = threading.Event()
+        self._app = app
         self._connection = app.connection_for_read()
         self.receiver = app.events.Receiver(self._connection, handlers={"*": self.on_event})
         self.receiver.on_consume_ready = lambda *a, **k: self.ready.set()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def on_event(self, event: dict[str, Any]) -> None:
+        if event["type"] == "monitor-probe":
+            self.listening.set()
+            return
         self.state.event(event)
         if event["type"].startswith("task-"):
             task = self.state.tasks[event["uuid"]]
@@ -48,7 +57,12 @@ class Monitor:
     def __enter__(self) -> Monitor:
         self.thread.start()
         assert self.ready.wait(30), "the event receiver never started consuming"
-        return self
+        with self._app.events.default_dispatcher() as dispatcher:
+            for _ in range(300):
+                dispatcher.send("monitor-probe")
+                if self.listening.wait(0.1):
+                    return self
+        raise AssertionError("the event receiver never received its own probe event")
 
     def __exit__(self, *exc: object) -> None:
         self.receiver.should_stop = True
