@@ -9,10 +9,10 @@ app, then ask for the fixtures::
         from proj.celery import app
         return app
 
-    def test_sync_survives_a_crash(leased_worker, leases_crash):
-        leases_crash.after_checkpoint(sync_events, 2)   # the next attempt dies after 2
-        result = sync_events.delay("acct_1")
-        assert result.get(timeout=30) == 3_000          # resumed from its checkpoint
+    def test_import_survives_a_crash(leased_worker, leases_crash):
+        leases_crash.after_checkpoint(import_rows, 2)  # the next attempt dies after 2
+        result = import_rows.delay(list(range(5)))
+        assert result.get(timeout=30) == 5             # resumed from its checkpoint
         assert leases_crash.job(result.id).attempts == 2
 
 Fixtures (override any of them in your ``conftest.py``):
@@ -23,7 +23,8 @@ Fixtures (override any of them in your ``conftest.py``):
   broker and result backend, 5 s leases);
 - ``leased_app``: ``leases_app`` with ``leases_config`` applied, put back as it was after the
   test (settings are re-read when the configuration changes, so a task used before sees the
-  test's database);
+  test's database; the app's result backend and broker connections, which Celery builds once
+  and keeps, are built again from the test's configuration, and from yours after it);
 - ``leased_worker``: a real Celery worker running in this process (a thread: Celery's
   ``celery.contrib.testing.worker.start_worker``, threads pool, 2 processes' worth of slots);
 - ``leases_crash``: a :class:`Crash` helper: make the next attempt of a task die after its Nth
@@ -37,6 +38,7 @@ Celery's own in-process worker is used directly: pytest-celery 1.x replaces the 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -149,6 +151,7 @@ def leased_app(leases_app: Any, leases_config: dict[str, Any]) -> Iterator[Any]:
     before = {key: conf.changes[key] for key in leases_config if key in conf.changes}
     conf.update(leases_config)
     reread_settings(leases_app)
+    _rebuild_connections(leases_app)
     migrate(leases_app)  # the table, as `celery -A proj leases init-db` makes it
     try:
         yield leases_app
@@ -158,7 +161,25 @@ def leased_app(leases_app: Any, leases_config: dict[str, Any]) -> Iterator[Any]:
             conf.changes.pop(key, None)
         conf.changes.update(before)
         reread_settings(leases_app)
+        _rebuild_connections(leases_app)
         store.engine.dispose()
+
+
+def _rebuild_connections(app: Any) -> None:
+    """Make ``app`` build its result backend and broker connection pools again, from its
+    configuration as it is now. Celery builds them at first use and keeps them: a test that
+    used the app before (``task.apply``, or a publish to your real broker) would otherwise
+    leave ``result.get()`` on the old backend (``DisabledBackend``: "No result backend is
+    configured") and ``delay()`` on the old broker."""
+    pool = app._pool
+    app._pool = None
+    if pool is not None:
+        pool.force_close_all()
+    amqp = app.__dict__.get("amqp")
+    if amqp is not None:
+        amqp._producer_pool = None
+    app._backend_cache = None
+    app._local = threading.local()  # the per-thread backend (and the app's oid)
 
 
 @pytest.fixture

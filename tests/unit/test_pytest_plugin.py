@@ -148,3 +148,47 @@ def test_run_and_assert_resumable_need_no_worker(pytester: pytest.Pytester) -> N
     )
 
     result.assert_outcomes(passed=1)
+
+
+def test_an_app_used_before_the_fixture_gets_the_tests_backend_and_broker_then_its_own(
+    pytester: pytest.Pytester,
+) -> None:
+    result = run_user_tests(
+        pytester,
+        """
+        import pytest
+        from celery import Celery
+        from celery.backends.base import DisabledBackend
+
+        from celery_leases import LeasedTask
+
+        app = Celery("used_before", set_as_current=False)  # no result backend of its own
+
+
+        @app.task(base=LeasedTask, bind=True, name="user.double", shared=False)
+        def double(self, n):
+            self.checkpoint({"n": n})
+            return 2 * n
+
+
+        @pytest.fixture
+        def leases_app():
+            return app
+
+
+        def test_the_app_is_used_first():
+            assert isinstance(app.backend, DisabledBackend)  # built now, and kept by Celery
+            assert app.pool.connection.transport_cls == "amqp"
+
+
+        def test_then_the_worker_fixture(leased_worker):
+            assert double.delay(21).get(timeout=30) == 42
+
+
+        def test_and_after_it_the_apps_own_again():
+            assert isinstance(app.backend, DisabledBackend)
+            assert app.pool.connection.transport_cls == "amqp"
+        """,
+    )
+
+    result.assert_outcomes(passed=3)
