@@ -18,10 +18,11 @@ from kombu.utils import json as kombu_json
 
 from . import control
 from .config import Settings, settings_for
-from .errors import JobNotFound, LeaseError, StoreUnavailable
+from .errors import InvalidJobState, JobNotFound, LeaseError, StoreUnavailable
+from .identity import checked_key
 from .migrations import upgrade
 from .reaper import reap as reap_pass
-from .rows import Job
+from .rows import Job, dumps
 from .schema import CANCELLED, FAILED, MAX_ID_LENGTH, RUNNING, STATES
 from .store import Store, store_for
 from .view import (
@@ -308,6 +309,45 @@ def release(job_id: str) -> None:
     """
     store = _store()
     click.echo(control.release(store, find_job(store, job_id).id))
+
+
+@leases.command()
+@click.argument("key")
+@click.option("--set", "value", metavar="JSON", help="Set the cursor to this JSON value.")
+@click.option("--clear", is_flag=True, help="Clear it: the key's next run starts afresh.")
+def cursor(key: str, value: str | None, clear: bool) -> None:
+    """Show a lease key's cursor (where its next run starts), or set or clear it.
+
+    It is set or cleared only while no job holds the key (none queued or running, and no
+    follow-up waiting to start): cancel such a job or let it end first.
+    """
+    if value is not None and clear:
+        raise click.BadParameter("give --set or --clear, not both")
+    key = str(checked_key(key))
+    store = _store()
+    if value is None and not clear:
+        current = store.cursor(key)
+        click.echo("none" if current is None else json.dumps(current, ensure_ascii=False))
+        return
+    text = None if clear else _json_text(value)
+    if not store.set_cursor(key, text):
+        raise InvalidJobState(
+            f"lease key {key!r} is held by a job (queued, running, or with a follow-up to "
+            f"start); its cursor is left as it is: cancel the job or let it end, then try again"
+        )
+    click.echo(f"cursor of {key!r} {'cleared' if clear else 'set to ' + str(text)}")
+
+
+def _json_text(value: Any) -> str:
+    """``value`` as the store's JSON text, or a BadParameter saying why it is not JSON."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+
+    try:
+        return dumps(json.loads(str(value), parse_constant=refuse))
+    except ValueError as exc:
+        raise click.BadParameter(f"--set {_short_repr(value)} is not JSON ({exc})") from None
 
 
 @leases.command()

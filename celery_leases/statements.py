@@ -707,6 +707,18 @@ class Statements:
                 return upsert.on_duplicate_key_update({c: upsert.inserted[c] for c in columns[1:]})
 
             self.save_cursor = self.save_cursor_in_tx = upsert_of(written)
+            # An operator's (or a test helper's) cursor, written only while no job holds the
+            # key (schema.KEY_HELD): the key's next run reads it, and no attempt can write
+            # over it meanwhile. A NULL cursor clears it. Job and token NULL: no attempt wrote it.
+            self.set_cursor = upsert_of(
+                sa.select(
+                    param("key", k.c.lease_key.type),
+                    param("cursor", k.c.cursor_state.type),
+                    sa.cast(sa.null(), k.c.job_id.type),
+                    sa.cast(sa.null(), sa.BigInteger()),
+                    now,
+                ).where(~sa.exists(sa.select(t.c.id).where(holds_key)))
+            )
             # In a transaction of the task's (save_cursor(connection=...)), on PostgreSQL: the
             # statement bounds how long that transaction may sit idle, as checkpoint_in_tx
             # does: its share lock on the job's row must not outlive the lease either.

@@ -336,6 +336,20 @@ class Store:
             self._guard_idle_writes(connection, idle_limit)
             return run(connection)
 
+    def set_cursor(self, key: str, state: str | None) -> bool:
+        """Set the cursor of lease key ``key`` to ``state`` (JSON text; None clears it), for
+        an operator or a test: only while no job holds the key (none queued, running, or
+        ended with a follow-up to start). False, and nothing written, when one does. One
+        statement."""
+        params = {"b_key": key, "b_cursor": state}
+
+        def run(c: Connection) -> bool:
+            if self.db.returning:
+                return c.execute(self.sql.set_cursor, params).first() is not None
+            return bool(c.execute(self.sql.set_cursor, params).rowcount)
+
+        return self._run(run, single=True)  # type: ignore[no-any-return]
+
     def forget(self, job_id: str) -> bool:
         """Delete a job registered but never published (its publish failed)."""
         return self._count(self.sql.forget, {"b_id": job_id}) == 1

@@ -20,7 +20,7 @@ from typing import Any
 from celery.utils import uuid
 
 from .lease import Lease
-from .rows import Job
+from .rows import Job, dumps
 from .signals import checkpoint_saved
 
 __all__ = ["CrashRun", "SimulatedCrash", "assert_resumable", "run_with_crashes"]
@@ -114,11 +114,19 @@ def assert_resumable(
 
     Runs the task once without a crash and once with ``crash_after`` crashes (calling
     ``reset()`` before each run to clear your own side effects), then checks that both runs
-    saved the same sequence of checkpoints and returned the same result.
+    saved the same sequence of checkpoints and returned the same result. For a task with a
+    lease key, both runs start from the key's cursor as it was before the first one (it is
+    set back in between), and must leave the same cursor.
     """
+    store = task.lease_store
+    key = task.key_for(list(args), kwargs or {})
+    cursor = _cursor_text(store, key)
     if reset is not None:
         reset()
     reference = run_with_crashes(task, args, kwargs, crash_after=())
+    reference_cursor = _cursor_text(store, key)
+    if key is not None and not store.set_cursor(key, cursor):
+        raise AssertionError(f"lease key {key!r} is held by a job: its cursor was not set back")
     if reset is not None:
         reset()
     crashed = run_with_crashes(task, args, kwargs, crash_after=crash_after)
@@ -133,7 +141,21 @@ def assert_resumable(
         raise AssertionError(
             f"{task.name} returned {crashed.result!r} after crashes, {reference.result!r} without"
         )
+    crashed_cursor = _cursor_text(store, key)
+    if crashed_cursor != reference_cursor:
+        raise AssertionError(
+            f"{task.name} left the cursor of {key!r} at {crashed_cursor} after crashes, "
+            f"{reference_cursor} without"
+        )
     return crashed
+
+
+def _cursor_text(store: Any, key: str | None) -> str | None:
+    """The key's cursor as JSON text (None for no key or no cursor), to set back as it was."""
+    if key is None:
+        return None
+    cursor = store.cursor(key)
+    return None if cursor is None else dumps(cursor)
 
 
 def _short(values: list[Any], limit: int = 12) -> str:

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 
 import celery_leases
 from celery_leases import migrations
+from celery_leases.message import KEY_HEADER
 from celery_leases.rows import Refused
 from celery_leases.store import Store
 from tests.support.cli import (
@@ -298,6 +299,51 @@ def test_purge_deletes_only_jobs_finished_longer_ago_than_older_than(
     assert output == "purged 2 finished jobs older than 1d\n"
     left = {job.id for job in store.list_jobs()}
     assert left == set(ids.values()) - {ids["done"], ids["failed"]}
+
+
+# -- a lease key's cursor -------------------------------------------------------------------------
+
+
+def test_cursor_shows_sets_and_clears_a_keys_cursor_only_while_no_job_holds_the_key(
+    cli: Cli, store: Store
+) -> None:
+    assert (cli("cursor", "acct:7").stdout, cli("cursor", "acct:7").returncode) == ("none\n", 0)
+    done = cli("cursor", "acct:7", "--set", '{"since": "2026-11-30", "page": 3}')
+    assert done.returncode == 0 and "cursor of 'acct:7' set to" in done.stdout
+    assert store.cursor("acct:7") == {"since": "2026-11-30", "page": 3}
+    assert json.loads(cli("cursor", "acct:7").stdout) == {"since": "2026-11-30", "page": 3}
+
+    job_id = "c0ffee00-cursor"
+    store.register(job_message(job_id, "cli.count", args=[5], **{KEY_HEADER: "acct:7"}))
+    held = assert_one_error_line(cli("cursor", "acct:7", "--clear"), 1)
+    assert "lease key 'acct:7' is held by a job" in held
+    claim(store, job_id)
+    assert_one_error_line(cli("cursor", "acct:7", "--set", "1"), 1)
+    assert store.cursor("acct:7") == {"since": "2026-11-30", "page": 3}  # untouched
+
+    assert store.cancel_queued(job_id) or store.end_live(job_id, state="revoked", error="x")
+    assert cli("cursor", "acct:7", "--clear").returncode == 0
+    assert store.cursor("acct:7") is None
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (("--set", "{since: 1}"), 2, "--set '{since: 1}' is not JSON"),
+        (("--set", "NaN"), 2, "NaN is not JSON"),
+        (("--set", "1", "--clear"), 2, "give --set or --clear, not both"),
+    ],
+)
+def test_cursor_refuses_what_is_not_json_in_one_line_and_writes_nothing(
+    cli: Cli, store: Store, args: tuple[str, ...], code: int, message: str
+) -> None:
+    assert message in assert_one_error_line(cli("cursor", "acct:8", *args), code)
+    assert store.cursor("acct:8") is None
+
+
+def test_cursor_of_a_key_the_table_cannot_hold_is_one_line(cli: Cli) -> None:
+    line = assert_one_error_line(cli("cursor", "k" * 300), 1)
+    assert "lease key" in line and "cannot be stored" in line
 
 
 @pytest.fixture

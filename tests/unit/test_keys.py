@@ -294,6 +294,32 @@ def test_the_holder_saves_the_keys_cursor_and_the_next_run_reads_it(store: Store
     assert store.cursor(KEY) == {"since": 20}  # it outlives the job
 
 
+def test_a_keys_cursor_is_set_or_cleared_only_while_no_job_holds_the_key(store: Store) -> None:
+    assert store.set_cursor(KEY, '{"since":5}')  # no job of the key yet
+    assert store.cursor(KEY) == {"since": 5}
+    first = trigger("t1")
+    store.register(first)
+
+    # Queued, running, or ended with a follow-up to start: the key is held, nothing written
+    assert not store.set_cursor(KEY, '{"since":0}')
+    lease = claimed(store, first)
+    assert store.save_cursor(KEY, "t1", lease.token, '{"since":10}')
+    assert not store.set_cursor(KEY, None)
+    store.register(trigger("t2"))
+    store.finish("t1", lease.token, result=None)
+    assert not store.set_cursor(KEY, None)  # t1 ended, its follow-up not recorded yet
+    assert store.cursor(KEY) == {"since": 10}
+
+    followup = store.start_followup("t1")
+    assert followup is not None
+    store.finish("t2", claimed(store, followup).token, result=None)
+    assert store.set_cursor(KEY, '{"since":3}')  # rewound
+    assert store.cursor(KEY) == {"since": 3}
+    assert store.set_cursor(KEY, None)
+    assert store.cursor(KEY) is None
+    assert store.set_cursor("account:other", None)  # a key never seen: nothing to clear
+
+
 def test_a_stale_attempt_cannot_write_the_keys_cursor(store: Store) -> None:
     first = trigger("t1")
     store.register(first)

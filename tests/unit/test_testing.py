@@ -71,3 +71,59 @@ def test_run_with_crashes_kills_each_attempt_after_the_planned_checkpoint(app: C
     assert run.attempts == 4
     assert run.checkpoints == [{"page": p} for p in range(1, 6)]
     assert run.result == 5
+
+
+def keyed(app: Celery, broken: str | None = None) -> LeasedTask:
+    """A sync of ``pages`` pages of one account from the key's cursor, checkpointing and
+    saving the cursor after each page. Broken on purpose: ``"cursor"`` saves as its cursor the
+    pages this attempt fetched, not where the sync got to; ``"end"`` counts its pages from the
+    cursor each attempt starts from, so a resumed attempt, which finds the cursor moved, goes
+    too far."""
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.keyed", lease_key="acct:{0}")
+    def sync(self: LeasedTask, account: str, pages: int) -> int:
+        state = self.lease.checkpoint or {}
+        page = state.get("page", self.lease.cursor or 0)
+        end = state.get("end", page + pages)
+        if broken == "end":
+            end = (self.lease.cursor or 0) + pages
+        fetched = 0
+        while page < end:
+            stored.append(page)
+            page += 1
+            fetched += 1
+            # The cursor first: a crash between the two writes must not lose it (or in one
+            # transaction, with connection=)
+            self.save_cursor(fetched if broken == "cursor" else page)
+            self.checkpoint({"page": page, "end": end})
+        return page
+
+    return sync
+
+
+def test_a_keyed_task_runs_both_times_from_the_keys_cursor_as_it_was(app: Celery) -> None:
+    task = keyed(app)
+    first = assert_resumable(task, ["a1", 4], crash_after=[1], reset=stored.clear)
+    assert (first.result, task.lease_store.cursor("acct:a1")) == (4, 4)
+    assert stored == [0, 1, 2, 3]
+
+    # The next sync of the account starts where the last one ended, both runs alike
+    second = assert_resumable(task, ["a1", 3], crash_after=[2, 1], reset=stored.clear)
+
+    assert second.resumed_from == [None, {"page": 6, "end": 7}, {"page": 7, "end": 7}]
+    assert (second.result, task.lease_store.cursor("acct:a1")) == (7, 7)
+    assert stored == [4, 5, 6]
+
+
+def test_a_keyed_task_that_leaves_another_cursor_after_a_crash_is_caught(app: Celery) -> None:
+    task = keyed(app, broken="cursor")
+    with pytest.raises(AssertionError, match="left the cursor of 'acct:a1' at 2 after crashes, 4"):
+        assert_resumable(task, ["a1", 4], crash_after=[2], reset=stored.clear)
+
+
+def test_a_keyed_task_that_counts_from_the_moved_cursor_after_a_crash_is_caught(
+    app: Celery,
+) -> None:
+    task = keyed(app, broken="end")
+    with pytest.raises(AssertionError, match="does not resume from its checkpoint"):
+        assert_resumable(task, ["a1", 4], crash_after=[2], reset=stored.clear)
