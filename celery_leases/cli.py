@@ -19,11 +19,10 @@ from kombu.utils import json as kombu_json
 from . import control
 from .config import Settings, settings_for
 from .errors import InvalidJobState, JobNotFound, LeaseError, StoreUnavailable
-from .identity import checked_key
 from .migrations import upgrade
 from .reaper import reap as reap_pass
 from .rows import Job, dumps
-from .schema import CANCELLED, FAILED, MAX_ID_LENGTH, RUNNING, STATES
+from .schema import CANCELLED, FAILED, MAX_ID_LENGTH, MAX_KEY_LENGTH, RUNNING, STATES
 from .store import Store, store_for
 from .view import (
     JOB_COLUMNS,
@@ -78,6 +77,22 @@ class JobId(click.ParamType):  # type: ignore[type-arg]
             self.fail(
                 f"{_short_repr(value)} is not a job id (1 to {MAX_ID_LENGTH} printable "
                 f"characters, no spaces)",
+                param,
+                ctx,
+            )
+        return text
+
+
+class LeaseKey(click.ParamType):  # type: ignore[type-arg]
+    """A lease key the table can hold whole."""
+
+    name = "key"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        text = str(value)
+        if not text or len(text) > MAX_KEY_LENGTH:
+            self.fail(
+                f"{_short_repr(value)} is not a lease key (1 to {MAX_KEY_LENGTH} characters)",
                 param,
                 ctx,
             )
@@ -312,7 +327,7 @@ def release(job_id: str) -> None:
 
 
 @leases.command()
-@click.argument("key")
+@click.argument("key", type=LeaseKey())
 @click.option("--set", "value", metavar="JSON", help="Set the cursor to this JSON value.")
 @click.option("--clear", is_flag=True, help="Clear it: the key's next run starts afresh.")
 def cursor(key: str, value: str | None, clear: bool) -> None:
@@ -323,7 +338,6 @@ def cursor(key: str, value: str | None, clear: bool) -> None:
     """
     if value is not None and clear:
         raise click.BadParameter("give --set or --clear, not both")
-    key = str(checked_key(key))
     store = _store()
     if value is None and not clear:
         current = store.cursor(key)
@@ -346,8 +360,9 @@ def _json_text(value: Any) -> str:
 
     try:
         return dumps(json.loads(str(value), parse_constant=refuse))
-    except ValueError as exc:
-        raise click.BadParameter(f"--set {_short_repr(value)} is not JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise click.BadParameter(f"--set {_short_repr(value)} is not JSON ({why})") from None
 
 
 @leases.command()

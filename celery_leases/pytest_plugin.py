@@ -170,16 +170,17 @@ def _rebuild_connections(app: Any) -> None:
     configuration as it is now. Celery builds them at first use and keeps them: a test that
     used the app before (``task.apply``, or a publish to your real broker) would otherwise
     leave ``result.get()`` on the old backend (``DisabledBackend``: "No result backend is
-    configured") and ``delay()`` on the old broker."""
-    pool = app._pool
+    configured") and ``delay()`` on the old broker.
+
+    The pools are only let go of, as Celery does after a fork: kombu keeps them in its cache,
+    by broker, for whoever uses that broker next (closing one would make the next test using
+    the same broker fail with "Acquire on closed pool")."""
     app._pool = None
-    if pool is not None:
-        pool.force_close_all()
     amqp = app.__dict__.get("amqp")
     if amqp is not None:
         amqp._producer_pool = None
     app._backend_cache = None
-    app._local = threading.local()  # the per-thread backend (and the app's oid)
+    app._local = threading.local()  # the per-thread backend (and thread_oid)
 
 
 @pytest.fixture

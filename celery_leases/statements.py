@@ -637,6 +637,11 @@ class Statements:
             t.c.lease_key == param("key"),
             sa.or_(t.c.state.in_(LIVE_STATES), t.c.followup_id.is_not(None)),
         )
+        if dialect in ("mysql", "mariadb"):
+            # The same condition, as the generated live_key (KEY_HELD's key, else NULL): one
+            # lookup in its unique index. The condition above reads (and, in an UPDATE under
+            # REPEATABLE READ, locks) every live job through an index merge.
+            holds_key = t.c.live_key == param("key", t.c.live_key.type)
         coalesced = (t.c.id, t.c.attempts, t.c.followup_id)
         self.key_holder = sa.select(*coalesced).where(holds_key)
         takes_followup = sa.and_(holds_key, t.c.attempts > 0, t.c.followup_id.is_(None))

@@ -120,12 +120,13 @@ def assert_resumable(
     """
     store = task.lease_store
     key = task.key_for(list(args), kwargs or {})
-    cursor = _cursor_text(store, key)
     if reset is not None:
         reset()
+    cursor = None if key is None else store.cursor(key)
     reference = run_with_crashes(task, args, kwargs, crash_after=())
-    reference_cursor = _cursor_text(store, key)
-    if key is not None and not store.set_cursor(key, cursor):
+    reference_cursor = None if key is None else store.cursor(key)
+    set_back = None if cursor is None else dumps(cursor)
+    if key is not None and not store.set_cursor(key, set_back):
         raise AssertionError(f"lease key {key!r} is held by a job: its cursor was not set back")
     if reset is not None:
         reset()
@@ -141,21 +142,13 @@ def assert_resumable(
         raise AssertionError(
             f"{task.name} returned {crashed.result!r} after crashes, {reference.result!r} without"
         )
-    crashed_cursor = _cursor_text(store, key)
+    crashed_cursor = None if key is None else store.cursor(key)
     if crashed_cursor != reference_cursor:
         raise AssertionError(
-            f"{task.name} left the cursor of {key!r} at {crashed_cursor} after crashes, "
-            f"{reference_cursor} without"
+            f"{task.name} left the cursor of {key!r} at {crashed_cursor!r} after crashes, "
+            f"{reference_cursor!r} without"
         )
     return crashed
-
-
-def _cursor_text(store: Any, key: str | None) -> str | None:
-    """The key's cursor as JSON text (None for no key or no cursor), to set back as it was."""
-    if key is None:
-        return None
-    cursor = store.cursor(key)
-    return None if cursor is None else dumps(cursor)
 
 
 def _short(values: list[Any], limit: int = 12) -> str:

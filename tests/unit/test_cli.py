@@ -332,6 +332,7 @@ def test_cursor_shows_sets_and_clears_a_keys_cursor_only_while_no_job_holds_the_
         (("--set", "{since: 1}"), 2, "--set '{since: 1}' is not JSON"),
         (("--set", "NaN"), 2, "NaN is not JSON"),
         (("--set", "1", "--clear"), 2, "give --set or --clear, not both"),
+        (("--set", "[" * 100_000), 2, "is not JSON (nested too deeply)"),
     ],
 )
 def test_cursor_refuses_what_is_not_json_in_one_line_and_writes_nothing(
@@ -342,8 +343,8 @@ def test_cursor_refuses_what_is_not_json_in_one_line_and_writes_nothing(
 
 
 def test_cursor_of_a_key_the_table_cannot_hold_is_one_line(cli: Cli) -> None:
-    line = assert_one_error_line(cli("cursor", "k" * 300), 1)
-    assert "lease key" in line and "cannot be stored" in line
+    line = assert_one_error_line(cli("cursor", "k" * 300), 2)
+    assert "is not a lease key (1 to 255 characters)" in line
 
 
 @pytest.fixture

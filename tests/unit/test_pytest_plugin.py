@@ -185,10 +185,15 @@ def test_an_app_used_before_the_fixture_gets_the_tests_backend_and_broker_then_i
             assert double.delay(21).get(timeout=30) == 42
 
 
+        def test_and_again_in_the_next_test(leased_worker):
+            assert double.delay(4).get(timeout=30) == 8
+
+
         def test_and_after_it_the_apps_own_again():
             assert isinstance(app.backend, DisabledBackend)
             assert app.pool.connection.transport_cls == "amqp"
+            app.pool.acquire().release()  # a pool that can still be used, not a closed one
         """,
     )
 
-    result.assert_outcomes(passed=3)
+    result.assert_outcomes(passed=4)

@@ -127,3 +127,17 @@ def test_a_keyed_task_that_counts_from_the_moved_cursor_after_a_crash_is_caught(
     task = keyed(app, broken="end")
     with pytest.raises(AssertionError, match="does not resume from its checkpoint"):
         assert_resumable(task, ["a1", 4], crash_after=[2], reset=stored.clear)
+
+
+def test_a_reset_that_clears_the_keys_cursor_starts_both_runs_afresh(app: Celery) -> None:
+    task = keyed(app)
+    assert_resumable(task, ["a1", 4], crash_after=[1], reset=stored.clear)  # cursor now 4
+
+    def reset() -> None:
+        stored.clear()
+        assert task.lease_store.set_cursor("acct:a1", None)
+
+    run = assert_resumable(task, ["a1", 3], crash_after=[1], reset=reset)
+
+    assert run.resumed_from == [None, {"page": 1, "end": 3}]
+    assert (run.result, task.lease_store.cursor("acct:a1")) == (3, 3)
