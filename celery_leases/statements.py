@@ -633,9 +633,16 @@ class Statements:
         # follow-up already has the job that serves it. Otherwise the trigger becomes the
         # follow-up of a job that has run, conditionally: MySQL evaluates SET left to right,
         # so the follow-up text is decided before its id changes.
+        # The states as literals in the text, as in the partial index's predicate: a plan made
+        # for any key (a prepared statement's generic plan on PostgreSQL; SQLite always) may use
+        # that index only if the query's condition is the predicate, values included. With the
+        # states as parameters, PostgreSQL's generic plan read the whole table.
+        live: Any = sa.bindparam(
+            "live_states", list(LIVE_STATES), expanding=True, literal_execute=True
+        )
         holds_key = sa.and_(
             t.c.lease_key == param("key"),
-            sa.or_(t.c.state.in_(LIVE_STATES), t.c.followup_id.is_not(None)),
+            sa.or_(t.c.state.in_(live), t.c.followup_id.is_not(None)),
         )
         if dialect in ("mysql", "mariadb"):
             # The same condition, as the generated live_key (KEY_HELD's key, else NULL): one

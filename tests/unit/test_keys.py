@@ -22,7 +22,7 @@ from celery_leases.keeper import all_keepers, keeper_for
 from celery_leases.message import KEY_HEADER, Message
 from celery_leases.rows import Claimed, Refused
 from celery_leases.store import Store, store_for
-from tests.support.driver import sent
+from tests.support.driver import executed, sent
 from tests.support.message import job_message
 
 OWNER = "worker-a/1"
@@ -292,6 +292,55 @@ def test_the_holder_saves_the_keys_cursor_and_the_next_run_reads_it(store: Store
 
     assert store.get("t1") is None
     assert store.cursor(KEY) == {"since": 20}  # it outlives the job
+
+
+def plan_of(store: Store, sql: str, params: Any) -> str:
+    """How the database runs ``sql`` (as the driver got it) for any values of its parameters:
+    SQLite's query plan; PostgreSQL's generic plan (a prepared statement's, after its first
+    runs); MariaDB's EXPLAIN (access type and key)."""
+    dialect = store.db.dialect
+    with store.engine.connect() as connection:
+        raw = connection.connection.dbapi_connection
+        cursor = raw.cursor()
+        try:
+            if dialect == "sqlite":
+                cursor.execute("EXPLAIN QUERY PLAN " + sql, params)
+                return " ".join(str(r[-1]) for r in cursor.fetchall())
+            if dialect == "postgresql":
+                names = list(params)
+                for number, name in enumerate(names, 1):
+                    sql = sql.replace(f"%({name})s", f"${number}")
+                cursor.execute(f"PREPARE holder AS {sql}")
+                cursor.execute("SET plan_cache_mode = force_generic_plan")
+                values = ", ".join(f"'{params[name]}'" for name in names)
+                cursor.execute(f"EXPLAIN EXECUTE holder({values})")
+                return " ".join(r[0] for r in cursor.fetchall())
+            cursor.execute("EXPLAIN " + sql, params)
+            return " ".join(f"type={r[3]} key={r[5]}" for r in cursor.fetchall())
+        finally:
+            cursor.close()
+
+
+def test_the_holder_of_a_key_is_found_by_an_index_whatever_the_table_holds(store: Store) -> None:
+    """Not a scan of the jobs: the query's condition must be the partial index's predicate,
+    values included (SQLite, PostgreSQL's generic plans), or MariaDB's generated live_key."""
+    for n in range(50):  # other jobs, so a scan would look as cheap as it is
+        store.register(job_message(f"other-{n}", "tests.other"))
+    store.register(trigger("t1"))
+    with executed() as seen:
+        assert store.register(trigger("t2")).outcome == "coalesced"
+    _, compiled, params = seen[0]  # the read of the key's holder
+    sql, values = compiled.parameters(params)
+    assert "FROM" in sql and "SELECT" in sql, sql
+
+    plan = plan_of(store, sql, values)
+
+    assert {
+        "sqlite": "USING INDEX ix_",
+        "postgresql": "Index Scan using ix_",
+        "mysql": "type=const key=ix_",
+    }[store.db.dialect] in plan, plan
+    assert "_live_key" in plan, plan
 
 
 def test_a_keys_cursor_is_set_or_cleared_only_while_no_job_holds_the_key(store: Store) -> None:
