@@ -18,7 +18,8 @@ from kombu.utils import json as kombu_json
 
 from . import control
 from .config import Settings, settings_for
-from .errors import InvalidJobState, JobNotFound, LeaseError, StoreUnavailable
+from .errors import ArgumentsError, InvalidJobState, JobNotFound, LeaseError, StoreUnavailable
+from .identity import checked_key
 from .migrations import upgrade
 from .reaper import reap as reap_pass
 from .rows import Job, dumps
@@ -89,14 +90,14 @@ class LeaseKey(click.ParamType):  # type: ignore[type-arg]
     name = "key"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        text = str(value)
-        if not text or len(text) > MAX_KEY_LENGTH:
+        try:
+            return checked_key(str(value))
+        except ArgumentsError:
             self.fail(
                 f"{_short_repr(value)} is not a lease key (1 to {MAX_KEY_LENGTH} characters)",
                 param,
                 ctx,
             )
-        return text
 
 
 def _short_repr(value: Any) -> str:

@@ -633,22 +633,23 @@ class Statements:
         # follow-up already has the job that serves it. Otherwise the trigger becomes the
         # follow-up of a job that has run, conditionally: MySQL evaluates SET left to right,
         # so the follow-up text is decided before its id changes.
-        # The states as literals in the text, as in the partial index's predicate: a plan made
-        # for any key (a prepared statement's generic plan on PostgreSQL; SQLite always) may use
-        # that index only if the query's condition is the predicate, values included. With the
-        # states as parameters, PostgreSQL's generic plan read the whole table.
-        live: Any = sa.bindparam(
-            "live_states", list(LIVE_STATES), expanding=True, literal_execute=True
-        )
-        holds_key = sa.and_(
-            t.c.lease_key == param("key"),
-            sa.or_(t.c.state.in_(live), t.c.followup_id.is_not(None)),
-        )
         if dialect in ("mysql", "mariadb"):
-            # The same condition, as the generated live_key (KEY_HELD's key, else NULL): one
-            # lookup in its unique index. The condition above reads (and, in an UPDATE under
-            # REPEATABLE READ, locks) every live job through an index merge.
+            # KEY_HELD as the generated live_key (its key, else NULL): one lookup in its unique
+            # index. The condition below would read (and, in an UPDATE under REPEATABLE READ,
+            # lock) every live job through an index merge.
             holds_key = t.c.live_key == param("key", t.c.live_key.type)
+        else:
+            # The states as literals in the text, as in the partial index's predicate: a plan
+            # made for any key (a prepared statement's generic plan on PostgreSQL; SQLite
+            # always) may use that index only if the query's condition is the predicate,
+            # values included. With them as parameters, both read the whole table.
+            live: Any = sa.bindparam(
+                "live_states", list(LIVE_STATES), expanding=True, literal_execute=True
+            )
+            holds_key = sa.and_(
+                t.c.lease_key == param("key"),
+                sa.or_(t.c.state.in_(live), t.c.followup_id.is_not(None)),
+            )
         coalesced = (t.c.id, t.c.attempts, t.c.followup_id)
         self.key_holder = sa.select(*coalesced).where(holds_key)
         takes_followup = sa.and_(holds_key, t.c.attempts > 0, t.c.followup_id.is_(None))

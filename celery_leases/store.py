@@ -108,6 +108,13 @@ class Store:
             raise
         return True
 
+    def _upserted(self, c: Connection, stmt: Any, params: dict[str, Any]) -> bool:
+        """Run a conditional upsert of a key's cursor; True when it wrote (RETURNING where the
+        dialect has it, else the row count of ``ON DUPLICATE KEY UPDATE``)."""
+        if self.db.returning:
+            return c.execute(stmt, params).first() is not None
+        return bool(c.execute(stmt, params).rowcount)
+
     def _keyed(self, c: Connection, write: Any) -> Any:
         """Run ``write``, a statement that makes a job live; :class:`_KeyTaken` when another
         live job holds its lease key (the unique index on live keys refused it)."""
@@ -326,9 +333,7 @@ class Store:
             params["b_idle_ms"] = str(math.ceil(idle_limit * 1000))
 
         def run(c: Connection) -> bool:
-            if self.db.returning:
-                return c.execute(stmt, params).first() is not None
-            return bool(c.execute(stmt, params).rowcount)
+            return self._upserted(c, stmt, params)
 
         if connection is None:
             return self._hot(run)  # type: ignore[no-any-return]
@@ -342,13 +347,9 @@ class Store:
         ended with a follow-up to start). False, and nothing written, when one does. One
         statement."""
         params = {"b_key": key, "b_cursor": state}
-
-        def run(c: Connection) -> bool:
-            if self.db.returning:
-                return c.execute(self.sql.set_cursor, params).first() is not None
-            return bool(c.execute(self.sql.set_cursor, params).rowcount)
-
-        return self._run(run, single=True)  # type: ignore[no-any-return]
+        return self._run(  # type: ignore[no-any-return]
+            lambda c: self._upserted(c, self.sql.set_cursor, params), single=True
+        )
 
     def forget(self, job_id: str) -> bool:
         """Delete a job registered but never published (its publish failed)."""

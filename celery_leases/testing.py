@@ -120,11 +120,15 @@ def assert_resumable(
     """
     store = task.lease_store
     key = task.key_for(list(args), kwargs or {})
+
+    def key_cursor() -> Any:
+        return None if key is None else store.cursor(key)
+
     if reset is not None:
         reset()
-    cursor = None if key is None else store.cursor(key)
+    cursor = key_cursor()
     reference = run_with_crashes(task, args, kwargs, crash_after=())
-    reference_cursor = None if key is None else store.cursor(key)
+    reference_cursor = key_cursor()
     set_back = None if cursor is None else dumps(cursor)
     if key is not None and not store.set_cursor(key, set_back):
         raise AssertionError(f"lease key {key!r} is held by a job: its cursor was not set back")
@@ -142,7 +146,7 @@ def assert_resumable(
         raise AssertionError(
             f"{task.name} returned {crashed.result!r} after crashes, {reference.result!r} without"
         )
-    crashed_cursor = None if key is None else store.cursor(key)
+    crashed_cursor = key_cursor()
     if crashed_cursor != reference_cursor:
         raise AssertionError(
             f"{task.name} left the cursor of {key!r} at {crashed_cursor!r} after crashes, "
