@@ -141,9 +141,9 @@ def scratch(url: str, tag: str, *, leases: bool = True) -> Iterator[str]:
     """A table name of this run's own in ``url``; with ``leases`` the migrations make it a
     jobs table. On exit that table (and its migrations) and any ``<name>_*`` table (a unit
     log) are dropped."""
-    from celery_leases import migrations
-    from celery_leases.config import DEFAULTS, validate
-    from celery_leases.store import Store
+    from celery_leases.db import migrations
+    from celery_leases.db.store import Store
+    from celery_leases.settings import DEFAULTS, validate
 
     name = f"bench_{tag}_{uuid.uuid4().hex[:6]}"
     store = Store(validate(DEFAULTS | {"database_url": url, "table": name}))

@@ -2,7 +2,7 @@
 
 Claim, renew (one lease), checkpoint (100 B, 10 KB, 1 MB) and finish, timed as the library
 calls them, alternate in blocks with the same work sent by hand through the same DBAPI
-connection (the store's direct connection, ``celery_leases/direct.py``), as many statements
+connection (the store's direct connection, ``celery_leases/db/dbapi.py``), as many statements
 and round trips as the library sends (counted at the driver): on PostgreSQL and SQLite ONE
 single-row autocommit UPDATE; on MariaDB, for claim and renew (no RETURNING there: they read
 their row back), BEGIN, UPDATE, SELECT by primary key, COMMIT. Medians and p90 in ms.
@@ -37,9 +37,9 @@ from bench.common import (
     scratch,
     steady,
 )
-from celery_leases import migrations
-from celery_leases.config import DEFAULTS, validate
-from celery_leases.store import Store
+from celery_leases.db import migrations
+from celery_leases.db.store import Store
+from celery_leases.settings import DEFAULTS, validate
 from tests.support.driver import direct_connection, executed, is_control, traced
 from tests.support.message import job_message
 

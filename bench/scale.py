@@ -21,8 +21,8 @@ from celery import Celery
 
 from bench.common import median_ms, parser, report, row, scratch
 from bench.operations import claim, engine, finish, open_store, register, renew
-from celery_leases import register_reaper
-from celery_leases.config import DEFAULTS
+from celery_leases.reaper import register_reaper
+from celery_leases.settings import DEFAULTS
 from tests.support.driver import direct_connection
 from tests.support.scenario import close_app
 from tests.support.service import POSTGRES_URL, private_redis_url

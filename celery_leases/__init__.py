@@ -1,10 +1,17 @@
-"""celery-leases: Celery tasks that hold a database lease, checkpoint, and resume after a crash."""
+"""celery-leases: Celery tasks that hold a database lease, checkpoint, and resume after a crash.
+
+Users import from here only. The package's wings: ``db/`` (storage: the only part that speaks
+SQL), ``worker/`` (what runs in a worker's processes besides the task body), ``cli/`` (the
+``celery leases`` commands), ``contrib/django``; the core modules beside them (``task``,
+``attempt``, ``checkpoint``, ``publish``, ``keys``, ``reaper``, ...) hold one concept each.
+"""
 
 from __future__ import annotations
 
-from . import startup as _startup  # noqa: F401  (connects the worker and beat start checks)
-from . import worker as _worker  # noqa: F401  (connects the worker signals)
-from .config import DEFAULTS, Settings, reread_settings
+from .config import reread_settings
+from .control import get_job, migrate
+from .db.migrations import Migrated
+from .db.rows import Job
 from .errors import (
     ArgumentsError,
     Cancelled,
@@ -22,11 +29,7 @@ from .errors import (
 )
 from .lease import Lease
 from .metrics import JobsCollector
-from .migrations import Migrated, migrate
-from .reaper import ReapReport, reap, reap_task, register_reaper, schedule_reaper
-from .rows import Job
-from .schema import jobs_table, metadata
-from .store import get_job
+from .reaper import ReapReport, reap, schedule_reaper
 from .task import LeasedTask
 
 __all__ = [  # noqa: RUF022  (grouped by what a user does with each name)
@@ -40,22 +43,16 @@ __all__ = [  # noqa: RUF022  (grouped by what a user does with each name)
     "LeaseLost",
     # Running the reaper
     "schedule_reaper",
-    "register_reaper",
     "reap",
-    "reap_task",
     "ReapReport",
     # Reading jobs and watching them
     "get_job",
     "Job",
     "JobsCollector",
-    # Configuration and schema
-    "DEFAULTS",
-    "Settings",
+    # The table and the settings
     "migrate",
     "Migrated",
     "reread_settings",
-    "jobs_table",
-    "metadata",
     # Errors
     "LeaseError",
     "ArgumentsError",

@@ -1,8 +1,8 @@
 """One attempt at a leased job, in the worker process that runs it.
 
 :class:`Attempt` claims the lease, runs the task body with the keeper renewing it, and records
-how the attempt ended (done, failed, cancelled, handed back, retried, lost). :func:`checkpoint`
-is the fenced write behind ``LeasedTask.checkpoint``.
+how the attempt ended (done, failed, cancelled, handed back, retried, lost). The fenced writes
+the body makes are ``checkpoint.py``'s.
 """
 
 from __future__ import annotations
@@ -10,16 +10,17 @@ from __future__ import annotations
 import os
 import random
 import socket
-import time
 import traceback
-from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_task_logger
 
-from . import metrics, rows
-from .database import ended_idle_transaction
+from . import keys, metrics
+from .db import Store, rows
+from .db.errors import ended_idle_transaction
+from .db.rows import Refused
+from .db.schema import CANCELLED, QUEUED
 from .errors import (
     Cancelled,
     CorruptJob,
@@ -28,17 +29,12 @@ from .errors import (
     Preempted,
     StoreUnavailable,
 )
-from .keeper import Keeper, keeper_for
-from .lease import Lease, holding
+from .lease import Lease, holding, until_deadline
 from .log import job_fields, lease_fields
 from .message import DB_RETRY_HEADER, KEY_HEADER, Message
-from .rows import Refused
-from .schema import CANCELLED, QUEUED
-from .store import Store
+from .worker.keeper import Keeper, keeper_for
 
 logger = get_task_logger("celery_leases")
-
-T = TypeVar("T")
 
 #: What a process (or a gevent worker's greenlet) raises when it is being stopped.
 GOING_DOWN: tuple[type[BaseException], ...] = (SystemExit, KeyboardInterrupt)
@@ -337,7 +333,7 @@ class Attempt:
         # report it lost while the follow-up is recorded and published.
         lease.released = True
         if lease.key is not None:
-            start_followup(self.task, lease.job_id)
+            keys.start_followup(self.task.app, self.store, lease.job_id)
 
     def hand_back(self, lease: Lease, *, reap_in: float | None) -> str | None:
         """Give the lease back; the job's state after it (None: not handed back)."""
@@ -370,55 +366,6 @@ class Attempt:
             logger.error(
                 "job %s: could not store REVOKED: %r", request.id, exc, extra=job_fields(request.id)
             )
-
-
-def start_followup(task: Any, job_id: str) -> None:
-    """Record and send the follow-up run of the ended keyed job ``job_id``, if a trigger of
-    its key waits for one. A failure is logged: the reaper starts it then (``reap``)."""
-    try:
-        followup = task.lease_store.start_followup(job_id)
-        if followup is not None:
-            followup.send(task.app)
-            logger.info(
-                "job %s: ended; the follow-up run of its key is job %s", job_id, followup.id
-            )
-    except Exception as exc:
-        logger.error(
-            "job %s: could not start the follow-up run of its key (the reaper will): %r",
-            job_id,
-            exc,
-        )
-
-
-def until_deadline(
-    lease: Lease,
-    operation: Callable[[], T],
-    *,
-    waiting: str,
-    gave_up: str | None = None,
-    lost: bool = False,
-    first_delay: float = 0.1,
-) -> T:
-    """Run ``operation``, retrying while the database is unavailable and the lease has time
-    left. When it runs out: with ``lost``, the lease counts as lost (:class:`LeaseLost`);
-    otherwise ``gave_up`` is logged and the StoreUnavailable raised."""
-    delay = first_delay
-    while True:
-        try:
-            return operation()
-        except StoreUnavailable as exc:
-            if time.monotonic() + delay > lease.deadline:
-                if lost:
-                    lease.lost = True
-                    raise LeaseLost(
-                        f"job {lease.job_id}: database unreachable until the lease ended; "
-                        f"stop ({exc})"
-                    ) from exc
-                logger.error("%s", gave_up, extra=lease_fields(lease))
-                raise
-            logger.warning("%s: %s", waiting, exc, extra=lease_fields(lease))
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
 
 
 def _refusal_text(refused: Refused) -> str:

@@ -9,11 +9,11 @@ from typing import Any, NoReturn
 from celery.utils.log import get_task_logger
 from sqlalchemy.engine import Connection
 
-from . import event, metrics, rows
-from .attempt import until_deadline
-from .direct import Foreign
+from . import event, metrics
+from .db import rows
+from .db.dbapi import Foreign
 from .errors import Cancelled, CheckpointError, LeaseLost, Preempted
-from .lease import Lease
+from .lease import Lease, until_deadline
 from .log import job_fields, lease_fields
 from .signals import checkpoint_saved
 

@@ -1,223 +1,20 @@
-"""Every ``leases_*`` setting, declared once: its default, its check and its meaning.
+"""Reading the ``leases_*`` settings of a Celery app, and refusing the ones Celery would never
+read: a ``leases_*`` key that is no setting (a typo), a setting spelled in a case or with a
+prefix Celery does not look up, an unknown ``lease_*`` task option. Each one is a
+``ConfigurationError`` instead of a setting left at its default in silence.
 
-:class:`Settings` is the single declaration. ``DEFAULTS``, the validation, the per-task options
-(``@app.task(lease_duration=...)``) and the README table all derive from its fields. Durations
-are in seconds (``float``), sizes in bytes.
+The settings themselves are declared in ``settings.py``.
 """
 
 from __future__ import annotations
 
-import math
+import difflib
 import re
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .errors import ConfigurationError
-
-Check = Callable[[str, Any], Any]
-
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,47}$")
-
-
-def _fail(name: str, what: str, value: Any) -> ConfigurationError:
-    return ConfigurationError(f"leases_{name} must be {what}, not {value!r}")
-
-
-def seconds(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _fail(name, "a number of seconds", value)
-    if not value > 0 or math.isinf(value):
-        raise _fail(name, "a positive number", value)
-    return float(value)
-
-
-def count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _fail(name, "a positive integer", value)
-    return value
-
-
-def flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _fail(name, "True or False", value)
-    return value
-
-
-def optional(check: Check) -> Check:
-    return lambda name, value: None if value is None else check(name, value)
-
-
-def database_url(name: str, value: Any) -> str:
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        if isinstance(value, str) and "://" in value:
-            make_url(value)
-            return value
-    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
-        pass
-    raise ConfigurationError(
-        f"leases_{name} must be an SQLAlchemy URL such as 'postgresql+psycopg://host/db', "
-        f"not {redact(value)!r}"
-    )
-
-
-def identifier(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not _IDENTIFIER.match(value):
-        raise _fail(name, "a plain SQL identifier (letters, digits, _)", value)
-    return value
-
-
-def mapping(name: str, value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _fail(name, "a dict", value)
-    return dict(value)
-
-
-def setting(default: Any, check: Check, doc: str, *, per_task: bool = False) -> Any:
-    """Declare a setting: ``leases_<name>`` in ``app.conf``; with ``per_task`` also the task
-    option ``lease_<name>``. ``doc`` is its one-line meaning (the README table)."""
-    return field(default=default, metadata={"check": check, "doc": doc, "per_task": per_task})
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Validated settings; read them with :func:`settings_for`, not by hand."""
-
-    database_url: str = setting(
-        "sqlite:///celery_leases.sqlite3",
-        database_url,
-        "SQLAlchemy URL of the leases database (PostgreSQL, MariaDB/MySQL, SQLite)",
-    )
-    table: str = setting("celery_leases_jobs", identifier, "table name (letters, digits, `_`)")
-    engine_options: dict[str, Any] = setting(
-        None, optional(mapping), "extra `create_engine()` keyword arguments (None: none)"
-    )
-    duration: float = setting(
-        30.0,
-        seconds,
-        "seconds a lease lasts without renewal: how long the job of a frozen or cut-off "
-        "worker waits before it moves (a dead holder's job moves at the next reaper pass)",
-        per_task=True,
-    )
-    renew_interval: float = setting(
-        None,
-        optional(seconds),
-        "seconds between renewals (None: a third of the duration); shorter than the duration",
-        per_task=True,
-    )
-    max_checkpoint_bytes: int = setting(
-        1024 * 1024, count, "largest checkpoint, in bytes of its JSON", per_task=True
-    )
-    progress_events: bool | None = setting(
-        None,
-        optional(flag),
-        "send a `task-progress` Celery event at each checkpoint with progress, for Flower "
-        "(None: when the worker sends task events, `-E` / `worker_send_task_events`)",
-    )
-    db_retry_max_delay: float = setting(
-        60.0, seconds, "longest delay between re-deliveries while the database is down"
-    )
-    reap_batch: int = setting(500, count, "jobs per reaper batch")
-    reap_grace: float = setting(
-        None,
-        optional(seconds),
-        "seconds a re-published job is left alone before it is re-published again "
-        "(None: max(duration, 5))",
-    )
-    queued_timeout: float | None = setting(
-        None,
-        optional(seconds),
-        "seconds a queued job may wait for a worker before its message counts as lost and "
-        "is re-published (None: off)",
-    )
-    max_attempts_without_progress: int | None = setting(
-        3,
-        optional(count),
-        "consecutive attempts that die without a checkpoint before the reaper fails the job",
-    )
-    max_attempts: int | None = setting(None, optional(count), "hard cap on attempts (claims)")
-    retention: float = setting(
-        7 * 24 * 3600.0,
-        seconds,
-        "seconds finished jobs are kept before the reaper deletes them (7 days)",
-    )
-    stall_timeout: float | None = setting(
-        None,
-        optional(seconds),
-        "seconds without a checkpoint after which a running attempt stops renewing, so the "
-        "job moves (None: off)",
-        per_task=True,
-    )
-    kill_stalled: bool = setting(
-        True,
-        flag,
-        "with a stall timeout, also end the stalled prefork pool process, so the worker "
-        "replaces it and no message waits behind it (off: the process stays hung)",
-        per_task=True,
-    )
-    bind_session: bool = setting(
-        True,
-        flag,
-        "bind each lease to its holder's database session: a job whose holder died resumes "
-        "at the next reaper pass, not at its lease's expiry (behind a pooler such as "
-        "PgBouncer nothing is bound: PostgreSQL's is detected)",
-    )
-    preempt_on_shutdown: bool = setting(
-        True, flag, "on warm shutdown, running jobs hand back at their next checkpoint"
-    )
-    migrate_on_start: bool = setting(
-        False,
-        flag,
-        "a starting worker creates or upgrades the table (one host, development); off: "
-        "run `celery -A proj leases upgrade` when you deploy",
-    )
-
-    def with_task_options(self, task: Any) -> Settings:
-        """These settings with the task's own ``lease_*`` options applied and re-validated."""
-        overrides = {
-            f.name: getattr(task, f"lease_{f.name}")
-            for f in fields(self)
-            if f.metadata["per_task"] and getattr(task, f"lease_{f.name}", None) is not None
-        }
-        if not overrides:
-            return self
-        if "duration" in overrides and "renew_interval" not in overrides:
-            overrides["renew_interval"] = None
-        raw = {f.name: getattr(self, f.name) for f in fields(self)} | overrides
-        return validate(raw, where=f"task {getattr(task, 'name', task)!r}: ")
-
-
-#: Every setting's default, by name without the ``leases_`` prefix.
-DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Settings)}
-
-#: Names of the settings a task may override with ``lease_<name>``.
-TASK_OPTIONS = tuple(f.name for f in fields(Settings) if f.metadata["per_task"])
-
-
-def validate(raw: dict[str, Any], *, where: str = "") -> Settings:
-    """Check raw values (names without the ``leases_`` prefix) and build Settings."""
-    values: dict[str, Any] = {}
-    for f in fields(Settings):
-        try:
-            values[f.name] = f.metadata["check"](f.name, raw.get(f.name, f.default))
-        except ConfigurationError as exc:
-            raise ConfigurationError(f"{where}{exc}") from None
-    values["engine_options"] = values["engine_options"] or {}
-    duration = values["duration"]
-    renew = values["renew_interval"] or duration / 3
-    if renew >= duration:
-        raise ConfigurationError(
-            f"{where}leases_renew_interval ({renew:g} s) must be shorter than "
-            f"leases_duration ({duration:g} s), or every lease expires before it is renewed"
-        )
-    values["renew_interval"] = renew
-    if values["reap_grace"] is None:
-        values["reap_grace"] = max(duration, 5.0)
-    return Settings(**values)
+from .settings import DEFAULTS, TASK_OPTIONS, Settings, validate
 
 
 def settings_for(app: Any) -> Settings:
@@ -228,26 +25,38 @@ def settings_for(app: Any) -> Settings:
 
     Raises :class:`ConfigurationError` for a ``leases_*`` key that is no setting (a typo would
     otherwise leave its setting at the default: the default SQLite file, say), or one spelled
-    so that Celery never reads it (``spelling.unread_settings``).
+    so that Celery never reads it (:func:`unread_settings`).
     """
-    from .spelling import unread_settings
-
     problems = unread_settings(app)
     conf = app.conf
     if problems:
         raise ConfigurationError("; ".join(problems))
     raw = {name: conf.get(f"leases_{name}", default) for name, default in DEFAULTS.items()}
     if conf.get("leases_database_url") is None:
-        raw["database_url"] = _framework_database_url() or raw["database_url"]
+        raw["database_url"] = _default_url() or raw["database_url"]
     return validate(raw)
 
 
-def _framework_database_url() -> str | None:
-    if "django.conf" not in sys.modules:  # not a Django process: nothing to ask
-        return None
-    from .contrib.django.database import default_url
+#: Where an integration keeps the leases when an app names no database (``leases_database_url``
+#: unset): a function giving the URL, or None when it has nothing to say (not configured).
+DefaultURL = Callable[[], "str | None"]
+_default_urls: list[DefaultURL] = []
 
-    return default_url()
+
+def register_default_url(find: DefaultURL) -> None:
+    """Register ``find`` as a place the leases live when an app names no database: the
+    Django integration's app registers its project's database (``CELERY_LEASES_DATABASE_ALIAS``)
+    when Django loads it."""
+    if find not in _default_urls:
+        _default_urls.append(find)
+
+
+def _default_url() -> str | None:
+    for find in _default_urls:
+        url = find()
+        if url is not None:
+            return url
+    return None
 
 
 def conf_version(app: Any) -> tuple[Any, ...]:
@@ -262,8 +71,6 @@ def conf_version(app: Any) -> tuple[Any, ...]:
     changes = conf.changes
     keys = _CHANGE_KEYS.get(conf.prefix)
     if keys is None:
-        from .spelling import readable
-
         keys = _CHANGE_KEYS[conf.prefix] = tuple(
             key for name in DEFAULTS for key in readable(conf.prefix or "", name)
         )
@@ -293,46 +100,116 @@ def reread_settings(app: Any) -> None:
     app.__dict__[_GENERATION] = app.__dict__.get(_GENERATION, 0) + 1
 
 
+def mark_uses_leases(app: Any) -> None:
+    """Note that ``app`` uses celery-leases (a LeasedTask or the reaper is bound to it)."""
+    app.__dict__[_USES_LEASES] = True
+
+
+def uses_leases(app: Any) -> bool:
+    """Whether ``app`` has a LeasedTask or the reaper: the worker's signals act for such apps
+    only (every ``celery`` command imports this package for its CLI plugin)."""
+    app.tasks  # noqa: B018  (finalizes the app: its tasks are bound, which marks it)
+    return bool(app.__dict__.get(_USES_LEASES))
+
+
+_USES_LEASES = "_celery_leases_used"
 _GENERATION = "_celery_leases_settings_generation"
 _CHANGE_KEYS: dict[str | None, tuple[str, ...]] = {}
 
 
-def redact(url: Any) -> str:
-    """``url`` with its password replaced by ``***``, for messages and logs.
-
-    Everything between the user name and the last ``@`` before the host is hidden, so a
-    password holding ``@`` or ``:`` shows nothing of itself.
-    """
-    text = str(url)
-    scheme, sep, rest = text.partition("://")
-    if not sep or rest.startswith("/"):
-        return text
-    head, mark, query = rest.partition("?")
-    userinfo, at, host = head.rpartition("@")
-    if not at or ":" not in userinfo:
-        return text
-    user = userinfo.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}{mark}{query}"
+_LEASES_KEY = re.compile(r"^(?P<prefix>[a-z0-9_]*?_)?leases_(?P<name>\w+)$", re.IGNORECASE)
+#: ``leases_*`` settings read by an integration rather than ``Settings``: the Django database
+#: alias (``CELERY_LEASES_DATABASE_ALIAS``, ``celery_leases.contrib.django``).
+READ_ELSEWHERE = ("database_alias",)
 
 
-def markdown_table() -> str:
-    """The settings as the README's Markdown table (a test keeps the README in step)."""
-    lines = ["| setting | task option | default | meaning |", "|---|---|---|---|"]
-    for f in fields(Settings):
-        option = f"`lease_{f.name}`" if f.metadata["per_task"] else ""
-        lines.append(f"| `leases_{f.name}` | {option} | `{f.default!r}` | {f.metadata['doc']} |")
-    return "\n".join(lines)
+def unread_settings(app: Any) -> list[str]:
+    """What is wrong with the ``leases_*`` keys of a Celery app's configuration: a
+    name that is no setting, or a setting spelled in a case or with a prefix Celery does not
+    read (``LEASES_TABLE`` without a namespace, ``CELERY_LEASES_TABLE`` without the namespace
+    ``CELERY``). Empty when every such key is read. Keys with any other prefix
+    (``myapp_leases_x``) are not celery-leases' and are left alone."""
+    conf = loaded_conf(app)
+    prefix = conf.prefix or ""
+    ours = {"", "celery_", prefix.lower()}
+    problems = []
+    for key in sorted({str(k) for k in conf}):
+        found = _LEASES_KEY.match(key)
+        if found is None or (found["prefix"] or "").lower() not in ours:
+            continue
+        name = found["name"].lower()
+        read = key in readable(prefix, name)
+        if read and (name in DEFAULTS or name in READ_ELSEWHERE):
+            continue
+        if name in DEFAULTS:
+            where = f"with the namespace {prefix.rstrip('_')}," if prefix else "without a namespace"
+            problems.append(
+                f"setting {key} is never read ({where} Celery reads "
+                f"{' or '.join(readable(prefix, name))})"
+            )
+            continue
+        close = _close(name)
+        if close is None:
+            hint = ""
+        elif read:
+            hint = f" (did you mean {_respelled(key, close)}?)"
+        else:
+            hint = f" (did you mean {' or '.join(readable(prefix, close))}?)"
+        problems.append(f"unknown setting {key}{hint}: celery-leases has no such setting")
+    return problems
+
+
+def readable(prefix: str, name: str) -> tuple[str, ...]:
+    """The keys under which Celery finds the setting ``leases_<name>`` (``conf.get``)."""
+    plain = f"leases_{name}"
+    if not prefix:
+        return (plain,)
+    spelled = f"{prefix}{plain}"
+    return (spelled.upper() if prefix.isupper() else spelled, plain)
+
+
+def _close(name: str) -> str | None:
+    found = difflib.get_close_matches(name, list(DEFAULTS), n=1, cutoff=0.75)
+    return found[0] if found else None
+
+
+def _respelled(key: str, name: str) -> str:
+    """``key`` with its setting name replaced by ``name``, in the same case and prefix."""
+    found = _LEASES_KEY.match(key)
+    assert found is not None
+    head = key[: found.start("name")]
+    return head + (name.upper() if key.isupper() else name)
+
+
+def check_task_options(task_type: type, *, base: type) -> None:
+    """Refuse a ``lease_*`` (or ``leases_*``) attribute of a task class (``@app.task(...)``
+    options) that is no task option: a typo would leave the option at the app's setting."""
+    known = {f"lease_{name}" for name in TASK_OPTIONS} | set(vars(base))
+    for klass in task_type.__mro__:
+        if klass is base:
+            return
+        for name in vars(klass):
+            if name in known or not name.startswith(("lease_", "leases_")):
+                continue
+            option = name.split("_", 1)[1]
+            close = difflib.get_close_matches(option, TASK_OPTIONS, n=1, cutoff=0.75)
+            hint = f" (did you mean lease_{close[0]}?)" if close else ""
+            raise ConfigurationError(
+                f"task {getattr(task_type, 'name', task_type.__name__)!r}: unknown task option "
+                f"{name}{hint}; the task options are "
+                f"{', '.join(f'lease_{o}' for o in TASK_OPTIONS)}"
+            )
 
 
 __all__ = [
-    "DEFAULTS",
-    "TASK_OPTIONS",
-    "Settings",
+    "check_task_options",
     "conf_version",
     "loaded_conf",
-    "markdown_table",
-    "redact",
+    "mark_uses_leases",
+    "readable",
+    "register_default_url",
     "reread_settings",
     "settings_for",
-    "validate",
+    "unread_settings",
+    "uses_leases",
 ]

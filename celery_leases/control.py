@@ -1,7 +1,8 @@
-"""An operator's actions on one job: retry, cancel, release. The ``celery leases`` commands and
-the Django admin both call these; each goes through the store's conditional operations (never
-a raw edit of the row) and returns one line saying what happened, or raises
-:class:`LeaseError` (:class:`InvalidJobState` when the job is not in a state that allows it).
+"""What a user or an operator does to an app's leases: migrate the table, read a job, and act on
+one (retry, cancel, release). The ``celery leases`` commands and the Django admin call these;
+each action goes through the store's conditional operations (never a raw edit of the row) and
+returns one line saying what happened, or raises :class:`LeaseError`
+(:class:`InvalidJobState` when the job is not in a state that allows it).
 """
 
 from __future__ import annotations
@@ -9,10 +10,28 @@ from __future__ import annotations
 from typing import Any
 
 from .config import settings_for
+from .db import Store, store_for
+from .db.migrations import Migrated, upgrade
+from .db.rows import Job
+from .db.schema import FINISHED_STATES, QUEUED, RUNNING
 from .errors import InvalidJobState, LeaseError
 from .notice import announce_pending
-from .schema import FINISHED_STATES, QUEUED, RUNNING
-from .store import Store
+
+
+def migrate(app: Any, *, revision: str = "head") -> Migrated:
+    """Create or upgrade the leases table of the Celery ``app`` (its ``leases_*`` settings) up
+    to ``revision``: what ``celery -A proj leases upgrade`` runs. Safe to run again, and from
+    several processes at once."""
+    return upgrade(store_for(settings_for(app)), revision=revision)
+
+
+def get_job(app: Any, job_id: str) -> Job | None:
+    """The job recorded under ``job_id`` in ``app``'s leases table, or None.
+
+    The :class:`Job` has its state, checkpoint, attempts, token, owner and ``expires_in``
+    (seconds left on the lease by the database clock).
+    """
+    return store_for(settings_for(app)).get(job_id)
 
 
 def retry(app: Any, store: Store, job_id: str) -> str:

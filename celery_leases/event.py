@@ -31,7 +31,6 @@ logger = logging.getLogger("celery_leases")
 _worker_task_events: bool | None = None
 
 
-@worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
 def _note_task_events(sender: Any = None, **_: Any) -> None:
     global _worker_task_events
     _worker_task_events = bool(getattr(sender, "task_events", False))
@@ -74,4 +73,7 @@ def send_progress(task: Any, lease: Lease, done: int, total: int | None) -> None
         logger.debug("could not send %s of %s: %r", PROGRESS_EVENT, request.id, exc)
 
 
-__all__ = ["PROGRESS_EVENT", "enabled", "progress_text", "send_progress"]
+#: Each signal and the receiver ``worker.connect`` connects to it.
+RECEIVERS = ((worker_init, _note_task_events),)
+
+__all__ = ["PROGRESS_EVENT", "RECEIVERS", "enabled", "progress_text", "send_progress"]

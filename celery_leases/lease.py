@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from .errors import LeaseError
+from .errors import LeaseError, LeaseLost, StoreUnavailable
+from .log import lease_fields
+
+T = TypeVar("T")
+logger = logging.getLogger("celery_leases")
 
 _UNREAD: Any = object()
 
@@ -108,3 +113,44 @@ def holding(lease: Lease) -> Iterator[Lease]:
         yield lease
     finally:
         current.stack.remove(lease)
+
+
+def held(job_id: str | None) -> Lease | None:
+    """The lease this thread's running attempt holds on ``job_id`` (for a retry or a replace
+    of it), or None."""
+    for lease in current.stack:
+        if lease.job_id == job_id and not (lease.detached or lease.released):
+            return lease
+    return None
+
+
+def until_deadline(
+    lease: Lease,
+    operation: Callable[[], T],
+    *,
+    waiting: str,
+    gave_up: str | None = None,
+    lost: bool = False,
+    first_delay: float = 0.1,
+) -> T:
+    """Run ``operation`` (a write of ``lease``'s attempt), retrying while the database is
+    unavailable and the lease has time left. When it runs out: with ``lost``, the lease counts
+    as lost (:class:`LeaseLost`); otherwise ``gave_up`` is logged and the StoreUnavailable
+    raised."""
+    delay = first_delay
+    while True:
+        try:
+            return operation()
+        except StoreUnavailable as exc:
+            if time.monotonic() + delay > lease.deadline:
+                if lost:
+                    lease.lost = True
+                    raise LeaseLost(
+                        f"job {lease.job_id}: database unreachable until the lease ended; "
+                        f"stop ({exc})"
+                    ) from exc
+                logger.error("%s", gave_up, extra=lease_fields(lease))
+                raise
+            logger.warning("%s: %s", waiting, exc, extra=lease_fields(lease))
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)

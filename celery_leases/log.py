@@ -13,9 +13,10 @@ A field that is not known for a record is absent, not None.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .lease import Lease
+if TYPE_CHECKING:
+    from .lease import Lease
 
 JOB_ID = "job_id"
 TOKEN = "lease_token"

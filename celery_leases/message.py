@@ -15,10 +15,7 @@ the same Celery job.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -292,77 +289,3 @@ def _moment(value: Any) -> datetime | None:
         return None
     moment = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
     return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
-
-
-# -- recording what a client publishes ---------------------------------------------------------
-
-
-class RecordingProducer:
-    """A kombu ``Producer`` that hands each task message to ``record`` before publishing it,
-    and publishes the message ``record`` returns (it adds the version header).
-
-    Passed as ``producer=`` to Celery's ``apply_async``, it sees the message exactly as Celery
-    sends it, after ``before_task_publish`` receivers (stamping) have changed it. An error from
-    ``record`` stops the publish. Publish retries record once.
-    """
-
-    def __init__(self, producer: Any, record: Callable[[Message], Message]) -> None:
-        self._producer = producer
-        self._record = record
-        self.recorded: Message | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._producer, name)
-
-    def publish(
-        self,
-        body: Any,
-        *,
-        exchange: str | None = None,
-        routing_key: str | None = None,
-        headers: dict[str, Any] | None = None,
-        **options: Any,
-    ) -> Any:
-        headers = dict(headers or {})
-        if self.recorded is None:
-            self.recorded = self._record(
-                Message.published(
-                    body=body,
-                    headers=headers,
-                    properties=options,
-                    exchange=exchange,
-                    routing_key=routing_key,
-                    declare=options.get("declare"),
-                )
-            )
-        headers.update(self.recorded.headers)
-        return self._producer.publish(
-            body, exchange=exchange, routing_key=routing_key, headers=headers, **options
-        )
-
-
-def key_of(task: Any, key: Any, args: Any, kwargs: Any) -> str | None:
-    """The lease key ``key`` (a task's ``lease_key``: None, a format string or a callable)
-    gives a call of ``task`` with ``args`` and ``kwargs``: a format string is formatted with
-    the positional arguments and every argument by name (``"account:{account_id}"``)."""
-    if key is None:
-        return None
-    args, kwargs = list(args or ()), dict(kwargs or {})
-    try:
-        if callable(key):
-            found = key(*args, **kwargs)
-        else:
-            named = dict(kwargs)
-            with contextlib.suppress(TypeError, ValueError):  # a call the signature refuses
-                named = dict(inspect.signature(task.run).bind_partial(*args, **kwargs).arguments)
-            found = str(key).format(*args, **named)
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-        raise ArgumentsError(
-            f"lease_key {key!r} of {getattr(task, 'name', task)} cannot be computed from the "
-            f"call's arguments (args {args!r}, kwargs {kwargs!r}): {exc!r}"
-        ) from exc
-    if not isinstance(found, str):
-        raise ArgumentsError(
-            f"lease_key of {getattr(task, 'name', task)} must give a string, not {found!r}"
-        )
-    return found

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from .config import settings_for
+from .db import store_for
+from .db.schema import STATES
 from .errors import LeaseError
-from .schema import STATES
 
 logger = logging.getLogger("celery_leases")
 
@@ -82,8 +83,6 @@ class JobsCollector:
         return [jobs, up]
 
     def collect(self) -> Iterator[Any]:
-        from .store import store_for
-
         jobs, up = self._families()
         try:
             counts = store_for(settings_for(self.app)).count_by_state()

@@ -16,10 +16,10 @@ from typing import Any
 from celery import states
 from celery.app.task import Context
 
+from .db.rows import Job
 from .errors import GaveUp
 from .log import job_fields
 from .message import EMBED
-from .rows import Job
 
 logger = logging.getLogger("celery_leases")
 

@@ -46,12 +46,12 @@ from typing import Any
 import pytest
 
 from .config import reread_settings, settings_for
+from .control import migrate
+from .db import Store, store_for
+from .db.rows import Job
 from .lease import Lease
-from .migrations import migrate
 from .reaper import ReapReport, reap
-from .rows import Job
 from .signals import checkpoint_saved
-from .store import Store, store_for
 from .testing import CrashRun, SimulatedCrash, assert_resumable, run_with_crashes
 
 __all__ = ["Crash"]

@@ -13,13 +13,13 @@ from celery import Task, current_app, states
 from celery.local import Proxy
 from celery.utils.log import get_task_logger
 
-from . import metrics
-from .config import settings_for
+from . import keys, metrics, worker
+from .config import mark_uses_leases, settings_for
+from .db import store_for
+from .db.schema import REVOKED
 from .errors import LeaseError
 from .log import job_fields
 from .notice import announce_pending
-from .schema import REVOKED
-from .store import store_for
 
 logger = get_task_logger("celery_leases.reaper")
 
@@ -145,19 +145,10 @@ def start_followups(app: Any, store: Any, *, batch: int) -> list[str]:
     """Start the follow-up runs that jobs of a lease key ended without starting (their
     attempt died first, or they ended outside any: revoked, cancelled, given up); the ids of
     the follow-ups sent. A failed send is re-published once its queued timeout has passed."""
-    sent: list[str] = []
-    for job_id in store.followups_pending(batch=batch):
-        try:
-            followup = store.start_followup(job_id)
-            if followup is not None:
-                followup.send(app)
-                sent.append(followup.id)
-                logger.info(
-                    "job %s: ended; the follow-up run of its key is job %s", job_id, followup.id
-                )
-        except Exception as exc:  # the next pass, or the follow-up's queued timeout, retries
-            logger.error("job %s: could not start the follow-up of its key: %r", job_id, exc)
-    return sent
+    started = (
+        keys.start_followup(app, store, job_id) for job_id in store.followups_pending(batch=batch)
+    )
+    return [followup for followup in started if followup is not None]
 
 
 def _reap_pass(self: Any) -> dict[str, Any]:
@@ -173,6 +164,8 @@ def register_reaper(app: Any) -> None:
     task exists only in apps that use celery-leases, never in every app of the process. A plain
     ``celery.Task``: a reaper pass holds no lease, whatever the app's default task class is.
     """
+    mark_uses_leases(app)
+    worker.connect()
     if REAP_TASK in app._tasks or app.__dict__.get("_celery_leases_reaper"):
         return
     app.__dict__["_celery_leases_reaper"] = True

@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
-import inspect
-import logging
 from collections.abc import Callable
 from typing import Any
 
-from celery import Task, current_task
+from celery import Task
 from sqlalchemy.engine import Connection
 
-from . import attempt, checkpoint, message
-from .config import Settings, conf_version, settings_for
-from .direct import Foreign
-from .errors import ArgumentsError, Cancelled, LeaseError, LeaseLost, StoreUnavailable
-from .lease import Lease, current, holding
-from .log import job_fields
+from . import attempt, checkpoint, keys
+from .config import check_task_options, conf_version, settings_for
+from .db import Store, store_for
+from .db.dbapi import Foreign
+from .errors import LeaseError, LeaseLost
+from .lease import Lease, current, held, holding
+from .message import KEY_HEADER
+from .publish import Coalesced, Recorder
 from .reaper import register_reaper
-from .schema import CANCELLED
-from .spelling import check_task_options
-from .store import Store, store_for
-
-_log = logging.getLogger("celery_leases")
+from .settings import Settings
 
 
 class LeasedTask(Task):  # type: ignore[misc]
@@ -42,7 +38,10 @@ class LeasedTask(Task):  # type: ignore[misc]
     lease_key: str | Callable[..., str] | None = None
 
     #: The worker's main process resumes the job at once when its pool process dies.
-    Request = "celery_leases.request:LeasedRequest"
+    Request = "celery_leases.worker.request:LeasedRequest"
+
+    #: Marks a leased task for the worker's signals (``worker.signals``).
+    __celery_leases__ = True
 
     @property
     def retry_on_worker_lost(self) -> bool:
@@ -58,8 +57,9 @@ class LeasedTask(Task):  # type: ignore[misc]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Bound to ``app``: refuse unknown ``lease_*`` options, and register the reaper task
-        (``celery_leases.reap``) in this app only."""
+        """Bound to ``app``: refuse unknown ``lease_*`` options, register the reaper task
+        (``celery_leases.reap``) in this app only, and connect the worker's signals (once).
+        Calls ``super().on_bound(app)``."""
         super().on_bound(app)
         check_task_options(cls, base=LeasedTask)
         register_reaper(app)
@@ -124,10 +124,7 @@ class LeasedTask(Task):  # type: ignore[misc]
 
     def key_for(self, args: Any, kwargs: Any) -> str | None:
         """The lease key of a call with ``args`` and ``kwargs`` (the task's ``lease_key``)."""
-        key = self.lease_key
-        if inspect.ismethod(key) and key.__self__ is self:
-            key = key.__func__  # a function given as the option became a method of the task
-        return message.key_of(self, key, args, kwargs)
+        return keys.key_of(self, self.lease_key, args, kwargs)
 
     def stop_point(self) -> None:
         """Raise :class:`Cancelled` or :class:`Preempted` if the job was asked to stop.
@@ -164,21 +161,21 @@ class LeasedTask(Task):  # type: ignore[misc]
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
         if key is not None:
-            options["headers"] = {**(options.get("headers") or {}), message.KEY_HEADER: key}
-        recorder = _Recorder(self)
+            options["headers"] = {**(options.get("headers") or {}), KEY_HEADER: key}
+        recorder = Recorder(self)
         with self.app.producer_or_acquire(producer) as publisher:
             try:
                 return super().apply_async(
                     args,
                     kwargs,
                     task_id,
-                    message.RecordingProducer(publisher, recorder.record),
+                    recorder.producer(publisher),
                     link,
                     link_error,
                     shadow,
                     **options,
                 )
-            except _Coalesced as coalesced:
+            except Coalesced as coalesced:
                 return self.AsyncResult(coalesced.job_id)
             except BaseException:
                 recorder.undo()
@@ -187,13 +184,13 @@ class LeasedTask(Task):  # type: ignore[misc]
     def on_replace(self, sig: Any) -> Any:
         """``self.replace(sig)``: the job ends ``replaced`` and hands its id over to the
         replacement, which runs as a job of its own (a new generation of the id)."""
-        lease = _held(self.request.id)
+        lease = held(self.request.id)
         if lease is not None:
             if not self.lease_store.replace(lease.job_id, lease.token):
                 raise LeaseLost(f"job {lease.job_id}: lost its lease; not replaced")
             lease.released = True
             if lease.key is not None:
-                attempt.start_followup(self, lease.job_id)
+                keys.start_followup(self.app, self.lease_store, lease.job_id)
         return super().on_replace(sig)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -213,107 +210,3 @@ class _Cached:
         self.version = version
         self.settings = settings
         self.store: Store | None = None
-
-
-class _Recorder:
-    """Records the message a ``LeasedTask.apply_async`` publishes (``RecordingProducer``)."""
-
-    def __init__(self, task: LeasedTask) -> None:
-        self.task = task
-        self.settings = task.lease_settings
-        self.store = task.lease_store
-        self.registered: str | None = None
-
-    def record(self, published: message.Message) -> message.Message:
-        try:
-            return self._record(published)
-        except StoreUnavailable as exc:
-            if not current_task or current_task.request.called_directly:
-                raise  # a client outside any task: nothing is published, the caller decides
-            # Inside a task (a chain's next step, a chord body, a callback, a retry), failing
-            # would break the workflow: the message goes out unrecorded, and its claim records
-            # it, as for a message sent by name.
-            _log.warning(
-                "job %s: leases database unreachable, published without being recorded "
-                "(its claim records it): %s",
-                published.id,
-                exc,
-                extra=job_fields(published.id),
-            )
-            return published
-
-    def _record(self, published: message.Message) -> message.Message:
-        # A message Celery built from a recorded one (a retry, a re-send after a lost pool
-        # process) carries that one's version; a fresh publish has none.
-        fresh = published.version is None
-        recorded = published.new_version()
-        key = recorded.key or self.task.key_for(recorded.args, recorded.kwargs)
-        if key is not None:
-            recorded = recorded.with_headers(**{message.KEY_HEADER: key})
-            if recorded.workflow:
-                raise ArgumentsError(
-                    f"{recorded.task} has a lease key ({key!r}), and its call carries "
-                    f"{', '.join(recorded.workflow)}: a keyed call may be coalesced into "
-                    f"another job of its key, which would lose that workflow. Call it "
-                    f"without a lease key inside a canvas"
-                )
-        countdown = max(recorded.eta_in() or 0.0, 0.0)
-        held = _held(recorded.id)
-        if held is not None:
-            # A retry of the running attempt: hand the lease back before the new message can
-            # reach another worker, or its claim would find the lease still held. If the retry
-            # message is lost (its worker dies holding it until its ETA), the reaper publishes
-            # the job again once it is overdue; a duplicate is dropped.
-            wait = self.settings.queued_timeout or self.settings.reap_grace
-            state = self.store.hand_back_retry(
-                held.job_id, held.token, recorded, reap_in=countdown + wait
-            )
-            held.released = state is not None
-            if state == CANCELLED:
-                raise Cancelled(f"job {held.job_id} was cancelled; not retried")
-            return recorded
-        outcome = self.store.register(
-            recorded,
-            countdown=countdown or None,
-            queued_timeout=self.settings.queued_timeout,
-            fresh=fresh,
-        )
-        if outcome.outcome == "coalesced":
-            _log.info(
-                "job %s: key %s has a live job, coalesced into job %s",
-                recorded.id,
-                key,
-                outcome.job_id,
-            )
-            raise _Coalesced(outcome.job_id)
-        if outcome.outcome == "new":
-            self.registered = recorded.id
-        elif outcome.outcome != "taken over":
-            _log.warning(
-                "job %s is %s with another message: this one is a copy, dropped at its claim",
-                recorded.id,
-                outcome.outcome,
-                extra=job_fields(recorded.id),
-            )
-        return recorded
-
-    def undo(self) -> None:
-        """The publish failed: leave no queued row that no message will ever claim."""
-        if self.registered is not None:
-            self.store.forget(self.registered)
-
-
-class _Coalesced(Exception):
-    """Raised through Celery's publish: the call was coalesced into job ``job_id``."""
-
-    def __init__(self, job_id: str) -> None:
-        super().__init__(job_id)
-        self.job_id = job_id
-
-
-def _held(job_id: str | None) -> Lease | None:
-    """The lease this thread's running attempt holds on ``job_id`` (a retry or a replace)."""
-    for lease in current.stack:
-        if lease.job_id == job_id and not (lease.detached or lease.released):
-            return lease
-    return None

@@ -19,8 +19,8 @@ from typing import Any
 
 from celery.utils import uuid
 
+from .db.rows import Job, dumps
 from .lease import Lease
-from .rows import Job, dumps
 from .signals import checkpoint_saved
 
 __all__ = ["CrashRun", "SimulatedCrash", "assert_resumable", "run_with_crashes"]

@@ -42,7 +42,7 @@ from celery import Celery
 
 from celery_leases import migrations
 from celery_leases.config import settings_for
-from celery_leases.store import store_for
+from celery_leases.db import store_for
 from celery_suite_conf import CONFIG
 
 app = Celery("celery-suite-setup", set_as_current=False)

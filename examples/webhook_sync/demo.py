@@ -227,9 +227,9 @@ class Demo:
         import sqlalchemy as sa
 
         import celery_leases
-        from celery_leases import migrations
         from celery_leases.config import settings_for
-        from celery_leases.store import store_for
+        from celery_leases.db import migrations
+        from celery_leases.db.store import store_for
 
         from . import sink
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_leases import Job, jobs_table
+from celery_leases import Job
+from celery_leases.db.schema import jobs_table
 
 from . import deliveries, sink
 from .upstream import generate_events

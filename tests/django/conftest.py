@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from celery_leases.store import Store
+from celery_leases.db.store import Store
 from tests.support.cli import store_of
 from tests.support.service import require
 from tests.support.worker import REPO_ROOT

@@ -241,7 +241,7 @@ def idle_in_atomic() -> dict[str, Any]:
     from billing.tasks import invoice_orders
     from django.db import connections, transaction
 
-    from celery_leases.database import ended_idle_transaction
+    from celery_leases.db.errors import ended_idle_transaction
     from celery_leases.lease import Lease, current
     from tests.support.message import job_message
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from celery_leases import migrations
+from celery_leases.db import migrations
 from tests.django.conftest import TABLE, Shop
 
 

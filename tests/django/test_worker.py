@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import pytest
 
-from celery_leases.rows import Job
+from celery_leases.db.rows import Job
 from tests.django.conftest import PROJECT, Shop
 from tests.support.service import private_redis_url
 from tests.support.worker import Spawner

@@ -22,7 +22,7 @@ from celery import Celery
 
 from celery_leases import Job, StoreUnavailable, get_job
 from celery_leases.config import settings_for
-from celery_leases.store import Store, store_for
+from celery_leases.db.store import Store, store_for
 from tests.support.apps.chaos_app import ReconnectingUnitLog, add_chaos_tasks, chaos_log_for
 from tests.support.apps.leased_app import app_env
 from tests.support.apps.leased_app import make_app as make_leased_app

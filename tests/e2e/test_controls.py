@@ -41,8 +41,8 @@ from celery.result import AsyncResult
 
 from celery_leases import ArgumentsError, GaveUp, Job, get_job
 from celery_leases.config import settings_for
-from celery_leases.statements import GAVE_UP_NO_PROGRESS
-from celery_leases.store import Store, store_for
+from celery_leases.db.statements import GAVE_UP_NO_PROGRESS
+from celery_leases.db.store import Store, store_for
 from tests.support.apps.control_app import PARTIAL_ENV, add_control_tasks, call_log_for
 from tests.support.apps.leased_app import app_env, unit_log_for
 from tests.support.apps.leased_app import make_app as make_leased_app

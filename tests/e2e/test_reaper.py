@@ -19,7 +19,8 @@ import pytest
 
 import celery_leases
 from celery_leases import Job
-from celery_leases.statements import GAVE_UP_NO_PROGRESS
+from celery_leases.db.statements import GAVE_UP_NO_PROGRESS
+from celery_leases.settings import DEFAULTS
 from tests.support.scenario import Run, Scenario, check_unit_log, freeze, thaw, wait_for
 from tests.support.unit_log import Unit
 
@@ -365,7 +366,7 @@ def test_a_job_that_kills_its_worker_on_every_attempt_ends_failed_and_says_why(
     # Given a task that SIGKILLs its own pool process before any checkpoint, a 1 s lease, and
     # leases_max_attempts_without_progress = 3
     s = with_reaper(scenario, celery_settings, lease_seconds=1.0, renew_seconds=0.3)
-    assert celery_leases.DEFAULTS["max_attempts_without_progress"] == 3
+    assert DEFAULTS["max_attempts_without_progress"] == 3
 
     # When it runs
     job_id = s.send("e2e.poison")

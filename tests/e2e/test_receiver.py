@@ -28,10 +28,10 @@ import pytest
 import sqlalchemy as sa
 from kombu import Connection
 
-from celery_leases import migrations
-from celery_leases.config import DEFAULTS, validate
-from celery_leases.rows import Job
-from celery_leases.store import Store
+from celery_leases.db import migrations
+from celery_leases.db.rows import Job
+from celery_leases.db.store import Store
+from celery_leases.settings import DEFAULTS, validate
 from examples.webhook_sync import deliveries, fs_transport
 from examples.webhook_sync.provider import deliver, new_delivery_id, notification, post
 from examples.webhook_sync.signature import sign

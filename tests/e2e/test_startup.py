@@ -1,5 +1,5 @@
 """What a real worker and beat say, or refuse, at start: where the leases live, and the
-defaults that bite (``celery_leases.startup``)."""
+defaults that bite (``celery_leases.worker.startup``)."""
 
 from __future__ import annotations
 

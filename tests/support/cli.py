@@ -13,11 +13,11 @@ import sys
 import uuid
 from typing import Any
 
-from celery_leases import migrations
-from celery_leases.config import DEFAULTS, validate
+from celery_leases.db import migrations
+from celery_leases.db.rows import Refused
+from celery_leases.db.store import Store
 from celery_leases.message import Message
-from celery_leases.rows import Refused
-from celery_leases.store import Store
+from celery_leases.settings import DEFAULTS, validate
 from tests.support.message import job_message
 from tests.support.service import celery_env
 from tests.support.worker import REPO_ROOT

@@ -1,5 +1,5 @@
 """What a store sends its database, seen at the driver: every statement of its direct
-connection (``celery_leases/direct.py``), not what SQLAlchemy's events see."""
+connection (``celery_leases/db/dbapi.py``), not what SQLAlchemy's events see."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from celery_leases import direct
-from celery_leases.store import Store
+from celery_leases.db import dbapi
+from celery_leases.db.store import Store
 
 #: Transaction control, not a statement of the operation.
 CONTROL = ("BEGIN", "COMMIT", "ROLLBACK")
@@ -29,7 +29,7 @@ def traced(store: Store) -> Iterator[list[str]]:
     """Every statement text ``store``'s direct connection sends during the block (on
     PostgreSQL, from the libpq trace: simple-protocol queries by their text, each execution
     of the extended protocol as ``EXECUTE``)."""
-    conn, db = direct_connection(store), store.db.dialect
+    conn, db = direct_connection(store), store.db.dialect.name
     seen: list[str] = []
     if db == "postgresql":
         with tempfile.TemporaryFile("w+") as trace:
@@ -89,15 +89,15 @@ def executed() -> Iterator[list[tuple[Any, Any, dict[str, Any]]]]:
     process runs on a direct connection during the block: what to send again by hand
     (``compiled.parameters(params)`` gives the driver's SQL and parameters)."""
     seen: list[tuple[Any, Any, dict[str, Any]]] = []
-    execute = direct.Driver.execute
+    execute = dbapi.Driver.execute
 
-    def spy(self: direct.Driver, statement: Any, params: dict[str, Any] | None = None) -> Any:
+    def spy(self: dbapi.Driver, statement: Any, params: dict[str, Any] | None = None) -> Any:
         result = execute(self, statement, params)
         seen.append((self._dbapi_connection, self._compiled[statement], dict(params or {})))
         return result
 
-    direct.Driver.execute = spy  # type: ignore[method-assign]
+    dbapi.Driver.execute = spy  # type: ignore[method-assign]
     try:
         yield seen
     finally:
-        direct.Driver.execute = execute  # type: ignore[method-assign]
+        dbapi.Driver.execute = execute  # type: ignore[method-assign]

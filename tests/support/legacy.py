@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-import celery_leases
+from celery_leases.db.schema import jobs_table
 
 
 def make_schema_3_table(engine: sa.Engine, table: str) -> None:
     """Create ``table`` as schema 3 had it (0.1, before lease keys), with no version table."""
-    celery_leases.jobs_table(sa.MetaData(), table).create(engine)
+    jobs_table(sa.MetaData(), table).create(engine)
     drop_lease_keys(engine, table)
 
 

@@ -19,7 +19,7 @@ from celery import Celery
 
 from celery_leases import Job, get_job
 from celery_leases.config import settings_for
-from celery_leases.store import Store, store_for
+from celery_leases.db.store import Store, store_for
 from tests.support.apps.leased_app import app_env, make_app, unit_log_for
 from tests.support.service import close_app
 from tests.support.unit_log import Unit, UnitLog

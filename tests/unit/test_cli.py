@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-import celery_leases
-from celery_leases import migrations
+from celery_leases.db import migrations
+from celery_leases.db.rows import Refused
+from celery_leases.db.schema import jobs_table
+from celery_leases.db.store import Store
 from celery_leases.message import KEY_HEADER
-from celery_leases.rows import Refused
-from celery_leases.store import Store
 from tests.support.cli import (
     STALL_TIMEOUT,
     Cli,
@@ -398,7 +398,7 @@ def test_upgrade_brings_a_table_made_by_an_older_release_under_the_migrations(
     table = fresh_settings["leases_table"]
     store = store_of(fresh_settings)
     try:
-        celery_leases.jobs_table(sa.MetaData(), table).create(store.engine)
+        jobs_table(sa.MetaData(), table).create(store.engine)
         store._schema_ready = True  # what an older release did: use it as it was
         job_id = record(store)
         drop_lease_keys(store.engine, table)

@@ -10,8 +10,9 @@ import pytest
 from celery import Celery
 
 from celery_leases import ConfigurationError, LeasedTask
-from celery_leases.config import DEFAULTS, Settings, markdown_table, settings_for, validate
-from celery_leases.store import Store
+from celery_leases.config import settings_for
+from celery_leases.db.store import Store
+from celery_leases.settings import DEFAULTS, Settings, markdown_table, validate
 
 
 def settings(**overrides: Any) -> Settings:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from celery_leases.request import Deaths
+from celery_leases.worker.deaths import Deaths
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="pidfd_open is Linux-only"

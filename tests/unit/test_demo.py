@@ -17,10 +17,10 @@ import sqlalchemy as sa
 from celery import Celery, _state
 
 from celery_leases import LeasedTask, LeaseLost
+from celery_leases.db.rows import Claimed
+from celery_leases.db.store import Store
 from celery_leases.lease import Lease, current
 from celery_leases.message import KEY_HEADER
-from celery_leases.rows import Claimed
-from celery_leases.store import Store
 from tests.support.message import job_message
 
 KEY = "account:acct_1"

@@ -14,9 +14,9 @@ from celery import Celery
 
 from celery_leases import LeasedTask, LeaseLost
 from celery_leases.config import settings_for
+from celery_leases.db.rows import Claimed
+from celery_leases.db.store import Store, store_for
 from celery_leases.lease import Lease, current
-from celery_leases.rows import Claimed
-from celery_leases.store import Store, store_for
 from tests.support.message import job_message
 
 accounts = sa.Table(

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_leases.config import DEFAULTS, validate
-from celery_leases.keeper import Keeper
+from celery_leases.db.rows import Claimed
+from celery_leases.db.store import Store
 from celery_leases.lease import Lease
-from celery_leases.rows import Claimed
-from celery_leases.store import Store
+from celery_leases.settings import DEFAULTS, validate
+from celery_leases.worker.keeper import Keeper
 from tests.support.message import job_message
 from tests.support.scenario import wait_for
 

@@ -15,13 +15,14 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_leases import LeasedTask
-from celery_leases.config import DEFAULTS, settings_for, validate
-from celery_leases.database import ended_idle_transaction
+from celery_leases.config import settings_for
+from celery_leases.db.errors import ended_idle_transaction
+from celery_leases.db.rows import Claimed, Refused
+from celery_leases.db.store import Store, store_for
 from celery_leases.errors import ArgumentsError, InvalidJobState, LeaseError
-from celery_leases.keeper import all_keepers, keeper_for
 from celery_leases.message import KEY_HEADER, Message
-from celery_leases.rows import Claimed, Refused
-from celery_leases.store import Store, store_for
+from celery_leases.settings import DEFAULTS, validate
+from celery_leases.worker.keeper import all_keepers, keeper_for
 from tests.support.driver import executed, sent
 from tests.support.message import job_message
 
@@ -298,7 +299,7 @@ def plan_of(store: Store, sql: str, params: Any) -> str:
     """How the database runs ``sql`` (as the driver got it) for any values of its parameters:
     SQLite's query plan; PostgreSQL's generic plan (a prepared statement's, after its first
     runs); MariaDB's EXPLAIN (access type and key)."""
-    dialect = store.db.dialect
+    dialect = store.db.dialect.name
     with store.engine.connect() as connection:
         raw = connection.connection.dbapi_connection
         cursor = raw.cursor()
@@ -339,7 +340,7 @@ def test_the_holder_of_a_key_is_found_by_an_index_whatever_the_table_holds(store
         "sqlite": "USING INDEX ix_",
         "postgresql": "Index Scan using ix_",
         "mysql": "type=const key=ix_",
-    }[store.db.dialect] in plan, plan
+    }[store.db.dialect.name] in plan, plan
     assert "_live_key" in plan, plan
 
 

@@ -12,7 +12,7 @@ from celery import Celery
 import celery_leases
 from celery_leases import LeasedTask
 from celery_leases.config import settings_for
-from celery_leases.store import store_for
+from celery_leases.db.store import store_for
 from tests.support.message import job_message
 
 

@@ -13,11 +13,12 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
 import celery_leases
-from celery_leases import ConfigurationError, get_job, migrations
-from celery_leases.config import DEFAULTS, validate
-from celery_leases.direct import Direct
-from celery_leases.schema import jobs_table, keys_table
-from celery_leases.store import Store
+from celery_leases import ConfigurationError, get_job
+from celery_leases.db import migrations
+from celery_leases.db.dbapi import Direct
+from celery_leases.db.schema import jobs_table, keys_table
+from celery_leases.db.store import Store
+from celery_leases.settings import DEFAULTS, validate
 from tests.support.concurrent import at_once
 from tests.support.message import job_message
 
@@ -124,7 +125,7 @@ def test_a_process_first_operation_checks_the_schema_in_one_statement(
     sa.event.listen(
         fresh.engine, "before_cursor_execute", lambda *a: statements.append(a[2].split()[0])
     )
-    # The hot path's statements bypass SQLAlchemy's events (celery_leases/direct.py).
+    # The hot path's statements bypass SQLAlchemy's events (celery_leases/db/dbapi.py).
     execute = Direct.execute
 
     def counted(self: Direct, statement: Any, params: Any = None) -> Any:
@@ -256,7 +257,7 @@ def celery_leases_app(url: str, table: str) -> Any:
 
 def close(app: Any) -> None:
     from celery_leases.config import settings_for
-    from celery_leases.store import store_for
+    from celery_leases.db.store import store_for
 
     store_for(settings_for(app)).engine.dispose()
     app.close()
@@ -269,7 +270,7 @@ def test_a_starting_worker_migrates_only_with_leases_migrate_on_start(
     from types import SimpleNamespace
 
     from celery_leases import LeasedTask
-    from celery_leases.worker import migrate_on_start
+    from celery_leases.worker.signals import migrate_on_start
 
     app = celery_leases_app(database_url, fresh_table_name)
     app.conf.leases_migrate_on_start = setting

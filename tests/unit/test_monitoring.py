@@ -11,11 +11,11 @@ from celery import Celery
 
 from celery_leases import LeasedTask
 from celery_leases.config import settings_for
+from celery_leases.db.schema import STATES
+from celery_leases.db.store import store_for
 from celery_leases.event import progress_text
 from celery_leases.log import ATTEMPT, JOB_ID, OWNER, TOKEN
 from celery_leases.metrics import JobsCollector
-from celery_leases.schema import STATES
-from celery_leases.store import store_for
 from tests.support.message import job_message
 
 

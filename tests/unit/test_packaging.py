@@ -58,3 +58,21 @@ def test_the_changelog_has_an_entry_for_this_version_or_unreleased_changes() -> 
     changelog = (ROOT / "CHANGELOG.md").read_text()
 
     assert "## [Unreleased]" in changelog or f"## [{META['Version']}]" in changelog
+
+
+def test_sqlalchemy_is_bounded_below_its_next_minor_release_and_has_what_the_fast_path_calls() -> (
+    None
+):
+    # The DBAPI fast path (celery_leases/db/dbapi.py) calls one private SQLAlchemy function;
+    # the bound keeps releases that may drop it out, and the matrix's newest entry runs this
+    # test on the newest release the bound admits.
+    from sqlalchemy.sql.compiler import SQLCompiler
+
+    (requirement,) = [
+        Requirement(text)
+        for text in META.get_all("Requires-Dist") or []
+        if Requirement(text).name.lower() == "sqlalchemy"
+    ]
+    ceilings = [spec for spec in requirement.specifier if spec.operator == "<"]
+    assert len(ceilings) == 1 and re.fullmatch(r"2\.\d+", ceilings[0].version), ceilings
+    assert callable(getattr(SQLCompiler, "_process_parameters_for_postcompile", None))

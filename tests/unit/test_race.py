@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from celery_leases.config import DEFAULTS, validate
-from celery_leases.rows import Claimed
-from celery_leases.store import Store
+from celery_leases.db.rows import Claimed
+from celery_leases.db.store import Store
+from celery_leases.settings import DEFAULTS, validate
 from tests.support.message import job_message
 
 PROCESSES = 16

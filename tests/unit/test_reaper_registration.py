@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 from celery import Celery, Task, current_app
 
-import celery_leases
 from celery_leases import LeasedTask, migrate, schedule_reaper
 from celery_leases.config import settings_for
-from celery_leases.reaper import REAP_TASK
-from celery_leases.store import store_for
+from celery_leases.db.store import store_for
+from celery_leases.reaper import REAP_TASK, reap_task
 
 
 @pytest.fixture
@@ -132,7 +131,7 @@ def test_reap_task_is_the_current_apps_reaper(database: str) -> None:
     before = current_app._get_current_object()
     app.set_current()
     try:
-        assert celery_leases.reap_task.name == REAP_TASK
-        assert celery_leases.reap_task.app is app
+        assert reap_task.name == REAP_TASK
+        assert reap_task.app is app
     finally:
         before.set_current()

@@ -14,8 +14,8 @@ from celery.worker.state import reserved_requests, task_reserved
 from kombu import Consumer, Message
 
 from celery_leases import LeasedTask
-from celery_leases.request import LeasedRequest
-from celery_leases.worker import SHUTTING_DOWN
+from celery_leases.worker.request import LeasedRequest
+from celery_leases.worker.signals import SHUTTING_DOWN
 
 
 class Pool:

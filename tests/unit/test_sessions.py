@@ -14,10 +14,10 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from celery_leases.config import DEFAULTS, Settings, validate
+from celery_leases.db.rows import Claimed
+from celery_leases.db.store import Store
 from celery_leases.errors import LeaseError
-from celery_leases.rows import Claimed
-from celery_leases.store import Store
+from celery_leases.settings import DEFAULTS, Settings, validate
 from tests.support.message import job_message
 from tests.support.scenario import wait_for
 
@@ -136,7 +136,7 @@ def test_an_error_that_is_not_a_disconnect_keeps_the_session(store: Store) -> No
     with pytest.raises(LeaseError):
         session.run(lambda c: c.query("SELECT no_such_column FROM no_such_table"))
     assert session.ident() == before
-    if store.dialect != "sqlite":
+    if store.dialect.name != "sqlite":
         assert not _session_gone(store, before)  # the session, and its lock, are still there
     session.close()
 
@@ -176,7 +176,7 @@ def test_a_claim_never_binds_a_session_that_is_gone(store: Store) -> None:
 def _session_gone(store: Store, ident: int) -> bool:
     other = store.db.session()
     try:
-        if store.dialect == "postgresql":
+        if store.dialect.name == "postgresql":
             sql = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
             return other.run(lambda c: c.query(sql, (ident,))[0][0]) == 0
         sql = "SELECT IS_USED_LOCK(CONCAT('celery_leases:', %s))"

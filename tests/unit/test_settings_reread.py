@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from celery_leases import LeasedTask, migrate, store
+from celery_leases import LeasedTask, migrate
 from celery_leases.config import reread_settings
+from celery_leases.db import store
 
 
 @pytest.fixture

@@ -8,8 +8,7 @@ import pytest
 from celery import Celery
 
 from celery_leases import ConfigurationError, LeasedTask
-from celery_leases.config import settings_for
-from celery_leases.spelling import unread_settings
+from celery_leases.config import settings_for, unread_settings
 
 
 def app_with(**settings: object) -> Celery:

@@ -12,8 +12,8 @@ from celery import Celery
 
 from celery_leases import migrate
 from celery_leases.config import settings_for
-from celery_leases.startup import check, where
-from celery_leases.store import store_for
+from celery_leases.db.store import store_for
+from celery_leases.worker.startup import check, where
 from tests.support.message import job_message
 
 

@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from celery_leases.config import DEFAULTS, validate
-from celery_leases.database import ended_idle_transaction
+from celery_leases.db.errors import ended_idle_transaction
+from celery_leases.db.rows import Claimed, Reaped, Refused
+from celery_leases.db.statements import GAVE_UP_MAX_ATTEMPTS, GAVE_UP_NO_PROGRESS
+from celery_leases.db.store import Store
 from celery_leases.errors import InvalidJobState, JobNotFound
 from celery_leases.message import Message
-from celery_leases.rows import Claimed, Reaped, Refused
-from celery_leases.statements import GAVE_UP_MAX_ATTEMPTS, GAVE_UP_NO_PROGRESS
-from celery_leases.store import Store
+from celery_leases.settings import DEFAULTS, validate
 from tests.support.concurrent import at_once
 from tests.support.driver import sent
 from tests.support.message import job_message

@@ -10,10 +10,11 @@ import pytest
 from celery import Celery, Task
 
 from celery_leases import ArgumentsError, LeasedTask
-from celery_leases.config import DEFAULTS, settings_for, validate
-from celery_leases.rows import Claimed
-from celery_leases.schema import MAX_ID_LENGTH
-from celery_leases.store import Store, store_for
+from celery_leases.config import settings_for
+from celery_leases.db.rows import Claimed
+from celery_leases.db.schema import MAX_ID_LENGTH
+from celery_leases.db.store import Store, store_for
+from celery_leases.settings import DEFAULTS, validate
 from tests.support.message import job_message
 from tests.support.scenario import close_app
 

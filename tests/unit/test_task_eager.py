@@ -26,8 +26,8 @@ from celery_leases import (
     get_job,
 )
 from celery_leases.config import settings_for
-from celery_leases.keeper import all_keepers
-from celery_leases.store import Store, store_for
+from celery_leases.db.store import Store, store_for
+from celery_leases.worker.keeper import all_keepers
 from tests.support.legacy import make_schema_3_table
 from tests.support.message import job_message
 
@@ -384,7 +384,7 @@ def test_a_table_from_schema_2_gets_the_session_column_and_keeps_its_jobs(
 
     # Then the column was added in place, the job kept, and jobs run on the upgraded table
     assert (migrated.existed, migrated.before) == (True, None)
-    assert migrated.after == celery_leases.migrations.head()
+    assert migrated.after == celery_leases.db.migrations.head()
     store = store_for(settings_for(legacy_app))
     with store.engine.connect() as connection:
         names = {c["name"] for c in sa.inspect(connection).get_columns(table)}
@@ -406,7 +406,7 @@ def test_a_table_from_schema_3_is_brought_under_the_migrations_and_gains_lease_k
 
     migrated = celery_leases.migrate(legacy_app)
 
-    head = celery_leases.migrations.head()
+    head = celery_leases.db.migrations.head()
     assert f"brought under migrations (revision {head}), jobs kept" in migrated.describe()
     with store.engine.connect() as connection:
         after = sa.inspect(connection).get_columns(legacy_app.conf.leases_table)

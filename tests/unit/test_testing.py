@@ -9,7 +9,7 @@ from celery import Celery
 
 from celery_leases import LeasedTask
 from celery_leases.config import settings_for
-from celery_leases.store import store_for
+from celery_leases.db.store import store_for
 from celery_leases.testing import assert_resumable, run_with_crashes
 
 stored: list[int] = []

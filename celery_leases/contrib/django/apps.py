@@ -7,6 +7,9 @@ from typing import Any
 from django.apps import AppConfig
 from django.db.models.signals import post_migrate
 
+from ...config import register_default_url
+from .database import default_url
+
 
 class LeasesConfig(AppConfig):
     """Celery leases: the jobs table's migrations and a read-only admin of the jobs."""
@@ -17,6 +20,8 @@ class LeasesConfig(AppConfig):
     default_auto_field = "django.db.models.AutoField"
 
     def ready(self) -> None:
+        # Without leases_database_url, the leases live in the project's own database.
+        register_default_url(default_url)
         post_migrate.connect(upgrade_after_migrate, sender=self)
 
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ...config import DEFAULTS, Settings, validate
+from ...db import Store, store_for
 from ...errors import ConfigurationError
-from ...store import Store, store_for
+from ...settings import DEFAULTS, Settings, validate
 
 APP = "celery_leases.contrib.django"
 #: Django settings of their own (every other ``CELERY_LEASES_<NAME>`` is ``leases_<name>``).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ... import migrations
+from ...db import migrations
 from . import database
 
 

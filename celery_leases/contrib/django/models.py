@@ -8,9 +8,9 @@ from typing import Any, NoReturn
 from django.conf import settings
 from django.db import models
 
-from ...config import DEFAULTS
+from ...db.schema import MAX_ID_LENGTH, STATES
 from ...errors import LeaseError
-from ...schema import MAX_ID_LENGTH, STATES
+from ...settings import DEFAULTS
 
 
 def table_name() -> str:

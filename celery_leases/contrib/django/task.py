@@ -7,7 +7,7 @@ from typing import Any
 from celery.contrib.django.task import DjangoTask
 from sqlalchemy.engine import Connection
 
-from ...direct import Foreign
+from ...db.dbapi import Foreign
 from ...task import LeasedTask
 from . import transaction
 

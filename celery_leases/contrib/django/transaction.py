@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...direct import Foreign
+from ...db.dbapi import Foreign
 from . import database
 
 #: Attribute of a Django connection wrapper holding what the store keeps per connection.
@@ -33,7 +33,7 @@ def joined(task: Any) -> Foreign | None:
         return None
     connection.ensure_connection()
     info = connection.__dict__.setdefault(_INFO, {})
-    return store.db.direct.foreign(connection.connection, info)
+    return store.foreign(connection.connection, info)
 
 
 def release(task: Any) -> None:
@@ -48,7 +48,7 @@ def release(task: Any) -> None:
     info = connection.__dict__.get(_INFO)
     if not info or connection.connection is None or connection.in_atomic_block:
         return
-    foreign = task.lease_store.db.direct.foreign(connection.connection, info)
+    foreign = task.lease_store.foreign(connection.connection, info)
     try:
         task.lease_store.unguard_idle_writes(foreign)
     except Exception:  # a broken connection: Django replaces it, and the setting with it

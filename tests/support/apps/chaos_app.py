@@ -54,9 +54,9 @@ import sqlalchemy as sa
 from celery import Celery, Task
 from sqlalchemy.engine import Engine
 
-import celery_leases
 from celery_leases import LeasedTask, StoreUnavailable
-from celery_leases.schema import db_now
+from celery_leases.db.clock import db_now
+from celery_leases.settings import DEFAULTS
 from tests.support.apps.leased_app import make_app as make_leased_app
 from tests.support.chaos.fault import HOLD_DIR_ENV, hold_if_asked
 from tests.support.unit_log import ProcessTable, UnitLog
@@ -83,8 +83,8 @@ def chaos_log_for(app: Celery) -> ReconnectingUnitLog:
     if log is None:
         conf = app.conf
         log = ReconnectingUnitLog(
-            conf.get("leases_database_url", celery_leases.DEFAULTS["database_url"]),
-            f"{conf.get('leases_table', celery_leases.DEFAULTS['table'])}_units",
+            conf.get("leases_database_url", DEFAULTS["database_url"]),
+            f"{conf.get('leases_table', DEFAULTS['table'])}_units",
         )
         app.__dict__["_chaos_unit_log"] = log
     return log
@@ -131,8 +131,8 @@ def callback_log_for(app: Celery) -> CallbackLog:
     if found is None:
         conf = app.conf
         found = CallbackLog(
-            conf.get("leases_database_url", celery_leases.DEFAULTS["database_url"]),
-            f"{conf.get('leases_table', celery_leases.DEFAULTS['table'])}_callbacks",
+            conf.get("leases_database_url", DEFAULTS["database_url"]),
+            f"{conf.get('leases_table', DEFAULTS['table'])}_callbacks",
         )
         app.__dict__["_chaos_callback_log"] = found
     return found
@@ -194,8 +194,8 @@ def trigger_log_for(app: Celery) -> TriggerLog:
     if found is None:
         conf = app.conf
         found = TriggerLog(
-            conf.get("leases_database_url", celery_leases.DEFAULTS["database_url"]),
-            f"{conf.get('leases_table', celery_leases.DEFAULTS['table'])}_triggers",
+            conf.get("leases_database_url", DEFAULTS["database_url"]),
+            f"{conf.get('leases_table', DEFAULTS['table'])}_triggers",
         )
         app.__dict__["_chaos_trigger_log"] = found
     return found

@@ -40,9 +40,9 @@ import sqlalchemy as sa
 from celery import Celery, Task
 from celery.exceptions import Reject
 
-import celery_leases
 from celery_leases import LeasedTask
-from celery_leases.schema import db_now
+from celery_leases.db.clock import db_now
+from celery_leases.settings import DEFAULTS
 from tests.support.apps.leased_app import _atomic_filesystem_put, settings_from_env, unit_log_for
 from tests.support.apps.leased_app import make_app as make_leased_app
 from tests.support.unit_log import ProcessTable, UnitLog
@@ -103,8 +103,8 @@ def call_log_for(app: Celery) -> CallLog:
     if found is None:
         conf = app.conf
         found = CallLog(
-            conf.get("leases_database_url", celery_leases.DEFAULTS["database_url"]),
-            f"{conf.get('leases_table', celery_leases.DEFAULTS['table'])}_calls",
+            conf.get("leases_database_url", DEFAULTS["database_url"]),
+            f"{conf.get('leases_table', DEFAULTS['table'])}_calls",
         )
         app.__dict__["_controls_call_log"] = found
     return found

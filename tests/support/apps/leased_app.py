@@ -48,6 +48,7 @@ from celery import Celery, Task
 
 import celery_leases
 from celery_leases import LeasedTask
+from celery_leases.settings import DEFAULTS
 from tests.support.unit_log import UnitLog
 
 #: How each ``app_env`` keyword maps to its variable.
@@ -131,8 +132,8 @@ def unit_log_for(app: Celery) -> UnitLog:
     if log is None:
         conf = app.conf
         log = UnitLog(
-            conf.get("leases_database_url", celery_leases.DEFAULTS["database_url"]),
-            f"{conf.get('leases_table', celery_leases.DEFAULTS['table'])}_units",
+            conf.get("leases_database_url", DEFAULTS["database_url"]),
+            f"{conf.get('leases_table', DEFAULTS['table'])}_units",
         )
         app.__dict__["_e2e_unit_log"] = log
     return log

@@ -46,9 +46,10 @@ from urllib.parse import urlsplit
 
 import sqlalchemy as sa
 
-from celery_leases import LeaseError, migrations
+from celery_leases import LeaseError
 from celery_leases.config import settings_for
-from celery_leases.store import store_for
+from celery_leases.db import migrations
+from celery_leases.db.store import store_for
 from tests.support.apps.chaos_app import (
     KEYED_TASK,
     TASKS,

@@ -10,7 +10,7 @@ from django.db import migrations, models
 
 from celery_leases.contrib.django.migration import migrate_database, unmigrate_database
 from celery_leases.contrib.django.models import table_name
-from celery_leases.schema import STATES
+from celery_leases.db.schema import STATES
 
 
 def forwards(apps: Any, schema_editor: Any) -> None:

@@ -1,0 +1,169 @@
+"""The ``celery leases`` group: its parameters (durations, job ids, lease keys), the -A app,
+and how an error becomes one line and an exit code."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NoReturn
+
+import click
+
+from ..config import settings_for
+from ..db import Store, store_for
+from ..db.identity import checked_key
+from ..db.rows import Job
+from ..db.schema import MAX_ID_LENGTH, MAX_KEY_LENGTH
+from ..errors import ArgumentsError, JobNotFound, LeaseError
+from ..settings import Settings
+
+MIN_PREFIX = 4
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+
+
+# -- parameters ----------------------------------------------------------------------------------
+
+
+class Duration(click.ParamType):  # type: ignore[type-arg]  # generic from click 8.2
+    """A duration such as ``30s``, ``15m``, ``12h``, ``7d``, ``1h30m`` or plain seconds."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, int | float):
+            return float(value)
+        text = str(value).strip().lower()
+        if re.fullmatch(r"\d+(\.\d+)?", text):
+            return float(text)
+        parts = _DURATION_PART.findall(text)
+        if not parts or "".join(n + u for n, u in parts) != text:
+            self.fail(f"{short_repr(value)} is not a duration (use 30s, 15m, 12h, 7d)", param, ctx)
+        return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+class JobId(click.ParamType):  # type: ignore[type-arg]
+    """A job id, or a unique prefix of one (at least ``MIN_PREFIX`` characters)."""
+
+    name = "id"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        text = str(value)
+        if (
+            not text
+            or len(text) > MAX_ID_LENGTH
+            or any(ch.isspace() or not ch.isprintable() for ch in text)
+        ):
+            self.fail(
+                f"{short_repr(value)} is not a job id (1 to {MAX_ID_LENGTH} printable "
+                f"characters, no spaces)",
+                param,
+                ctx,
+            )
+        return text
+
+
+class LeaseKey(click.ParamType):  # type: ignore[type-arg]
+    """A lease key the table can hold whole."""
+
+    name = "key"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            return checked_key(str(value))
+        except ArgumentsError:
+            self.fail(
+                f"{short_repr(value)} is not a lease key (1 to {MAX_KEY_LENGTH} characters)",
+                param,
+                ctx,
+            )
+
+
+def short_repr(value: Any) -> str:
+    text = repr(str(value))
+    return text if len(text) <= 60 else text[:56] + "...'"
+
+
+# -- the group -----------------------------------------------------------------------------------
+
+
+class LeasesGroup(click.Group):
+    """Turns every LeaseError and bad parameter into one line on stderr and an exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.BadParameter as exc:
+            fail(ctx, exc.format_message(), code=2)
+        except LeaseError as exc:
+            fail(ctx, str(exc), code=1)
+
+
+def fail(ctx: click.Context, message: str, *, code: int) -> NoReturn:
+    click.echo(f"Error: {' '.join(message.split())}", err=True)
+    ctx.exit(code)
+
+
+@click.group(cls=LeasesGroup)
+def leases() -> None:
+    """celery-leases jobs of the -A app: celery -A proj leases COMMAND."""
+
+
+def cli_app() -> Any:
+    """The -A app; without -A (or APP / CELERY_APP) celery hands plugins an empty default app."""
+    ctx = click.get_current_context()
+    root = ctx.find_root()
+    if root.params.get("app") is None:
+        fail(
+            ctx,
+            f"celery leases needs your Celery app: celery -A proj leases {ctx.info_name} "
+            f"(without -A celery uses an empty default app)",
+            code=2,
+        )
+    return root.obj.app
+
+
+def cli_settings() -> Settings:
+    return settings_for(cli_app())
+
+
+def cli_store() -> Store:
+    return store_for(cli_settings())
+
+
+# -- resolving ids -------------------------------------------------------------------------------
+
+
+def find_job(store: Store, text: str) -> Job:
+    """The job with id ``text``, or the only job whose id starts with it."""
+    job = store.get(text)
+    if job is not None:
+        return job
+    if len(text) >= MIN_PREFIX:
+        ids = store.ids_starting_with(text, limit=5)
+        if len(ids) == 1:
+            job = store.get(ids[0])
+            if job is not None:
+                return job
+        elif ids:
+            shown = ", ".join(ids[:3]) + (", ..." if len(ids) > 3 else "")
+            raise LeaseError(f"job id prefix {text!r} is ambiguous ({shown}): give more of it")
+    raise JobNotFound(f"no job {text!r} in table {store.table.name} of {store.safe_url}")
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+__all__ = [
+    "MIN_PREFIX",
+    "Duration",
+    "JobId",
+    "LeaseKey",
+    "cli_app",
+    "cli_settings",
+    "cli_store",
+    "fail",
+    "find_job",
+    "leases",
+    "short_repr",
+]

@@ -1,0 +1,232 @@
+"""Commands that show jobs: ``list``, ``show``, ``watch``."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import click
+from kombu.utils import json as kombu_json
+
+from ..db import Store, store_for
+from ..db.schema import CANCELLED, FAILED, RUNNING, STATES
+from ..errors import StoreUnavailable
+from .group import JobId, cli_app, cli_settings, find_job
+from .view import (
+    JOB_COLUMNS,
+    JobFacts,
+    Output,
+    counts_text,
+    job_table,
+    span,
+    stall_note,
+)
+
+
+@click.command("list")
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    type=click.Choice(STATES),
+    help="Only jobs in this state (repeatable).",
+)
+@click.option("--task", metavar="NAME", help="Only jobs of this task name.")
+@click.option(
+    "--limit", default=50, show_default=True, type=click.IntRange(min=1), help="At most N jobs."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array (all fields).")
+def list_jobs(states: tuple[str, ...], task: str | None, limit: int, as_json: bool) -> None:
+    """List jobs, newest first, with lease, checkpoint age and progress.
+
+    LEASE is the time left on a running job's lease, CKPT the age of its last checkpoint,
+    TRY its attempts; IDs are short prefixes, accepted by the other commands.
+    """
+    settings = cli_settings()
+    store = store_for(settings)
+    facts = JobFacts(cli_app(), settings)
+    jobs = store.list_jobs(states=states, task=task, limit=limit)
+    if as_json:
+        click.echo(json.dumps([facts.as_dict(job) for job in jobs], indent=2))
+        return
+    out = Output()
+    counts = store.count_by_state()
+    total = sum(counts.values())
+    if jobs:
+        for text in job_table(out, facts, jobs, JOB_COLUMNS, min_bar=8, max_bar=20):
+            click.echo(text)
+    stalled = sum(1 for job in jobs if job.state == RUNNING and facts.stalled(job))
+    dot = " · " if out.unicode else ", "
+    summary = dot.join([f"showing {len(jobs)} of {total} jobs", *counts_text(counts, stalled)])
+    click.echo(summary if total else "no jobs yet")
+    for note in stall_note(facts, jobs):
+        click.echo(note)
+
+
+@click.command()
+@click.argument("job_id", metavar="ID", type=JobId())
+@click.option("--json", "as_json", is_flag=True, help="Print the job as JSON.")
+def show(job_id: str, as_json: bool) -> None:
+    """One job in full, with its checkpoint. ID may be a unique prefix."""
+    settings = cli_settings()
+    job = find_job(store_for(settings), job_id)
+    facts = JobFacts(cli_app(), settings)
+    if as_json:
+        click.echo(json.dumps(facts.as_dict(job), indent=2))
+        return
+    out = Output()
+    state = facts.shown_state(job)
+    quiet = facts.quiet_for(job)
+    limit = facts.stall_timeout(job.task)
+    status = out.style(job.state, job.state)
+    if state == "stalled" and quiet is not None and limit is not None:
+        status += out.style(
+            f" (stalled: no checkpoint for {span(quiet)}, over {span(limit)})", "stalled"
+        )
+    if job.stop_requested:
+        status += f", {job.stop_requested} requested at its next checkpoint"
+
+    def ago(moment: float | None) -> str | None:
+        seconds = facts.since(job, moment)
+        return None if seconds is None else f"{span(seconds)} ago"
+
+    lease = "-"
+    if job.state == RUNNING and job.expires_in is not None:
+        left = job.expires_in
+        lease = f"{span(left)} left" if left > 0 else f"expired {span(left)} ago, to be reaped"
+    progress = "-"
+    if job.progress_done is not None:
+        _, styled = out.bar(job.progress_done, job.progress_total, 20)
+        count = f"{job.progress_done:,}" + (
+            f" / {job.progress_total:,}" if job.progress_total else ""
+        )
+        progress = styled if job.progress_total else count
+        if job.progress_total:
+            progress += f"  ({count})"
+    attempts = f"{job.attempts} (token {job.token})"
+    if job.stalled_attempts:
+        attempts += f", {job.stalled_attempts} in a row ended without a checkpoint"
+    fields = [
+        ("task", job.task),
+        ("key", job.lease_key),
+        ("follow-up", f"job {job.followup_id}, when this one ends" if job.followup_id else None),
+        ("state", status),
+        ("owner", job.owner),
+        ("attempts", attempts),
+        ("lease", lease),
+        ("progress", progress),
+        ("created", ago(job.created_at)),
+        ("claimed", ago(job.claimed_at)),
+        ("renewed", ago(job.renewed_at) if job.state == RUNNING else None),
+        ("checkpoint", ago(job.checkpoint_at)),
+        ("finished", ago(job.finished_at)),
+        ("args", _compact(job.args)),
+        ("kwargs", _compact(job.kwargs) if job.kwargs else None),
+        ("parent", job.message.headers.get("parent_id")),
+        ("routing", _compact(job.route) if job.route else None),
+        ("error", out.style(job.error, "failed") if job.error else None),
+        ("result", _compact(job.result) if job.result is not None else None),
+    ]
+    click.echo(out.style(f"job {job.id}", "header"))
+    for name, value in fields:
+        if value is not None and value != "-":
+            click.echo(f"  {name:<11} " + value.replace("\n", "\n" + " " * 14))
+    if job.checkpoint is None:
+        click.echo("checkpoint: none")
+    else:
+        click.echo("checkpoint:")
+        for text in json.dumps(job.checkpoint, indent=2, ensure_ascii=False).splitlines():
+            click.echo(f"  {text}")
+    if job.state in (FAILED, CANCELLED):
+        app = click.get_current_context().find_root().params.get("app")
+        again = "to resume it" if job.checkpoint is not None else "to run it again"
+        click.echo(f"{again}: celery -A {app} leases retry {job.id}")
+
+
+def _compact(value: Any) -> str:
+    text = str(kombu_json.dumps(value, ensure_ascii=False))
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+@click.command()
+@click.option(
+    "--interval",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Seconds between refreshes.",
+)
+@click.option("--once", is_flag=True, help="Print one refresh and exit.")
+@click.option(
+    "--limit",
+    default=100,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="At most N jobs (a terminal shows what fits).",
+)
+@click.pass_context
+def watch(ctx: click.Context, interval: float, once: bool, limit: int) -> None:
+    """Running jobs with progress bars, refreshed until Ctrl-C.
+
+    On a terminal the screen is redrawn; otherwise (ssh pipes, CI logs) a block is printed per
+    refresh.
+    """
+    settings = cli_settings()
+    store = store_for(settings)
+    facts = JobFacts(cli_app(), settings)
+    out = Output()
+    try:
+        while True:
+            try:
+                lines = watch_frame(out, store, facts, limit=limit, interval=interval)
+            except StoreUnavailable as exc:
+                if once:
+                    raise
+                lines = [f"Error: {exc} (retrying every {span(interval)})"]
+            if out.tty:
+                click.echo("\x1b[H\x1b[2J" + "\n".join(lines), nl=True)
+            else:
+                click.echo("\n".join([*lines, ""]))
+            if once:
+                return
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        ctx.exit(0)
+
+
+def watch_frame(
+    out: Output, store: Store, facts: JobFacts, *, limit: int, interval: float
+) -> list[str]:
+    """One refresh of ``watch``: a summary line and the running jobs."""
+    jobs = store.list_jobs(states=[RUNNING], limit=limit)
+    counts = store.count_by_state()
+    stalled = sum(1 for job in jobs if facts.stalled(job))
+    stamp = time.strftime("%H:%M:%S")
+    title = f"celery leases watch: {store.table.name} at {stamp}, every {interval:g}s"
+    lines = [
+        out.style(title, "header") + " (Ctrl-C stops)",
+        ", ".join(counts_text(counts, stalled)) if counts else "no jobs",
+        "",
+    ]
+    hidden = 0
+    if out.tty:
+        room = max(out.height - 6, 1)
+        hidden = max(len(jobs) - room, 0)
+        jobs = jobs[:room]
+    if not jobs:
+        return [*lines, "no running jobs"]
+    columns = [c for c in JOB_COLUMNS if c.header != "TOKEN"]
+    lines += job_table(out, facts, jobs, columns, min_bar=10, max_bar=30)
+    if hidden:
+        lines.append(f"... and {hidden} more running (not shown: the terminal is full)")
+    lines += stall_note(facts, jobs)
+    return lines
+
+
+#: The commands of this module (``cli/__init__.py`` adds them to the group).
+COMMANDS = (
+    list_jobs,
+    show,
+    watch,
+)

@@ -1,0 +1,250 @@
+"""MariaDB and MySQL: no ``UPDATE ... RETURNING`` (a write's outcome is its row count, then a
+read back in the same transaction), a named lock that marks a keeper's session alive, no
+partial indexes (a generated column holds the live key), and no ``UPDATE ... SKIP LOCKED``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.dml import Update
+
+from ...errors import ConfigurationError
+from ..clock import db_now
+from .base import Dialect
+
+#: Prefix of the named lock a keeper's session holds (``GET_LOCK``), which any user can see.
+SESSION_LOCK_PREFIX = "celery_leases:"
+#: Client errors of a connection the server closed (MariaDB's ``idle_write_transaction_timeout``
+#: ends the session this way: 2006, 2013; MySQL 8.0.24+: 4031).
+SERVER_CLOSED_CONNECTION = (2006, 2013, 4031)
+#: ER_DUP_ENTRY.
+DUPLICATE_ENTRY = 1062
+#: Modules of the drivers whose errors carry these codes.
+_DRIVERS = ("pymysql", "MySQLdb", "mariadb")
+
+
+@compiles(db_now, "mysql")
+@compiles(db_now, "mariadb")
+def _db_now(element: Any, compiler: Any, **kw: Any) -> str:
+    # The session time zone is UTC (on_connect), so this is unambiguous around DST.
+    return "UNIX_TIMESTAMP(NOW(6))"
+
+
+class SkipLockedUpdate(Update):
+    """An ``UPDATE`` of the rows a derived table named ``lockable`` selected ``FOR UPDATE SKIP
+    LOCKED`` (these databases have no ``UPDATE ... SKIP LOCKED``).
+
+    SQLAlchemy renders ``UPDATE jobs, (SELECT ...) AS lockable SET ... WHERE jobs.id =
+    lockable.id``, which lets the optimizer scan ``jobs`` first and wait on every locked row
+    it reads. This form joins in a fixed order, the derived rows first and then ``jobs`` by
+    primary key: ``UPDATE (SELECT ...) AS lockable STRAIGHT_JOIN jobs FORCE INDEX (PRIMARY)
+    SET ...``, so only the rows the derived table locked are read.
+    """
+
+    inherit_cache = True
+
+
+@compiles(SkipLockedUpdate, "mysql")
+@compiles(SkipLockedUpdate, "mariadb")
+def _skip_locked_update(element: SkipLockedUpdate, compiler: Any, **kw: Any) -> str:
+    text: str = compiler.visit_update(element, **kw)
+    table = compiler.preparer.format_table(element.table)
+    head, derived_end = f"UPDATE {table}, (", ") AS lockable SET "
+    end = text.find(derived_end)
+    if not text.startswith(head) or end < 0:  # pragma: no cover - a new SQLAlchemy layout
+        raise sa.exc.CompileError(f"unexpected multi-table UPDATE layout: {text[:80]!r}")
+    derived = text[len(head) - 1 : end + len(") AS lockable")]
+    rest = text[end + len(") AS lockable") :]
+    return f"UPDATE {derived} STRAIGHT_JOIN {table} FORCE INDEX (PRIMARY){rest}"
+
+
+def _on_connect(dbapi_connection: Any, record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    # UTC makes UNIX_TIMESTAMP(NOW(6)) unambiguous around DST; strict mode makes a value the
+    # column cannot hold an error instead of a silent truncation.
+    cursor.execute("SET time_zone = '+00:00', sql_mode = CONCAT(@@sql_mode, ',STRICT_ALL_TABLES')")
+    cursor.close()
+
+
+class MySQL(Dialect):
+    names: ClassVar[tuple[str, ...]] = ("mysql", "mariadb")
+    returning: ClassVar[bool] = False
+    autocommit: ClassVar[bool] = False
+
+    # -- connecting --------------------------------------------------------------------------
+
+    def prepare_engine(self, engine: sa.engine.Engine, database: Any) -> None:
+        sa.event.listen(engine, "connect", _on_connect)
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def session_ident(self, driver: Any) -> int:
+        # The session takes a named lock: the reaper reads a session as alive while it holds it.
+        found = driver.query(
+            "SELECT CONNECTION_ID(), GET_LOCK(CONCAT(%s, CONNECTION_ID()), 0)",
+            (SESSION_LOCK_PREFIX,),
+        )
+        return int(found[0][0])
+
+    def holder_session(self, pid: Any) -> Any:
+        # The connection id only while that connection holds its keeper lock, which is what
+        # the reaper looks for.
+        lock = sa.func.concat(SESSION_LOCK_PREFIX, sa.func.connection_id())
+        return sa.case(
+            (sa.func.is_used_lock(lock) == sa.func.connection_id(), sa.func.connection_id()),
+            else_=sa.null(),
+        )
+
+    def claimed_session(self, session: Any) -> Any:
+        alive = sa.func.is_used_lock(sa.func.concat(SESSION_LOCK_PREFIX, session)) == session
+        return sa.case((alive, session), else_=sa.null())
+
+    def session_gone(self, table: sa.Table) -> Any:
+        """The holder's lock is free, and the server has been up since the lease's last
+        renewal (a failover is not seen: the lease's expiry)."""
+        t = table
+        status = sa.table(
+            "GLOBAL_STATUS",
+            sa.column("VARIABLE_NAME"),
+            sa.column("VARIABLE_VALUE"),
+            schema="information_schema",
+        )
+        uptime = (
+            sa.select(sa.cast(status.c.VARIABLE_VALUE, sa.Double()))
+            .where(status.c.VARIABLE_NAME == "UPTIME")
+            .scalar_subquery()
+        )
+        lock = sa.func.concat(SESSION_LOCK_PREFIX, t.c.session)
+        return sa.and_(sa.func.is_used_lock(lock).is_(None), t.c.renewed_at > db_now() - uptime)
+
+    # -- statement forms ---------------------------------------------------------------------
+
+    def live_key_index(self, table_name: str, live: sa.TextClause) -> tuple[Any, ...]:
+        # No partial indexes: a unique index on a generated column that holds the key while
+        # the job holds it, NULL otherwise.
+        return (
+            sa.Column(
+                "live_key",
+                sa.String(255),
+                sa.Computed(f"CASE WHEN {live.text} THEN lease_key END", persisted=True),
+            ),
+            sa.Index(f"ix_{table_name}_live_key", "live_key", unique=True),
+        )
+
+    def holds_key(self, table: sa.Table, key: Any, live_states: Any) -> Any:
+        # One lookup in the generated live_key's unique index. The general condition would
+        # read (and, in an UPDATE under REPEATABLE READ, lock) every live job through an
+        # index merge.
+        return table.c.live_key == sa.bindparam(key.key, type_=table.c.live_key.type)
+
+    def update_unlocked(self, table: sa.Table, ids: sa.Select[Any]) -> sa.Update:
+        lockable = ids.with_for_update(skip_locked=True).subquery("lockable")
+        return SkipLockedUpdate(table).where(table.c.id == lockable.c.id)
+
+    def insert_unless_exists(self, table: sa.Table, values: dict[str, Any]) -> Any:
+        # A plain INSERT whose duplicate-key error ``inserted`` reads as "exists": INSERT
+        # IGNORE would also turn a value the column cannot hold into a warning and a truncated
+        # row, and ON DUPLICATE KEY UPDATE reports 1 row either way under FOUND_ROWS.
+        return sa.insert(table).values(values)
+
+    def upsert(self, table: sa.Table, select: Any, columns: list[str], key: str) -> Any:
+        upsert = mysql.insert(table).from_select(columns, select)
+        return upsert.on_duplicate_key_update({c: upsert.inserted[c] for c in columns if c != key})
+
+    # -- reading a write's outcome -----------------------------------------------------------
+
+    def rows(
+        self,
+        c: Any,
+        statement: Any,
+        params: dict[str, Any],
+        *,
+        read_back: Any = None,
+        first_try: tuple[Any, tuple[Any, ...]] | None = None,
+    ) -> list[tuple[Any, ...]]:
+        if first_try is not None:
+            narrower, row = first_try
+            if c.execute(narrower, params).rowcount == 1:
+                return [row]
+        if c.execute(statement, params).rowcount < 1:
+            return []
+        return list(c.execute(read_back, params).all())
+
+    def inserted(
+        self, c: Any, statement: Any, params: dict[str, Any], *, key_taken: Callable[[Any], bool]
+    ) -> bool:
+        try:
+            c.execute(statement, params)
+        except sa.exc.IntegrityError as exc:
+            if self.duplicate_key(exc.orig) and not key_taken(exc):
+                return False
+            raise
+        return True
+
+    def upserted(self, c: Any, statement: Any, params: dict[str, Any]) -> bool:
+        return bool(c.execute(statement, params).rowcount)
+
+    def renewed(
+        self, c: Any, renew: Any, renewed: Any, params: dict[str, Any], count: int
+    ) -> list[tuple[Any, ...]]:
+        c.execute(renew, params)
+        return list(c.execute(renewed, params).all())
+
+    # -- a caller's transaction --------------------------------------------------------------
+
+    def bounds_idle(self, sa_dialect: Any) -> bool:
+        return bool(getattr(sa_dialect, "is_mariadb", False))
+
+    def guard_idle_writes(self, connection: Any, seconds: int) -> bool:
+        """MariaDB has no transaction-local setting: the session keeps the bound while it is
+        the caller's, and gets the server's default back when it returns to its pool (MySQL
+        has no such setting)."""
+        if not self.bounds_idle(connection.dialect):
+            return False
+        connection.exec_driver_sql(f"SET SESSION idle_write_transaction_timeout = {seconds}")
+        return True
+
+    def unguard_sql(self) -> str | None:
+        return "SET SESSION idle_write_transaction_timeout = DEFAULT"
+
+    # -- errors ------------------------------------------------------------------------------
+
+    def duplicate_key(self, orig: Any) -> bool:
+        return bool(_code(orig) == DUPLICATE_ENTRY)
+
+    def ended_idle_transaction(self, orig: Any) -> bool:
+        driver = type(orig).__module__.startswith(_DRIVERS)
+        return driver and bool(_code(orig) in SERVER_CLOSED_CONNECTION)
+
+    # -- migrations --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def migration_lock(self, connection: sa.Connection, table: str) -> Iterator[None]:
+        name = f"leases_migrate:{table}"
+        got = connection.execute(sa.select(sa.func.get_lock(name, 60))).scalar()
+        if got != 1:
+            raise ConfigurationError(f"another process has been migrating {table} for 60 s")
+        try:
+            yield
+        finally:
+            connection.execute(sa.select(sa.func.release_lock(name)))
+            connection.commit()
+
+    def add_column_sql(self, sa_dialect: Any, table: str, spec: str) -> list[str]:
+        if self.bounds_idle(sa_dialect):  # MariaDB
+            alter = f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {spec}"
+            return [f"SET STATEMENT lock_wait_timeout=5 FOR {alter}"]
+        return super().add_column_sql(sa_dialect, table, spec)
+
+
+def _code(orig: Any) -> Any:
+    return (getattr(orig, "args", None) or (None,))[0]
+
+
+__all__ = ["SESSION_LOCK_PREFIX", "MySQL", "SkipLockedUpdate"]

@@ -1,0 +1,149 @@
+"""The tables and the facts every part of the storage wing shares: states, limits, names.
+
+Every time in the table is a float of epoch seconds read from the database clock
+(``clock.db_now``), so lease arithmetic never compares a worker's clock with a stored time and
+keeps sub-second resolution on every backend. The table is created and changed by the
+migrations (``migrations/``), never at first use; this is the shape the code reads and writes,
+which the migrations' head must match (a test compares them).
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
+
+from .dialects import Dialect
+
+SCHEMA_VERSION = 4
+
+#: Job states. ``queued`` and ``running`` are live; the others are finished. A ``replaced``
+#: job handed its id to the signature it was replaced with (``Task.replace``); a ``revoked``
+#: one was revoked or expired in Celery.
+QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
+CANCELLED, REVOKED, REPLACED = "cancelled", "revoked", "replaced"
+STATES = (QUEUED, RUNNING, DONE, FAILED, CANCELLED, REVOKED, REPLACED)
+LIVE_STATES = (QUEUED, RUNNING)
+FINISHED_STATES = (DONE, FAILED, CANCELLED, REVOKED, REPLACED)
+
+#: Longest job (task) id the table holds; a longer one is refused, never truncated.
+MAX_ID_LENGTH = 155
+#: Longest lease key (``lease_key``: the resource a job works on) the table holds.
+MAX_KEY_LENGTH = 255
+#: SQL true for a job that holds its lease key: a live one, or one that ended with a trigger
+#: waiting for its follow-up (it hands the key to that follow-up, in one transaction). At
+#: most one job per key holds it (a unique index).
+KEY_HELD = f"state IN ({', '.join(repr(s) for s in LIVE_STATES)}) OR followup_id IS NOT NULL"
+
+
+def version_table_name(table: str) -> str:
+    """The Alembic version table of the leases table ``table``."""
+    return f"{table}_version"
+
+
+def jobs_table(
+    metadata: sa.MetaData, name: str = "celery_leases_jobs", dialect: Dialect | None = None
+) -> sa.Table:
+    """Define the jobs table called ``name`` on ``metadata`` (or return the one already there).
+
+    ``dialect`` says how "one job holds each lease key" (``KEY_HELD``) is enforced
+    (``Dialect.live_key_index``; without one: a partial unique index, PostgreSQL's and
+    SQLite's)."""
+    if name in metadata.tables:
+        return metadata.tables[name]
+    text = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
+    live = sa.text(KEY_HELD)
+    one_live_job_per_key = (dialect or Dialect("")).live_key_index(name, live)
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("id", sa.String(MAX_ID_LENGTH), primary_key=True),
+        sa.Column("task", sa.String(255), nullable=False),
+        # Celery's replaced_task_nesting of the message: a replacement is a newer generation.
+        sa.Column("generation", sa.Integer, nullable=False, default=0),
+        # The message's version id (leases_message_id header); NULL for one not recorded
+        # by celery-leases (sent by name from elsewhere).
+        sa.Column("version", sa.String(64)),
+        # The whole task message, as Celery's JSON (message.Message.dumps).
+        sa.Column("message", text, nullable=False),
+        sa.Column("state", sa.String(16), nullable=False),
+        sa.Column("owner", sa.String(255)),
+        # The database session of the holder's keeper, set by each renewal (PostgreSQL: its
+        # backend pid; MariaDB: its connection id; SQLite: its process id): a running job whose
+        # holder's session is gone is re-published without waiting for its expiry.
+        sa.Column("session", sa.BigInteger),
+        sa.Column("token", sa.BigInteger, nullable=False, default=0),
+        sa.Column("duration", sa.Double),
+        sa.Column("expires_at", sa.Double),
+        sa.Column("attempts", sa.Integer, nullable=False, default=0),
+        sa.Column("stalled_attempts", sa.Integer, nullable=False, default=0),
+        # Times the reaper re-published the job while it waited queued (for the backoff).
+        sa.Column("sends", sa.Integer, nullable=False, default=0),
+        sa.Column("checkpoint", text),
+        sa.Column("progress_done", sa.BigInteger),
+        sa.Column("progress_total", sa.BigInteger),
+        sa.Column("result", text),
+        sa.Column("error", text),
+        sa.Column("stop_requested", sa.String(16)),
+        # A Celery state (FAILURE, REVOKED) to store in the result backend for a job that
+        # ended outside any attempt (given up, cancelled while queued); NULL once stored.
+        sa.Column("notify", sa.String(16)),
+        sa.Column("run_after", sa.Double),
+        sa.Column("created_at", sa.Double, nullable=False),
+        sa.Column("claimed_at", sa.Double),
+        sa.Column("renewed_at", sa.Double),
+        sa.Column("checkpoint_at", sa.Double),
+        sa.Column("finished_at", sa.Double),
+        sa.Column("schema_version", sa.Integer, nullable=False, default=SCHEMA_VERSION),
+        # The resource the job works on (the task's lease_key): at most one live job per key.
+        sa.Column("lease_key", sa.String(MAX_KEY_LENGTH)),
+        # The first trigger of the key that arrived while this job ran (its whole message, as
+        # ``message``), and its id: the follow-up run started when this job ends.
+        sa.Column("followup", text),
+        sa.Column("followup_id", sa.String(MAX_ID_LENGTH)),
+        *one_live_job_per_key,
+        sa.Index(f"ix_{name}_expiry", "state", "expires_at"),
+        sa.Index(f"ix_{name}_finished", "finished_at"),
+        sa.Index(f"ix_{name}_followup", "followup_id"),
+        # The few jobs whose end the result backend has not been told (each reaper pass).
+        sa.Index(
+            f"ix_{name}_notify",
+            "notify",
+            postgresql_where=sa.text("notify IS NOT NULL"),
+            sqlite_where=sa.text("notify IS NOT NULL"),
+        ),
+    )
+
+
+def keys_table(metadata: sa.MetaData, jobs: str = "celery_leases_jobs") -> sa.Table:
+    """Define ``<jobs>_keys``: the cursor of each lease key, which outlives the key's jobs.
+
+    Written only by the attempt holding the lease of a live job of the key (fenced by its
+    token), read by the key's next run (``self.lease.cursor``)."""
+    name = f"{jobs}_keys"
+    if name in metadata.tables:
+        return metadata.tables[name]
+    text = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("lease_key", sa.String(MAX_KEY_LENGTH), primary_key=True),
+        sa.Column("cursor_state", text),
+        # The job and token of the attempt that wrote it.
+        sa.Column("job_id", sa.String(MAX_ID_LENGTH)),
+        sa.Column("token", sa.BigInteger),
+        sa.Column("cursor_at", sa.Double),
+    )
+
+
+def version_table(metadata: sa.MetaData, name: str) -> sa.Table:
+    """The Alembic version table of the jobs table ``name`` (``<name>_version``)."""
+    versions = version_table_name(name)
+    if versions in metadata.tables:
+        return metadata.tables[versions]
+    return sa.Table(versions, metadata, sa.Column("version_num", sa.String(32), primary_key=True))
+
+
+#: Metadata holding the jobs table under its default name, for Alembic ``target_metadata``.
+metadata = sa.MetaData()
+jobs_table(metadata)
+keys_table(metadata)

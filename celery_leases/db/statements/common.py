@@ -1,0 +1,160 @@
+"""What the statement groups of one table share: bind parameters, the conditions that find a
+job's row, and the column values of a job's states.
+
+Values travel as bind parameters (``b_*``), so each statement object keeps its SQLAlchemy cache
+key and a call only binds: building an UPDATE on every call cost more CPU than the database
+spends on it (docs/benchmarks.md). Every time is the database clock (``db_now()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+from ..clock import db_now
+from ..dialects import Dialect
+from ..schema import CANCELLED, QUEUED, RUNNING, SCHEMA_VERSION
+
+#: Errors the reaper writes on the jobs it gives up on, and an operator's cancel.
+GAVE_UP_NO_PROGRESS = (
+    "gave up: its last attempts ended (crashed, killed or lost) without saving a checkpoint "
+    "(leases_max_attempts_without_progress)"
+)
+GAVE_UP_MAX_ATTEMPTS = "gave up: reached leases_max_attempts"
+GAVE_UP_CORRUPT = "gave up: its stored message or checkpoint cannot be read"
+CANCELLED_TEXT = "cancelled by an operator"
+
+
+def param(name: str, type_: Any = None) -> Any:
+    """The bind parameter ``b_<name>``."""
+    return sa.bindparam(f"b_{name}", type_=type_)
+
+
+def unindexed(column: Any) -> Any:
+    """``column`` in a form no index serves, for a row found by primary key.
+
+    Statistics taken while few jobs ran (a burst after a quiet spell) make PostgreSQL prefer
+    the (state, expires_at) index for ``state = 'running'`` and walk every running job on
+    each write; SQLite does so without statistics. See docs/benchmarks.md.
+    """
+    return sa.func.coalesce(column, "")
+
+
+class Parts:
+    """The building blocks of the statements on one jobs table for one dialect."""
+
+    def __init__(self, table: sa.Table, dialect: Dialect, keys: sa.Table | None = None) -> None:
+        t = self.table = table
+        self.dialect = dialect
+        self.keys = keys
+        self.now = db_now()
+        #: The lease's length, in seconds.
+        self.seconds = param("duration", sa.Double())
+        #: The job ``b_id``.
+        self.by_id = t.c.id == param("id")
+        #: A running job (found by primary key: ``unindexed``).
+        self.held = unindexed(t.c.state) == RUNNING
+        #: The running job ``b_id`` under the lease ``b_token``: every write of an attempt.
+        self.by_token = sa.and_(self.by_id, t.c.token == param("token"), self.held)
+        #: An operator cancelled the job.
+        self.cancelled = t.c.stop_requested == "cancel"
+
+    def new_job(self) -> dict[str, Any]:
+        """A new job's message, and its counters reset (a new id, or one taken over)."""
+        t = self.table
+        return {
+            "task": param("task", t.c.task.type),
+            "generation": param("generation", sa.Integer()),
+            "version": param("version", t.c.version.type),
+            "message": param("message", t.c.message.type),
+            "lease_key": param("key", t.c.lease_key.type),
+            "stalled_attempts": 0,
+            "sends": 0,
+            "created_at": self.now,
+            "schema_version": SCHEMA_VERSION,
+        }
+
+    @staticmethod
+    def fresh() -> dict[str, Any]:
+        """What an earlier job of a taken-over id left, cleared."""
+        return {
+            c: None
+            for c in (
+                "checkpoint", "progress_done", "progress_total", "result", "error",
+                "stop_requested", "notify", "checkpoint_at", "finished_at",
+            )
+        }  # fmt: skip
+
+    def queued(self) -> dict[str, Any]:
+        """A job waiting for a worker: run after ``b_countdown``, re-published by the reaper
+        ``b_expires_in`` seconds from now (NULL: never)."""
+        return {
+            "state": QUEUED,
+            "owner": None,
+            "session": None,
+            "attempts": 0,
+            "duration": None,
+            "run_after": self.now + param("countdown", sa.Double()),
+            "expires_at": self.now + param("expires_in", sa.Double()),
+            "claimed_at": None,
+            "renewed_at": None,
+        }
+
+    def claimed(self) -> dict[str, Any]:
+        """A job its first attempt holds (``b_owner``, bound to ``b_session`` if alive)."""
+        return {
+            "state": RUNNING,
+            "owner": param("owner", self.table.c.owner.type),
+            "session": self.claimed_session(),
+            "attempts": 1,
+            "duration": self.seconds,
+            "expires_at": self.now + self.seconds,
+            "claimed_at": self.now,
+            "renewed_at": self.now,
+        }
+
+    def claimed_session(self) -> Any:
+        """The claimant's keeper session ``b_session``, bound only if alive."""
+        return self.dialect.claimed_session(param("session", sa.BigInteger()))
+
+    def ended(self) -> dict[str, Any]:
+        """A job whose attempt ended: no holder, no lease."""
+        return {
+            "owner": None,
+            "session": None,
+            "expires_at": None,
+            "stop_requested": None,
+            "finished_at": self.now,
+        }
+
+    def handed_back(self) -> list[tuple[Any, Any]]:
+        """The lease given back: the job queued again, unless an operator cancelled it, which
+        it then is (and the reaper tells the result backend). ``b_reap_in`` seconds from now
+        the reaper re-publishes it (NULL: a message for it is already on its way). MySQL
+        evaluates SET left to right: the columns read come first."""
+        t, now, cancel = self.table, self.now, self.cancelled
+        return [
+            (t.c.error, sa.case((cancel, CANCELLED_TEXT), else_=t.c.error)),
+            (t.c.notify, sa.case((cancel, "REVOKED"), else_=t.c.notify)),
+            (t.c.finished_at, sa.case((cancel, now), else_=sa.null())),
+            (
+                t.c.expires_at,
+                sa.case((cancel, sa.null()), else_=now + param("reap_in", sa.Double())),
+            ),
+            (t.c.state, sa.case((cancel, CANCELLED), else_=QUEUED)),
+            (t.c.stop_requested, None),
+            (t.c.owner, None),
+            (t.c.session, None),
+        ]
+
+
+__all__ = [
+    "CANCELLED_TEXT",
+    "GAVE_UP_CORRUPT",
+    "GAVE_UP_MAX_ATTEMPTS",
+    "GAVE_UP_NO_PROGRESS",
+    "Parts",
+    "param",
+    "unindexed",
+]

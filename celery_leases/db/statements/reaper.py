@@ -1,0 +1,154 @@
+"""The reaper's statements: expired leases, holders that are gone, give-ups, notices, purges."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+from ..clock import db_now
+from ..schema import FAILED, FINISHED_STATES, LIVE_STATES, QUEUED, RUNNING
+from .common import GAVE_UP_CORRUPT, GAVE_UP_MAX_ATTEMPTS, GAVE_UP_NO_PROGRESS, Parts, param
+
+
+class Reaper:
+    """The statements of a reaper pass."""
+
+    def __init__(self, p: Parts) -> None:
+        t, d, now = p.table, p.dialect, p.now
+        self.table = t
+        # The clock read once per statement (an InitPlan on PostgreSQL), so the search on
+        # (state, expires_at) is an index range and not a filter.
+        clock = sa.select(db_now()).scalar_subquery()
+        #: SQL true for a live job whose lease (or wait) has expired.
+        self.expired = sa.and_(t.c.state.in_(LIVE_STATES), t.c.expires_at <= now)
+        #: A batch of expired jobs, oldest expiry first, locked (skipping locked ones).
+        self.expired_candidates = (
+            sa.select(t.c.id, t.c.owner)
+            .where(t.c.state.in_(LIVE_STATES), t.c.expires_at <= clock)
+            .order_by(t.c.expires_at)
+            .limit(param("batch"))
+            .with_for_update(skip_locked=True)
+        )
+        # Running jobs whose holder's session is gone, lease not yet expired.
+        gone = d.session_gone(t)
+        #: Whether the database tells a gone session in SQL (else ``Dialect.holder_gone``).
+        self.sessions_in_sql = gone is not None
+        gone_sql = gone if gone is not None else sa.true()
+        bound_running = sa.and_(
+            t.c.state == RUNNING, t.c.session.is_not(None), t.c.expires_at > clock
+        )
+        #: A batch of running jobs whose holder is gone (the oldest renewals first).
+        self.orphan_candidates = d.locking_candidates(
+            sa.select(t.c.id, t.c.token, t.c.owner, t.c.session)
+            .where(bound_running, gone_sql)
+            .order_by(t.c.renewed_at)
+            .limit(param("batch"))
+        )
+        same_binding = sa.and_(
+            p.by_id,
+            t.c.token == param("token"),
+            t.c.session == param("session"),
+            t.c.state == RUNNING,
+        )
+        #: The lease of an orphan candidate expired now, if it is still bound as read.
+        self.expire_orphans = sa.update(t).where(same_binding, gone_sql).values(expires_at=now)
+        #: SQL true for a running attempt that saved no checkpoint.
+        self.no_progress = sa.and_(
+            t.c.state == RUNNING,
+            sa.or_(t.c.checkpoint_at.is_(None), t.c.checkpoint_at < t.c.claimed_at),
+        )
+        ids: Any = sa.bindparam("b_ids", expanding=True)
+        #: Jobs whose stored message or checkpoint cannot be read, failed.
+        self.fail_corrupt = (
+            sa.update(t)
+            .where(t.c.id.in_(ids))
+            .values(
+                state=FAILED,
+                owner=None,
+                session=None,
+                expires_at=None,
+                finished_at=now,
+                error=GAVE_UP_CORRUPT,
+                notify="FAILURE",
+            )
+        )
+        finished_before = sa.and_(
+            t.c.state.in_(FINISHED_STATES),
+            t.c.followup_id.is_(None),
+            t.c.finished_at
+            <= sa.select(db_now() - param("older_than", sa.Double())).scalar_subquery(),
+        )
+        #: Finished jobs past retention, oldest first: the order makes the planner walk the
+        #: finished_at index, where a bare LIMIT seq-scans the table when none is old enough.
+        self.purgeable = (
+            sa.select(t.c.id).where(finished_before).order_by(t.c.finished_at).limit(param("batch"))
+        )
+        #: Those jobs deleted (if still past retention).
+        self.purge = sa.delete(t).where(t.c.id.in_(ids), finished_before)
+        #: Jobs whose end the result backend has not been told yet, locked.
+        self.noticed = (
+            sa.select(t.c.id)
+            .where(t.c.notify.is_not(None))
+            .limit(param("batch"))
+            .with_for_update(skip_locked=True)
+        )
+        #: A job marked again to be told (the result backend refused).
+        self.set_notify = sa.update(t).where(p.by_id).values(notify=param("notify"))
+        #: Jobs marked as told.
+        self.clear_notices = sa.update(t).where(t.c.id.in_(ids)).values(notify=None)
+
+    def expired_batch(
+        self, ids: list[str], *, grace: float, max_stalled: int | None, max_attempts: int | None
+    ) -> tuple[Any, Any, Any]:
+        """(poison select, give-up update, re-publish update) for the expired jobs ``ids``."""
+        t = self.table
+        now = db_now()
+        give_up_when = []
+        stalled_out: Any = sa.false()
+        if max_stalled is not None:
+            stalled_out = sa.and_(self.no_progress, t.c.stalled_attempts + 1 >= max_stalled)
+            give_up_when.append(stalled_out)
+        if max_attempts is not None:
+            give_up_when.append(t.c.attempts >= max_attempts)
+        poison = None
+        give_up = None
+        if give_up_when:
+            poison = sa.select(t.c.id).where(t.c.id.in_(ids), self.expired, sa.or_(*give_up_when))
+            reason = sa.case(
+                (stalled_out, sa.literal(GAVE_UP_NO_PROGRESS)),
+                else_=sa.literal(GAVE_UP_MAX_ATTEMPTS),
+            )
+            # MySQL evaluates SET left to right: read the old state before changing it.
+            give_up = sa.update(t).ordered_values(
+                (t.c.error, reason),
+                (
+                    t.c.stalled_attempts,
+                    t.c.stalled_attempts + sa.case((self.no_progress, 1), else_=0),
+                ),
+                (t.c.state, FAILED),
+                (t.c.owner, None),
+                (t.c.session, None),
+                (t.c.expires_at, None),
+                (t.c.notify, "FAILURE"),
+                (t.c.finished_at, now),
+            )
+        # A job still queued when its wait ran out may only be waiting in a long backlog:
+        # each re-publish of it doubles the wait (up to 64 times), so copies stay few.
+        backoff = sa.case(*((t.c.sends == n, 2**n) for n in range(6)), else_=64)
+        republish = sa.update(t).ordered_values(
+            (
+                t.c.stalled_attempts,
+                sa.case(
+                    (self.no_progress, t.c.stalled_attempts + 1),
+                    (t.c.state == RUNNING, 0),
+                    else_=t.c.stalled_attempts,
+                ),
+            ),
+            (t.c.expires_at, now + grace * sa.case((t.c.state == QUEUED, backoff), else_=1)),
+            (t.c.sends, sa.case((t.c.state == QUEUED, t.c.sends + 1), else_=0)),
+            (t.c.state, QUEUED),
+            (t.c.owner, None),
+            (t.c.session, None),
+        )
+        return poison, give_up, republish

@@ -1,0 +1,125 @@
+"""The store's operations for clients: recording the job of a message about to be published,
+and coalescing a trigger of a lease key into the job that serves it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.engine import Connection
+
+from ...errors import LeaseError
+from ...message import Message
+from ..identity import checked_id, checked_key, takes_over
+from .base import KeyTaken, StoreBase
+
+
+@dataclass(frozen=True)
+class Registered:
+    """What :meth:`Client.register` did with a message: ``outcome`` (``new``, ``taken over``,
+    ``coalesced``, or the state of the job that keeps the id), and ``job_id``, the job that
+    serves it (another job's id when coalesced)."""
+
+    outcome: str
+    job_id: str
+
+
+def job_params(message: Message, text: str) -> dict[str, Any]:
+    """The bind parameters of a job's message (``Parts.new_job``)."""
+    return {
+        "b_key": checked_key(message.key),
+        "b_task": message.task,
+        "b_generation": message.generation,
+        "b_version": message.version,
+        "b_message": text,
+    }
+
+
+class Client(StoreBase):
+    """Writes of a client (``LeasedTask.apply_async``)."""
+
+    def register(
+        self,
+        message: Message,
+        *,
+        countdown: float | None = None,
+        queued_timeout: float | None = None,
+        fresh: bool = True,
+    ) -> Registered:
+        """Record the job of a message about to be published: ``new``, ``taken over`` (a new
+        job reusing the id of one that ended, or a replacement: ``identity.takes_over``),
+        ``coalesced`` (its lease key has a live job, which serves it: see :meth:`coalesce`),
+        or the state of the job that keeps the id (this message is a copy, dropped at its
+        claim).
+
+        ``fresh``: the message was built anew (not from a recorded one, as Celery's re-sends
+        of a request are: a retry after a lost pool process carries the job's version)."""
+        text = message.dumps()
+        job_id = checked_id(message.id)
+        expires_in = None if queued_timeout is None else (countdown or 0.0) + queued_timeout
+        params = job_params(message, text) | {
+            "b_id": job_id,
+            "b_countdown": countdown or None,
+            "b_expires_in": expires_in,
+        }
+        if message.key is not None:
+            # A trigger of a busy key (a burst of webhooks) is coalesced after one read, with
+            # no INSERT refused by the key's unique index (each refusal is an ERROR line in
+            # PostgreSQL's log); an idle key's first trigger pays that read too.
+            serving = self.coalesce(message, text)
+            if serving is not None:
+                return Registered("coalesced", serving)
+        record = self.sql.record
+        for _ in range(3):
+            try:
+                if self._hot(lambda c: self._insert(c, record.register, params)):
+                    return Registered("new", job_id)
+                facts = self._facts(job_id)
+                if facts is None:
+                    continue  # deleted in between
+                if not takes_over(message, facts, published=fresh):
+                    return Registered(facts.state, job_id)
+                seen = params | {"b_seen_token": facts.token, "b_seen_state": facts.state}
+                if self._hot(lambda c, p=seen: self._take_over(c, p)):
+                    return Registered("taken over", job_id)
+            except KeyTaken:
+                serving = self.coalesce(message, text)
+                if serving is not None:
+                    return Registered("coalesced", serving)
+                # The key's live job ended in between: record this one again.
+        raise LeaseError(f"job {job_id}: its row kept changing while it was recorded; try again")
+
+    def _take_over(self, c: Connection, params: dict[str, Any]) -> bool:
+        take_over = self.sql.record.take_over
+        return bool(self._keyed(c, lambda: c.execute(take_over, params).rowcount == 1))
+
+    def coalesce(self, message: Message, text: str) -> str | None:
+        """Hand a trigger (``message``, of a lease key a job holds) to that job: one that has
+        not started yet absorbs it (it starts after the trigger); one that has keeps the
+        first trigger that came while it ran as its follow-up (started when it ends), and
+        later ones are served by that follow-up; the id of the job that serves the trigger.
+        None when no job holds the key any more (record it as a job of its own)."""
+        params = {"b_key": message.key, "b_message": text, "b_id": message.id}
+        keys = self.sql.keys
+        for _ in range(3):
+            found = self._hot(lambda c: c.execute(keys.key_holder, params).first())
+            if found is None:
+                return None
+            holder, attempts, followup_id = found
+            if holder == message.id:
+                return None  # this very job: not a trigger of another (a copy of its message)
+            if followup_id is not None:
+                return str(followup_id)
+            if attempts == 0:
+                return str(holder)
+            if self._count(keys.set_followup, params) == 1:
+                return message.id
+            # It ended, or was claimed, or got a follow-up in between: look again.
+        raise LeaseError(f"lease key {message.key}: its holder kept changing; try again")
+
+    def forget(self, job_id: str) -> bool:
+        """Delete a job registered but never published (its publish failed)."""
+        return self._count(self.sql.operators.forget, {"b_id": job_id}) == 1
+
+
+__all__ = ["Client", "Registered", "job_params"]

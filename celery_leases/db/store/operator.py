@@ -1,0 +1,144 @@
+"""The store's operations for operators (``celery leases``, the Django admin) and for ends that
+Celery decides outside any attempt."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ...errors import InvalidJobState, JobNotFound
+from .. import rows
+from ..rows import Job
+from ..schema import CANCELLED, FAILED
+from .base import KeyTaken, StoreBase
+
+
+def like_prefix(prefix: str) -> str:
+    """A LIKE pattern (escape character ``\\``) matching values that start with ``prefix``."""
+    return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
+class Operator(StoreBase):
+    """Reads of jobs, and operators' writes."""
+
+    def get(self, job_id: str) -> Job | None:
+        """The job recorded under ``job_id``, or None."""
+        job_by_id = self.sql.reads.job_by_id
+        found = self._hot(lambda c: c.execute(job_by_id, {"b_id": job_id}).mappings())
+        return rows.job(found[0]) if found else None
+
+    def list_jobs(
+        self, *, states: Iterable[str] = (), task: str | None = None, limit: int = 50
+    ) -> list[Job]:
+        """Jobs, newest first, filtered by state and task name."""
+        t = self.table
+        where: list[Any] = []
+        if states:
+            where.append(t.c.state.in_(list(states)))
+        if task:
+            where.append(t.c.task == task)
+        stmt = self.sql.reads.select_jobs(*where).order_by(t.c.created_at.desc()).limit(limit)
+        return [rows.job(row._mapping) for row in self._run(lambda c: c.execute(stmt).all())]
+
+    def count_by_state(self) -> dict[str, int]:
+        """How many jobs the table holds in each state."""
+        return dict(self._run(lambda c: c.execute(self.sql.reads.count_by_state).all()))
+
+    def ids_starting_with(self, prefix: str, *, limit: int) -> list[str]:
+        """Ids of up to ``limit`` jobs whose id starts with ``prefix`` (case-sensitive)."""
+        params = {"b_prefix_like": like_prefix(prefix), "b_limit": limit}
+        stmt = self.sql.reads.ids_starting_with
+        found = self._run(lambda c: c.execute(stmt, params).scalars().all())
+        # LIKE ignores case on SQLite and MySQL's default collations.
+        return [i for i in found if i.startswith(prefix)]
+
+    def now(self) -> float:
+        """The database clock, in epoch seconds."""
+        return float(self._hot(lambda c: c.execute(self.sql.reads.now).scalar_one()))
+
+    # -- ends decided outside any attempt ----------------------------------------------------
+
+    def give_up(self, job_id: str, *, error: str, notify: str | None = None) -> bool:
+        """Fail a job no live lease holds (queued, or its lease expired). ``notify``: the
+        Celery state the reaper then stores in the result backend (None: Celery already
+        records one)."""
+        params = {"b_id": job_id, "b_error": error, "b_notify": notify}
+        return self._count(self.sql.operators.give_up, params) == 1
+
+    def end_live(self, job_id: str, *, state: str, error: str, notify: str | None = None) -> bool:
+        """End a queued or running job as ``state``, whatever attempt holds it: Celery decided
+        (a revoke, an expiry, a hard time limit in a worker's main process)."""
+        params = {"b_id": job_id, "b_state": state, "b_error": error, "b_notify": notify}
+        return self._count(self.sql.operators.end_live, params) == 1
+
+    # -- operators' actions ------------------------------------------------------------------
+
+    def request_stop(self, job_ids: Sequence[str], kind: str) -> int:
+        """Ask running attempts to stop at their next checkpoint (``cancel`` or ``preempt``)."""
+        params = {"b_ids": list(job_ids), "b_kind": kind}
+        return self._count(self.sql.operators.request_stop, params)
+
+    def request_stop_owned_by(self, owner_prefix: str, kind: str) -> int:
+        """Ask every running attempt whose owner starts with ``owner_prefix`` to stop."""
+        params = {"b_owner_like": like_prefix(owner_prefix), "b_kind": kind}
+        return self._count(self.sql.operators.request_stop_owned_by, params)
+
+    def cancel_queued(self, job_id: str) -> bool:
+        """Cancel a job that no worker holds; its message will be dropped by the claim."""
+        return self._count(self.sql.operators.cancel_queued, {"b_id": job_id}) == 1
+
+    def release(self, job_id: str) -> bool:
+        """Expire a running job's lease now (an operator knows its host is dead), so the next
+        reaper pass re-publishes it."""
+        return self._count(self.sql.operators.release, {"b_id": job_id}) == 1
+
+    def requeue(
+        self,
+        job_id: str,
+        *,
+        from_states: Sequence[str] = (FAILED, CANCELLED),
+        queued_timeout: float | None = None,
+    ) -> Job:
+        """Put a finished job back to ``queued`` (its checkpoint kept) and return it.
+
+        With ``queued_timeout``, the reaper re-publishes it if no worker claims it in time.
+        """
+        params = {
+            "b_id": job_id,
+            "b_from_states": list(from_states),
+            "b_queued_timeout": queued_timeout,
+        }
+        requeue = self.sql.operators.requeue
+        try:
+            requeued = self._hot(
+                lambda c: self._keyed(c, lambda: c.execute(requeue, params).rowcount)
+            )
+        except KeyTaken:
+            raise InvalidJobState(
+                f"job {job_id}: another job of its lease key is queued or running; retry "
+                f"this one when that one has ended"
+            ) from None
+        if requeued != 1:
+            job = self.get(job_id)
+            if job is None:
+                raise JobNotFound(f"no job {job_id!r} in {self.table.name}")
+            raise InvalidJobState(
+                f"job {job_id} is {job.state}; only {' or '.join(from_states)} jobs can be retried"
+            )
+        job = self.get(job_id)
+        assert job is not None
+        return job
+
+    def set_cursor(self, key: str, state: str | None) -> bool:
+        """Set the cursor of lease key ``key`` to ``state`` (JSON text; None clears it), for
+        an operator or a test: only while no job holds the key (none queued, running, or
+        ended with a follow-up to start). False, and nothing written, when one does. One
+        statement."""
+        params = {"b_key": key, "b_cursor": state}
+        set_cursor = self.sql.keys.set_cursor
+        return self._run(  # type: ignore[no-any-return]
+            lambda c: self.dialect.upserted(c, set_cursor, params), single=True
+        )
+
+
+__all__ = ["Operator", "like_prefix"]

@@ -1,5 +1,0 @@
-"""Alembic's environment for the celery-leases revisions (see ``run_environment``)."""
-
-from celery_leases.migrations import run_environment
-
-run_environment()

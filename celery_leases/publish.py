@@ -1,0 +1,170 @@
+"""Recording what a client publishes: a leased job's message is written to its row before it
+goes to the broker, so the row is the truth from the first moment.
+
+``LeasedTask.apply_async`` hands Celery a :class:`RecordingProducer`: it sees the message
+exactly as Celery sends it (after ``before_task_publish`` receivers such as stamping have
+changed it), and :class:`Recorder` records it, hands a retry's lease back, or coalesces a
+trigger of a busy lease key (:class:`Coalesced`: nothing is published then).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from celery import current_task
+
+from .errors import ArgumentsError, Cancelled, StoreUnavailable
+from .lease import held
+from .log import job_fields
+from .message import KEY_HEADER, Message
+
+logger = logging.getLogger("celery_leases")
+
+
+class Coalesced(Exception):
+    """Raised through Celery's publish: the call was coalesced into job ``job_id``."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(job_id)
+        self.job_id = job_id
+
+
+class RecordingProducer:
+    """A kombu ``Producer`` that hands each task message to ``record`` before publishing it,
+    and publishes the message ``record`` returns (it adds the version header). An error from
+    ``record`` stops the publish. Publish retries record once."""
+
+    def __init__(self, producer: Any, record: Callable[[Message], Message]) -> None:
+        self._producer = producer
+        self._record = record
+        self.recorded: Message | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._producer, name)
+
+    def publish(
+        self,
+        body: Any,
+        *,
+        exchange: str | None = None,
+        routing_key: str | None = None,
+        headers: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> Any:
+        headers = dict(headers or {})
+        if self.recorded is None:
+            self.recorded = self._record(
+                Message.published(
+                    body=body,
+                    headers=headers,
+                    properties=options,
+                    exchange=exchange,
+                    routing_key=routing_key,
+                    declare=options.get("declare"),
+                )
+            )
+        headers.update(self.recorded.headers)
+        return self._producer.publish(
+            body, exchange=exchange, routing_key=routing_key, headers=headers, **options
+        )
+
+
+class Recorder:
+    """Records the message one ``LeasedTask.apply_async`` publishes."""
+
+    def __init__(self, task: Any) -> None:
+        self.task = task
+        self.settings = task.lease_settings
+        self.store = task.lease_store
+        self.registered: str | None = None
+
+    def producer(self, publisher: Any) -> RecordingProducer:
+        """``publisher`` (kombu's), recording through this recorder."""
+        return RecordingProducer(publisher, self.record)
+
+    def record(self, published: Message) -> Message:
+        """The message to publish, recorded (its version header added)."""
+        try:
+            return self._record(published)
+        except StoreUnavailable as exc:
+            if not current_task or current_task.request.called_directly:
+                raise  # a client outside any task: nothing is published, the caller decides
+            # Inside a task (a chain's next step, a chord body, a callback, a retry), failing
+            # would break the workflow: the message goes out unrecorded, and its claim records
+            # it, as for a message sent by name.
+            logger.warning(
+                "job %s: leases database unreachable, published without being recorded "
+                "(its claim records it): %s",
+                published.id,
+                exc,
+                extra=job_fields(published.id),
+            )
+            return published
+
+    def _record(self, published: Message) -> Message:
+        # A message Celery built from a recorded one (a retry, a re-send after a lost pool
+        # process) carries that one's version; a fresh publish has none.
+        fresh = published.version is None
+        recorded = published.new_version()
+        key = recorded.key or self.task.key_for(recorded.args, recorded.kwargs)
+        if key is not None:
+            recorded = recorded.with_headers(**{KEY_HEADER: key})
+            if recorded.workflow:
+                raise ArgumentsError(
+                    f"{recorded.task} has a lease key ({key!r}), and its call carries "
+                    f"{', '.join(recorded.workflow)}: a keyed call may be coalesced into "
+                    f"another job of its key, which would lose that workflow. Call it "
+                    f"without a lease key inside a canvas"
+                )
+        countdown = max(recorded.eta_in() or 0.0, 0.0)
+        lease = held(recorded.id)
+        if lease is not None:
+            return self._retry(lease, recorded, countdown)
+        outcome = self.store.register(
+            recorded,
+            countdown=countdown or None,
+            queued_timeout=self.settings.queued_timeout,
+            fresh=fresh,
+        )
+        if outcome.outcome == "coalesced":
+            logger.info(
+                "job %s: key %s has a live job, coalesced into job %s",
+                recorded.id,
+                key,
+                outcome.job_id,
+            )
+            raise Coalesced(outcome.job_id)
+        if outcome.outcome == "new":
+            self.registered = recorded.id
+        elif outcome.outcome != "taken over":
+            logger.warning(
+                "job %s is %s with another message: this one is a copy, dropped at its claim",
+                recorded.id,
+                outcome.outcome,
+                extra=job_fields(recorded.id),
+            )
+        return recorded
+
+    def _retry(self, lease: Any, recorded: Message, countdown: float) -> Message:
+        """A retry of the running attempt: hand the lease back before the new message can
+        reach another worker, or its claim would find the lease still held. If the retry
+        message is lost (its worker dies holding it until its ETA), the reaper publishes the
+        job again once it is overdue; a duplicate is dropped."""
+        wait = self.settings.queued_timeout or self.settings.reap_grace
+        state = self.store.hand_back_retry(
+            lease.job_id, lease.token, recorded, reap_in=countdown + wait
+        )
+        lease.released = state is not None
+        if state == "cancelled":
+            raise Cancelled(f"job {lease.job_id} was cancelled; not retried")
+        return recorded
+
+    def undo(self) -> None:
+        """The publish failed: leave no queued row that no message will ever claim."""
+        if self.registered is not None:
+            self.store.forget(self.registered)
+
+
+__all__ = ["Coalesced", "Recorder", "RecordingProducer"]

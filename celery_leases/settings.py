@@ -1,0 +1,257 @@
+"""Every ``leases_*`` setting, declared once: its default, its check and its meaning.
+
+:class:`Settings` is the single declaration. ``DEFAULTS``, the validation, the per-task options
+(``@app.task(lease_duration=...)``) and the docs' configuration table all derive from its
+fields. Durations are in seconds (``float``), sizes in bytes. Reading them from a Celery app is
+``config.py``'s.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from .errors import ConfigurationError
+
+Check = Callable[[str, Any], Any]
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,47}$")
+
+
+def _fail(name: str, what: str, value: Any) -> ConfigurationError:
+    return ConfigurationError(f"leases_{name} must be {what}, not {value!r}")
+
+
+def seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail(name, "a number of seconds", value)
+    if not value > 0 or math.isinf(value):
+        raise _fail(name, "a positive number", value)
+    return float(value)
+
+
+def count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _fail(name, "a positive integer", value)
+    return value
+
+
+def flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(name, "True or False", value)
+    return value
+
+
+def optional(check: Check) -> Check:
+    return lambda name, value: None if value is None else check(name, value)
+
+
+def database_url(name: str, value: Any) -> str:
+    try:
+        if isinstance(value, str) and "://" in value:
+            make_url(value)
+            return value
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
+        pass
+    raise ConfigurationError(
+        f"leases_{name} must be an SQLAlchemy URL such as 'postgresql+psycopg://host/db', "
+        f"not {redact(value)!r}"
+    )
+
+
+def identifier(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not _IDENTIFIER.match(value):
+        raise _fail(name, "a plain SQL identifier (letters, digits, _)", value)
+    return value
+
+
+def mapping(name: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _fail(name, "a dict", value)
+    return dict(value)
+
+
+def setting(default: Any, check: Check, doc: str, *, per_task: bool = False) -> Any:
+    """Declare a setting: ``leases_<name>`` in ``app.conf``; with ``per_task`` also the task
+    option ``lease_<name>``. ``doc`` is its one-line meaning (the README table)."""
+    return field(default=default, metadata={"check": check, "doc": doc, "per_task": per_task})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated settings; read them with ``config.settings_for(app)``, not by hand."""
+
+    database_url: str = setting(
+        "sqlite:///celery_leases.sqlite3",
+        database_url,
+        "SQLAlchemy URL of the leases database (PostgreSQL, MariaDB/MySQL, SQLite)",
+    )
+    table: str = setting("celery_leases_jobs", identifier, "table name (letters, digits, `_`)")
+    engine_options: dict[str, Any] = setting(
+        None, optional(mapping), "extra `create_engine()` keyword arguments (None: none)"
+    )
+    duration: float = setting(
+        30.0,
+        seconds,
+        "seconds a lease lasts without renewal: how long the job of a frozen or cut-off "
+        "worker waits before it moves (a dead holder's job moves at the next reaper pass)",
+        per_task=True,
+    )
+    renew_interval: float = setting(
+        None,
+        optional(seconds),
+        "seconds between renewals (None: a third of the duration); shorter than the duration",
+        per_task=True,
+    )
+    max_checkpoint_bytes: int = setting(
+        1024 * 1024, count, "largest checkpoint, in bytes of its JSON", per_task=True
+    )
+    progress_events: bool | None = setting(
+        None,
+        optional(flag),
+        "send a `task-progress` Celery event at each checkpoint with progress, for Flower "
+        "(None: when the worker sends task events, `-E` / `worker_send_task_events`)",
+    )
+    db_retry_max_delay: float = setting(
+        60.0, seconds, "longest delay between re-deliveries while the database is down"
+    )
+    reap_batch: int = setting(500, count, "jobs per reaper batch")
+    reap_grace: float = setting(
+        None,
+        optional(seconds),
+        "seconds a re-published job is left alone before it is re-published again "
+        "(None: max(duration, 5))",
+    )
+    queued_timeout: float | None = setting(
+        None,
+        optional(seconds),
+        "seconds a queued job may wait for a worker before its message counts as lost and "
+        "is re-published (None: off)",
+    )
+    max_attempts_without_progress: int | None = setting(
+        3,
+        optional(count),
+        "consecutive attempts that die without a checkpoint before the reaper fails the job",
+    )
+    max_attempts: int | None = setting(None, optional(count), "hard cap on attempts (claims)")
+    retention: float = setting(
+        7 * 24 * 3600.0,
+        seconds,
+        "seconds finished jobs are kept before the reaper deletes them (7 days)",
+    )
+    stall_timeout: float | None = setting(
+        None,
+        optional(seconds),
+        "seconds without a checkpoint after which a running attempt stops renewing, so the "
+        "job moves (None: off)",
+        per_task=True,
+    )
+    kill_stalled: bool = setting(
+        True,
+        flag,
+        "with a stall timeout, also end the stalled prefork pool process, so the worker "
+        "replaces it and no message waits behind it (off: the process stays hung)",
+        per_task=True,
+    )
+    bind_session: bool = setting(
+        True,
+        flag,
+        "bind each lease to its holder's database session: a job whose holder died resumes "
+        "at the next reaper pass, not at its lease's expiry (behind a pooler such as "
+        "PgBouncer nothing is bound: PostgreSQL's is detected)",
+    )
+    preempt_on_shutdown: bool = setting(
+        True, flag, "on warm shutdown, running jobs hand back at their next checkpoint"
+    )
+    migrate_on_start: bool = setting(
+        False,
+        flag,
+        "a starting worker creates or upgrades the table (one host, development); off: "
+        "run `celery -A proj leases upgrade` when you deploy",
+    )
+
+    def with_task_options(self, task: Any) -> Settings:
+        """These settings with the task's own ``lease_*`` options applied and re-validated."""
+        overrides = {
+            f.name: getattr(task, f"lease_{f.name}")
+            for f in fields(self)
+            if f.metadata["per_task"] and getattr(task, f"lease_{f.name}", None) is not None
+        }
+        if not overrides:
+            return self
+        if "duration" in overrides and "renew_interval" not in overrides:
+            overrides["renew_interval"] = None
+        raw = {f.name: getattr(self, f.name) for f in fields(self)} | overrides
+        return validate(raw, where=f"task {getattr(task, 'name', task)!r}: ")
+
+
+#: Every setting's default, by name without the ``leases_`` prefix.
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Settings)}
+
+#: Names of the settings a task may override with ``lease_<name>``.
+TASK_OPTIONS = tuple(f.name for f in fields(Settings) if f.metadata["per_task"])
+
+
+def validate(raw: dict[str, Any], *, where: str = "") -> Settings:
+    """Check raw values (names without the ``leases_`` prefix) and build Settings."""
+    values: dict[str, Any] = {}
+    for f in fields(Settings):
+        try:
+            values[f.name] = f.metadata["check"](f.name, raw.get(f.name, f.default))
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"{where}{exc}") from None
+    values["engine_options"] = values["engine_options"] or {}
+    duration = values["duration"]
+    renew = values["renew_interval"] or duration / 3
+    if renew >= duration:
+        raise ConfigurationError(
+            f"{where}leases_renew_interval ({renew:g} s) must be shorter than "
+            f"leases_duration ({duration:g} s), or every lease expires before it is renewed"
+        )
+    values["renew_interval"] = renew
+    if values["reap_grace"] is None:
+        values["reap_grace"] = max(duration, 5.0)
+    return Settings(**values)
+
+
+def redact(url: Any) -> str:
+    """``url`` with its password replaced by ``***``, for messages and logs.
+
+    Everything between the user name and the last ``@`` before the host is hidden, so a
+    password holding ``@`` or ``:`` shows nothing of itself.
+    """
+    text = str(url)
+    scheme, sep, rest = text.partition("://")
+    if not sep or rest.startswith("/"):
+        return text
+    head, mark, query = rest.partition("?")
+    userinfo, at, host = head.rpartition("@")
+    if not at or ":" not in userinfo:
+        return text
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}{mark}{query}"
+
+
+def markdown_table() -> str:
+    """The settings as the README's Markdown table (a test keeps the README in step)."""
+    lines = ["| setting | task option | default | meaning |", "|---|---|---|---|"]
+    for f in fields(Settings):
+        option = f"`lease_{f.name}`" if f.metadata["per_task"] else ""
+        lines.append(f"| `leases_{f.name}` | {option} | `{f.default!r}` | {f.metadata['doc']} |")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "DEFAULTS",
+    "TASK_OPTIONS",
+    "Settings",
+    "markdown_table",
+    "redact",
+    "validate",
+]

@@ -1,0 +1,240 @@
+"""The keeper: one thread per worker process that renews every lease the process holds."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+from ..db import Store
+from ..db.session import Session
+from ..errors import LeaseError
+from ..lease import Lease
+from ..log import lease_fields
+
+logger = logging.getLogger("celery_leases.keeper")
+
+
+class Keeper(threading.Thread):
+    """Renews all leases of one store held by this process, in one statement per tick."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(name="celery-leases-keeper", daemon=True)
+        self.store = store
+        #: The connection this process's leases are bound to (``Store.expire_orphaned``).
+        self.session = store.db.session(shared=one_task_at_a_time())
+        self.pid = os.getpid()
+        self._leases: dict[int, Lease] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._failing = False
+        #: Monotonic time of the next renew tick (None: nothing held).
+        self._due: float | None = None
+        #: Monotonic time the thread wakes by itself next (None: not before add() wakes it).
+        self._wakes_at: float | None = None
+        #: Seconds an idle keeper sleeps: the shortest renew interval seen, so that a lease
+        #: added later is due no sooner than the keeper wakes anyway.
+        self._idle_seconds: float | None = None
+
+    def add(self, lease: Lease) -> None:
+        """Hold ``lease`` from now on: its first renewal is one renew interval away (the claim
+        has just set its expiry). The thread is woken only if it would sleep past that, or
+        past the lease's stall deadline: a process running one short task after another
+        sets no event and switches to no other thread per task."""
+        with self._lock:
+            self._leases[id(lease)] = lease
+            now = time.monotonic()
+            needed = now + lease.renew_interval
+            self._due = needed if self._due is None else min(self._due, needed)
+            if lease.stall_timeout is not None:
+                needed = min(needed, lease.last_progress + lease.stall_timeout)
+            if self._idle_seconds is None or lease.renew_interval < self._idle_seconds:
+                self._idle_seconds = lease.renew_interval
+            wake = self._wakes_at is None or needed < self._wakes_at
+        if wake:
+            self._wake.set()
+
+    def remove(self, lease: Lease) -> None:
+        with self._lock:
+            self._leases.pop(id(lease), None)
+
+    def held(self) -> list[Lease]:
+        with self._lock:
+            return list(self._leases.values())
+
+    def next_stall(self) -> float | None:
+        """The monotonic time the first held lease will count as stalled (None: none can)."""
+        deadlines = [
+            lease.last_progress + lease.stall_timeout + 0.001
+            for lease in self.held()
+            if lease.stall_timeout is not None
+            and not (lease.stall_reported or lease.lost or lease.released)
+        ]
+        return min(deadlines) if deadlines else None
+
+    def check_stalls(self) -> list[Lease]:
+        """Report (and, with kill_stalled, end) the stalled attempts; the leases to renew."""
+        renewable = []
+        for lease in self.held():
+            if lease.lost or lease.released:
+                continue
+            if not lease.stalled:
+                renewable.append(lease)
+            elif not lease.stall_reported:
+                lease.stall_reported = True
+                self._stalled(lease)
+        return renewable
+
+    def tick(self) -> None:
+        """Renew every held lease once; mark the ones lost, stalled or asked to stop."""
+        renewable = self.check_stalls()
+        if not renewable:
+            return
+        sent = time.monotonic()
+        try:
+            renewal = self.store.renew(
+                [(lease.job_id, lease.token) for lease in renewable], session=self._bound()
+            )
+        except LeaseError as exc:
+            if not self._failing:
+                logger.error("celery-leases: cannot renew leases: %s", exc)
+            self._failing = True
+            now = time.monotonic()
+            for lease in renewable:
+                if now > lease.deadline and not lease.lost:
+                    lease.lost = True
+                    logger.error(
+                        "celery-leases: lease lost on job %s: renewals failed until it expired",
+                        lease.job_id,
+                        extra=lease_fields(lease),
+                    )
+            return
+        if self._failing:
+            logger.info("celery-leases: renewals work again")
+            self._failing = False
+        for lease in renewable:
+            if lease.job_id in renewal.held:
+                lease.deadline = sent + lease.duration
+                lease.stop_requested = renewal.stops.get(lease.job_id) or lease.stop_requested
+            elif not (lease.released or lease.lost):
+                lease.lost = True
+                logger.warning(
+                    "celery-leases: lease lost on job %s (token %s): another attempt holds it",
+                    lease.job_id,
+                    lease.token,
+                    extra=lease_fields(lease),
+                )
+
+    def _bound(self) -> Session | None:
+        """The session to renew on, binding the leases to it; None: renew unbound, through
+        the pool (``leases_bind_session`` off, or behind a connection pooler)."""
+        if self.store.settings.bind_session and self.session.ident() is not None:
+            return self.session
+        return None
+
+    def _stalled(self, lease: Lease) -> None:
+        """Stop renewing a stalled attempt's lease; with kill_stalled, end its process."""
+        logger.warning(
+            "celery-leases: job %s made no checkpoint for %.0f s: stalled, no longer renewing "
+            "its lease so the job moves to another worker",
+            lease.job_id,
+            lease.stall_timeout or 0,
+            extra=lease_fields(lease),
+        )
+        if not (lease.kill_when_stalled and one_task_at_a_time()):
+            return
+        try:
+            if self.store.hand_back(lease.job_id, lease.token, reap_in=0.0):
+                lease.released = True
+        except LeaseError as exc:
+            logger.warning(
+                "celery-leases: could not release stalled job %s: %s",
+                lease.job_id,
+                exc,
+                extra=lease_fields(lease),
+            )
+        logger.error(
+            "celery-leases: terminating pool process %d stuck in job %s",
+            os.getpid(),
+            lease.job_id,
+            extra=lease_fields(lease),
+        )
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def run(self) -> None:
+        while not self._stopped.is_set():
+            # A stall is acted on when it happens, not at the next renewal (every third of a
+            # 30 s lease): a stalled prefork process (leases_kill_stalled) hands its job back
+            # and ends then, and the next reaper pass sends the job again; elsewhere renewals
+            # stop then, and the job moves when its lease expires.
+            stall = self.next_stall()
+            now = time.monotonic()
+            with self._lock:
+                if not self._leases:
+                    self._due = None
+                due = self._due
+                wake = min((t for t in (due, stall) if t is not None), default=None)
+                if wake is None and self._idle_seconds is not None:
+                    wake = now + self._idle_seconds
+                self._wakes_at = wake
+            self._wake.wait(None if wake is None else max(wake - now, 0.0))
+            self._wake.clear()
+            if self._stopped.is_set():
+                return
+            try:
+                if due is None or time.monotonic() < due:
+                    # Idle, woken by add() or for a stall: a claim has just renewed its
+                    # lease, so only the next tick renews it; renewing now would cost one
+                    # more committed write per task.
+                    self.check_stalls()
+                    continue
+                self._next_tick()
+                self.tick()
+            except Exception:
+                logger.exception("celery-leases: keeper tick failed")
+
+    def _next_tick(self) -> None:
+        """Set the tick after this one: a renew interval from now (the shortest held)."""
+        with self._lock:
+            intervals = [lease.renew_interval for lease in self._leases.values()]
+            self._due = time.monotonic() + min(intervals) if intervals else None
+
+    def stop(self) -> None:
+        """Stop renewing, and end the session (after a renewal under way, if any)."""
+        self._stopped.set()
+        self._wake.set()
+        self.session.close()
+
+
+def one_task_at_a_time() -> bool:
+    """True in a prefork pool process: it runs one task at a time (so its one lease, if any,
+    is the running task's, and ending the process frees one pool slot only)."""
+    try:
+        from billiard.process import current_process
+    except ImportError:
+        return False
+    return bool(current_process().name.startswith("ForkPoolWorker"))
+
+
+_keepers: dict[tuple[int, int], Keeper] = {}
+_keepers_lock = threading.Lock()
+
+
+def keeper_for(store: Store) -> Keeper:
+    """This process's running keeper for ``store`` (started on first use, also after fork)."""
+    key = (os.getpid(), id(store))
+    with _keepers_lock:
+        keeper = _keepers.get(key)
+        if keeper is None or not keeper.is_alive():
+            keeper = _keepers[key] = Keeper(store)
+            keeper.start()
+        return keeper
+
+
+def all_keepers() -> list[Keeper]:
+    """The keepers of this process."""
+    with _keepers_lock:
+        return [k for (pid, _), k in _keepers.items() if pid == os.getpid()]

@@ -1,0 +1,225 @@
+"""The worker's signals: hand leases back at shutdown, fail jobs of tasks no worker knows, and
+record what Celery decided about a leased job in the worker's main process (revoked,
+expired, timed out)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from typing import Any
+
+from celery import current_app, states
+from celery.signals import (
+    task_failure,
+    task_revoked,
+    task_unknown,
+    worker_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutting_down,
+)
+
+from ..config import settings_for, uses_leases
+from ..db import store_for
+from ..db.migrations import upgrade
+from ..db.schema import FAILED, REVOKED
+from ..errors import LeaseError
+from ..log import job_fields, lease_fields
+from .deaths import deaths
+from .keeper import all_keepers
+
+logger = logging.getLogger("celery_leases")
+
+#: Set in a worker's main process once it is shutting down: a leased job's message it
+#: receives from then on goes back to the queue for another worker (``LeasedRequest``).
+SHUTTING_DOWN = threading.Event()
+
+
+def migrate_on_start(sender: Any = None, **_: Any) -> None:
+    """``leases_migrate_on_start``: create or upgrade the leases table before the worker
+    consumes (its main process, before the pool starts)."""
+    app = getattr(sender, "app", None) or current_app
+    if not uses_leases(app):
+        return
+    try:
+        settings = settings_for(app)
+        if settings.migrate_on_start:
+            logger.warning("celery-leases: %s", upgrade(store_for(settings)).describe())
+    except LeaseError as exc:
+        logger.error("celery-leases: leases_migrate_on_start failed: %s", exc)
+
+
+def replace_dead_processes_at_once(sender: Any = None, **_: Any) -> None:
+    """A prefork worker's main process: when a pool process that ran a leased job dies
+    (``deaths.Deaths`` sees it at once and sends the job again), billiard replaces it now, on
+    the worker's event loop, instead of at its own check (every 5 s). Otherwise a job sent
+    again to this same worker could wait for it, when the dead process was its only one."""
+    hub = getattr(sender, "hub", None)
+    app = getattr(sender, "app", None)
+    if hub is None or app is None or not uses_leases(app):
+        return
+    consumer = sender
+
+    def maintain() -> None:  # on the event loop, where an error must not stop the worker
+        pool = getattr(getattr(consumer, "pool", None), "_pool", None)  # the AsynPool now
+        maintain_pool = getattr(pool, "maintain_pool", None)
+        if maintain_pool is None:
+            return
+        logger.info("celery-leases: a pool process died; the pool replaces it now")
+        try:
+            maintain_pool()
+        except Exception:  # billiard's own check, every 5 s, tries again
+            logger.exception("celery-leases: replacing a dead pool process failed")
+
+    deaths().after_death = lambda: hub.call_soon(maintain)
+
+
+def release_on_process_shutdown(**_: Any) -> None:
+    """A pool process is exiting with leases held: release them so they are reaped at once."""
+    for keeper in all_keepers():
+        keeper.stop()
+        for lease in keeper.held():
+            if lease.released or lease.lost:
+                continue
+            try:
+                keeper.store.hand_back(lease.job_id, lease.token, reap_in=0.0)
+                lease.released = True
+                logger.warning(
+                    "celery-leases: job %s released at process shutdown",
+                    lease.job_id,
+                    extra=lease_fields(lease),
+                )
+            except LeaseError as exc:
+                logger.warning(
+                    "celery-leases: could not release job %s: %s",
+                    lease.job_id,
+                    exc,
+                    extra=lease_fields(lease),
+                )
+
+
+def preempt_on_shutdown(sender: Any = None, **_: Any) -> None:
+    """Warm shutdown: ask this worker's running attempts to stop at their next checkpoint."""
+    app = current_app
+    # Every `celery` command imports this package (its CLI plugin): act only for leased apps.
+    if not uses_leases(app):
+        return
+    SHUTTING_DOWN.set()
+    try:
+        settings = settings_for(app)
+        if not settings.preempt_on_shutdown:
+            return
+        count = store_for(settings).request_stop_owned_by(f"{sender}/", "preempt")
+    except LeaseError as exc:
+        logger.warning("celery-leases: could not preempt running jobs: %s", exc)
+        return
+    if count:
+        logger.warning(
+            "celery-leases: %d running job(s) will hand back at their next checkpoint", count
+        )
+
+
+def fail_unknown_task(sender: Any = None, name: str = "", id: str = "", **_: Any) -> None:
+    """A message for a task this worker does not know: Celery discards it, so fail the job
+    with the reason instead of leaving the reaper to re-publish it forever."""
+    app = getattr(sender, "app", None) or current_app
+    if not uses_leases(app) or not id:
+        return
+    hostname = getattr(sender, "hostname", None) or "this worker"
+    try:
+        store = store_for(settings_for(app))
+        failed = store.give_up(
+            id,
+            error=f"{hostname} does not know task {name!r} (not registered); message discarded",
+            notify=states.FAILURE,
+        )
+    except LeaseError as exc:
+        logger.warning(
+            "celery-leases: could not fail job %s of unknown task %r: %s",
+            id,
+            name,
+            exc,
+            extra=job_fields(id),
+        )
+        return
+    if failed:
+        logger.error(
+            "celery-leases: job %s failed: task %r is not registered here",
+            id,
+            name,
+            extra=job_fields(id),
+        )
+
+
+def record_revoke(
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    expired: bool = False,
+    **_: Any,
+) -> None:
+    """Celery revoked a leased job in this worker's main process (discarded its message as
+    revoked or expired, or terminated it): the job ends ``revoked`` for good, so no reaper,
+    redelivery or restarted worker (whose revoked list was in memory) runs it again. Celery
+    has stored REVOKED in the result backend."""
+    job_id = getattr(request, "id", None)
+    if not _is_leased(sender) or not job_id:
+        return
+    how = "expired" if expired else "terminated" if terminated else "revoked"
+    end_job(sender, job_id, REVOKED, f"{how} in Celery ({getattr(request, 'hostname', None)})")
+
+
+def record_failure_in_main_process(
+    sender: Any = None, task_id: str | None = None, exception: Any = None, **_: Any
+) -> None:
+    """A leased job's FAILURE decided in the worker's main process (a hard time limit, a
+    rejected message, a lost pool process past max_retries): the job ends ``failed`` as the
+    result backend says. Failures inside the task are recorded by its attempt."""
+    if not _is_leased(sender) or not task_id or _in_pool_process():
+        return
+    text = "".join(traceback.format_exception_only(type(exception), exception)).strip()
+    end_job(sender, task_id, FAILED, f"failed in the worker's main process: {text}")
+
+
+def end_job(task: Any, job_id: str, state: str, error: str) -> None:
+    """End a live job of ``task`` as Celery decided it (``Store.end_live``), logging it."""
+    try:
+        ended = store_for(task.lease_settings).end_live(job_id, state=state, error=error)
+    except LeaseError as exc:
+        logger.error(
+            "celery-leases: could not record job %s as %s: %s",
+            job_id,
+            state,
+            exc,
+            extra=job_fields(job_id),
+        )
+        return
+    if ended:
+        logger.warning(
+            "celery-leases: job %s is %s: %s", job_id, state, error, extra=job_fields(job_id)
+        )
+
+
+def _is_leased(task: Any) -> bool:
+    return bool(getattr(task, "__celery_leases__", False))
+
+
+def _in_pool_process() -> bool:
+    try:
+        from billiard.process import current_process
+    except ImportError:
+        return False
+    return bool(current_process().name != "MainProcess")
+
+
+#: Each signal and the receiver ``worker.connect`` connects to it.
+RECEIVERS = (
+    (worker_init, migrate_on_start),
+    (worker_ready, replace_dead_processes_at_once),
+    (worker_process_shutdown, release_on_process_shutdown),
+    (worker_shutting_down, preempt_on_shutdown),
+    (task_unknown, fail_unknown_task),
+    (task_revoked, record_revoke),
+    (task_failure, record_failure_in_main_process),
+)
