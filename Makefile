@@ -4,12 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 # Touched after a successful install: the venv is reinstalled only when pyproject.toml changes.
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.installed-docs
 
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
 .DEFAULT_GOAL := test
-.PHONY: venv test lint matrix demo bench chaos celery-suite
+.PHONY: venv test lint docs matrix demo bench chaos celery-suite
 
 venv: $(STAMP)
 
@@ -25,6 +26,15 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# The docs site (docs/, Sphinx + MyST + furo) into docs/_build/html: a warning fails it, nothing
+# is fetched. -E: a fresh read of every page, so no warning hides in a cached one (~5 s).
+docs: $(DOCS_STAMP)
+	$(BIN)/sphinx-build -E -W --keep-going -q -b html docs docs/_build/html
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -e '.[docs]'
+	touch $@
 
 # The unit tests on the oldest and newest supported versions, each in a fresh venv (~6 min).
 matrix:

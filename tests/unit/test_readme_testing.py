@@ -1,6 +1,7 @@
-"""The README's "Testing your own tasks" samples, run as a user's project would run them: its
-code blocks written out as the files they name (``# proj/tasks.py``, ...) beside a
-``proj/celery.py``, then a fresh pytest over them (pytester, the plugin from its entry point)."""
+"""The docs' testing samples (docs/testing.md, "Crash a task, resume it, compare"), run as a
+user's project would run them: its code blocks written out as the files they name
+(``# proj/tasks.py``, ...) beside a ``proj/celery.py``, then a fresh pytest over them
+(pytester, the plugin from its entry point)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-SECTION = "## Testing your own tasks"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "testing.md"
+SECTION = "## Crash a task, resume it, compare"
 
 
 def samples() -> dict[str, str]:
     """The section's Python blocks, by the path each one names on its first line."""
-    text = README.read_text(encoding="utf-8")
+    text = PAGE.read_text(encoding="utf-8")
     section = text[text.index(SECTION) :]
     section = section[: section.index("\n## ", len(SECTION))]
     files = {}
