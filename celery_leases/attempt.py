@@ -7,10 +7,9 @@ the body makes are ``checkpoint.py``'s.
 
 from __future__ import annotations
 
-import os
 import random
-import socket
 import traceback
+from dataclasses import replace
 from typing import Any, NoReturn
 
 from celery.exceptions import Ignore, Reject, Retry
@@ -18,11 +17,13 @@ from celery.utils.log import get_task_logger
 
 from . import keys, metrics
 from .db import Store, rows
-from .db.errors import ended_idle_transaction
+from .db.errors import conflict_in, ended_idle_transaction, first_line
+from .db.joined import Joined, ambient
 from .db.rows import Refused
 from .db.schema import CANCELLED, QUEUED
 from .errors import (
     Cancelled,
+    ConfigurationError,
     CorruptJob,
     LeaseError,
     LeaseLost,
@@ -31,10 +32,14 @@ from .errors import (
 )
 from .lease import Lease, holding, until_deadline
 from .log import job_fields, lease_fields
-from .message import DB_RETRY_HEADER, KEY_HEADER, Message
+from .message import CONFLICT_HEADER, DB_RETRY_HEADER, KEY_HEADER, Message
+from .process import owner_name
 from .worker.keeper import Keeper, keeper_for
 
 logger = get_task_logger("celery_leases")
+
+#: Times a job whose transaction keeps losing to concurrent ones runs again before it fails.
+CONFLICT_TRIES = 8
 
 #: What a process (or a gevent worker's greenlet) raises when it is being stopped.
 GOING_DOWN: tuple[type[BaseException], ...] = (SystemExit, KeyboardInterrupt)
@@ -54,23 +59,48 @@ class Attempt:
         self.request = task.request
         self.settings = task.lease_settings
         self.store: Store = task.lease_store
-        self.owner = f"{self.request.hostname or socket.gethostname()}/{os.getpid()}"
+        self.owner = owner_name(self.request.hostname)
 
     def run(self, args: Any, kwargs: Any) -> Any:
         """The task body's return value; raises Celery's ``Ignore`` when this delivery must not
-        run (a duplicate, a stale delivery, the database down) or must not record a result."""
-        keeper = keeper_for(self.store)
-        lease = self.claim(args, kwargs, keeper)
-        keeper.add(lease)
+        run (a duplicate, a stale delivery, the database down) or must not record a result.
+
+        An attempt that starts inside a transaction on the leases' database (``Task.apply()``
+        in a Django ``TestCase`` or an ``ATOMIC_REQUESTS`` view) joins it with every write,
+        claim and end included: it commits or rolls back with it, and no keeper renews it
+        meanwhile (its rows are the transaction's until it ends). A worker's attempt never
+        starts inside one: that is refused, with what to do."""
+        outer = self.outer_transaction()
+        keeper = None if outer is not None else keeper_for(self.store)
+        lease = self.claim(args, kwargs, keeper, outer)
+        if keeper is not None:
+            keeper.add(lease)
         try:
             with holding(lease):
                 return self.outcome(lease, args, kwargs)
         finally:
-            keeper.remove(lease)
+            if keeper is not None:
+                keeper.remove(lease)
+
+    def outer_transaction(self) -> Joined | None:
+        """The transaction this attempt starts inside, on the leases' database (``db.joined``:
+        Django's ``atomic()``), joined without an idle bound: its caller holds it around the
+        whole attempt."""
+        found = ambient(self.store)
+        if found is None:
+            return None
+        if not self.request.is_eager:
+            raise ConfigurationError(
+                f"task {self.task.name}: its attempt starts inside a transaction on the leases "
+                f"database that the task did not open (a task_prerun receiver or a middleware "
+                f"opened it): a lease held inside it would be the transaction's until it ends. "
+                f"Open the transaction inside the task, around the work of each checkpoint"
+            )
+        return replace(found, guard_idle=False)
 
     # -- the claim -------------------------------------------------------------------------
 
-    def claim(self, args: Any, kwargs: Any, keeper: Keeper) -> Lease:
+    def claim(self, args: Any, kwargs: Any, keeper: Keeper | None, outer: Joined | None) -> Lease:
         request, settings = self.request, self.settings
         delivery = Message.received(request, args, kwargs)
         if delivery.key is None:  # sent by name: the task's own lease_key, if any
@@ -80,12 +110,14 @@ class Attempt:
         self.delivery = delivery
         try:
             # Task.apply() runs the job now, as Celery does, even one that has ended.
+            holder = None if keeper is None else keeper.holder_for(self.owner, settings.duration)
             outcome = self.store.claim(
                 delivery,
                 owner=self.owner,
                 duration=settings.duration,
+                holder=holder,
                 fresh=request.is_eager,
-                session=keeper.session.ident() if settings.bind_session else None,
+                connection=outer,
             )
         except StoreUnavailable as exc:
             if request.is_eager:
@@ -111,6 +143,8 @@ class Attempt:
             kill_when_stalled=settings.kill_stalled,
             checkpoint_age=outcome.checkpoint_age,
             key=delivery.key,
+            bound=outcome.bound,
+            joined=outer,
         )
         if lease.key is not None:
             key_of_lease = lease.key
@@ -228,7 +262,7 @@ class Attempt:
         except Cancelled as exc:
             # Handed back already (a retry met the cancel): the reaper tells the backend.
             if not lease.released and store.fail(
-                lease.job_id, lease.token, error=str(exc), state=CANCELLED
+                lease.job_id, lease.token, error=str(exc), state=CANCELLED, connection=lease.joined
             ):
                 self.revoked(str(exc))
                 self.ended(lease)
@@ -253,6 +287,8 @@ class Attempt:
                 raise
             if lease.idle_bounded and ended_idle_transaction(exc):
                 self.idle_transaction_ended(lease, exc)
+            if conflict_in(exc) and lease.joined is None:
+                self.conflicted(lease, exc)
             self.failed(lease, exc)
             raise
         except GOING_DOWN:
@@ -282,10 +318,33 @@ class Attempt:
         )
         raise Ignore() from None
 
+    def conflicted(self, lease: Lease, exc: Exception) -> None:
+        """A transaction of the task's lost to a concurrent one (a serialization failure, a
+        deadlock, a lock timeout: ``db.errors.Kind``) and was rolled back, its checkpoint with
+        it: not the task's failure, nor an outage. The job goes back and runs again from its
+        last committed checkpoint, after a short backoff; a job that keeps losing (``tries``
+        over ``CONFLICT_TRIES``) fails with the error."""
+        tries = int(self.delivery.headers.get(CONFLICT_HEADER) or 0) + 1
+        if tries > CONFLICT_TRIES:
+            return  # failed by the caller, with the error
+        delay = min(0.1 * 2**tries, self.settings.db_retry_max_delay) * random.uniform(0.5, 1)
+        if self.hand_back(lease, reap_in=self.settings.reap_grace) == QUEUED:
+            self.delivery.send(self.task.app, countdown=delay, **{CONFLICT_HEADER: tries})
+        logger.warning(
+            "job %s: its transaction lost to a concurrent one (%s); it runs again from its last "
+            "checkpoint in %.1f s (try %d)",
+            lease.job_id,
+            first_line(exc),
+            delay,
+            tries,
+            extra=lease_fields(lease),
+        )
+        raise Ignore() from None
+
     def failed(self, lease: Lease, exc: Exception) -> None:
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         try:
-            ended = self.store.fail(lease.job_id, lease.token, error=text)
+            ended = self.store.fail(lease.job_id, lease.token, error=text, connection=lease.joined)
         except LeaseError as store_exc:
             logger.error(
                 "job %s: failed, and the failure could not be recorded: %s",
@@ -309,7 +368,12 @@ class Attempt:
             return
         ended = until_deadline(
             lease,
-            lambda: self.store.finish(lease.job_id, lease.token, result=rows.dumps_result(result)),
+            lambda: self.store.finish(
+                lease.job_id,
+                lease.token,
+                result=rows.dumps_result(result),
+                connection=lease.joined,
+            ),
             waiting=f"job {lease.job_id}: done, waiting for the database to record it",
             gave_up=f"job {lease.job_id}: done, but the database stayed down until the lease "
             f"ended; it will run again from its checkpoint",
@@ -328,17 +392,19 @@ class Attempt:
         self.ended(lease)
 
     def ended(self, lease: Lease) -> None:
-        """The job has ended: start its key's follow-up run, if a trigger waits for one."""
-        # Nothing is held any more: the keeper's next tick must neither renew the lease nor
-        # report it lost while the follow-up is recorded and published.
+        """The job has ended: settle the triggers waiting on its key (``keys.settle``)."""
+        # Nothing is held any more: the keeper's next tick must not keep the lease while the
+        # triggers are settled.
         lease.released = True
         if lease.key is not None:
-            keys.start_followup(self.task.app, self.store, lease.job_id)
+            keys.settle(self.task.app, self.store, lease.key, connection=lease.joined)
 
     def hand_back(self, lease: Lease, *, reap_in: float | None) -> str | None:
         """Give the lease back; the job's state after it (None: not handed back)."""
         try:
-            state = self.store.hand_back(lease.job_id, lease.token, reap_in=reap_in)
+            state = self.store.hand_back(
+                lease.job_id, lease.token, reap_in=reap_in, connection=lease.joined
+            )
         except LeaseError as exc:
             logger.warning(
                 "job %s: could not release the lease (%s); it expires in %.0f s",

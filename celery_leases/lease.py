@@ -57,6 +57,11 @@ class Lease:
     stall_reported: bool = False
     #: The resource the job works on (the task's ``lease_key``), or None.
     key: str | None = None
+    #: Its keeper's holder keeps it (else its own expiry does, until the keeper binds it).
+    bound: bool = True
+    #: The caller's transaction every write of the attempt joins (an attempt that started
+    #: inside one: ``db.joined``), or None.
+    joined: Any = None
     #: Reads the key's cursor from the database (the first ``cursor`` read calls it).
     read_cursor: Callable[[], Any] | None = field(default=None, repr=False)
     _cursor: Any = field(default=_UNREAD, repr=False)

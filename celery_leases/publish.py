@@ -55,6 +55,15 @@ class RecordingProducer:
     ) -> Any:
         headers = dict(headers or {})
         if self.recorded is None:
+            serializer = options.get("serializer") or "json"
+            if serializer != "json":
+                raise ArgumentsError(
+                    f"task {headers.get('task')} is sent with the {serializer!r} serializer: "
+                    f"celery-leases records a job's message as JSON (never pickled into the "
+                    f"database), and a resumed attempt must get the values the first one got; "
+                    f"send leased tasks with the json serializer (task_serializer = 'json', "
+                    f"Celery's default, or serializer='json' on the task)"
+                )
             self.recorded = self._record(
                 Message.published(
                     body=body,
@@ -125,7 +134,7 @@ class Recorder:
         outcome = self.store.register(
             recorded,
             countdown=countdown or None,
-            queued_timeout=self.settings.queued_timeout,
+            queued_timeout=self._queued_timeout(key),
             fresh=fresh,
         )
         if outcome.outcome == "coalesced":
@@ -146,6 +155,16 @@ class Recorder:
                 extra=job_fields(recorded.id),
             )
         return recorded
+
+    def _queued_timeout(self, key: str | None) -> float | None:
+        """How long the job may wait queued before the reaper re-publishes it: the setting
+        (``leases_queued_timeout``); for a job of a lease key, ``leases_reap_grace`` when that
+        is off: a keyed job whose message never left (its sender died between recording and
+        publishing it) would otherwise hold its key, and every trigger of it, for good."""
+        timeout: float | None = self.settings.queued_timeout
+        if timeout is None and key is not None:
+            return float(self.settings.reap_grace)
+        return timeout
 
     def _retry(self, lease: Any, recorded: Message, countdown: float) -> Message:
         """A retry of the running attempt: hand the lease back before the new message can

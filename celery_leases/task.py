@@ -6,12 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Task
-from sqlalchemy.engine import Connection
 
 from . import attempt, checkpoint, keys
 from .config import check_task_options, conf_version, settings_for
 from .db import Store, store_for
-from .db.dbapi import Foreign
 from .errors import LeaseError, LeaseLost
 from .lease import Lease, current, held, holding
 from .message import KEY_HEADER
@@ -102,24 +100,27 @@ class LeasedTask(Task):  # type: ignore[misc]
         state: Any,
         *,
         progress: tuple[int, int | None] | int | None = None,
-        connection: Connection | Foreign | None = None,
+        connection: Any = None,
     ) -> None:
         """Save ``state`` (JSON-serializable) as the point to resume from, and renew the lease.
 
-        ``progress`` is ``(done, total)`` or ``done``. With ``connection``, the checkpoint joins
-        that SQLAlchemy transaction (same database as the leases): your writes and the
-        checkpoint commit together, and a stale attempt gets :class:`LeaseLost` before
-        committing anything. Raises :class:`CheckpointError` for a state that is not JSON or too
-        large (nothing is written), :class:`Cancelled` or :class:`Preempted` after saving when
+        ``progress`` is ``(done, total)`` or ``done``. The checkpoint joins the caller's
+        transaction on the leases' database: ``connection``'s (an SQLAlchemy ``Connection``, or
+        a DBAPI connection: psycopg, PyMySQL, sqlite3), or, in a Django project, the
+        ``transaction.atomic()`` block it runs in: your writes and the checkpoint commit
+        together, and a stale attempt gets :class:`LeaseLost` before committing anything.
+        Raises :class:`CheckpointError` for a state that is not JSON or too large (nothing is
+        written), :class:`WriteConflict` when the transaction lost to a concurrent one (it is
+        rolled back: run it again), :class:`Cancelled` or :class:`Preempted` after saving when
         the job was asked to stop.
         """
         checkpoint.save(self, self.lease, state, progress=progress, connection=connection)
 
-    def save_cursor(self, state: Any, *, connection: Connection | None = None) -> None:
+    def save_cursor(self, state: Any, *, connection: Any = None) -> None:
         """Save ``state`` (JSON-serializable) as the cursor of the job's lease key: where the
         key's next run starts (``self.lease.cursor``). Fenced like a checkpoint: a stale
-        attempt gets :class:`LeaseLost` and writes nothing. With ``connection``, it joins that
-        SQLAlchemy transaction, as ``checkpoint`` does."""
+        attempt gets :class:`LeaseLost` and writes nothing. It joins the caller's transaction
+        as ``checkpoint`` does."""
         checkpoint.save_cursor(self, self.lease, state, connection=connection)
 
     def key_for(self, args: Any, kwargs: Any) -> str | None:
@@ -190,7 +191,7 @@ class LeasedTask(Task):  # type: ignore[misc]
                 raise LeaseLost(f"job {lease.job_id}: lost its lease; not replaced")
             lease.released = True
             if lease.key is not None:
-                keys.start_followup(self.app, self.lease_store, lease.job_id)
+                keys.settle(self.app, self.lease_store, lease.key)
         return super().on_replace(sig)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

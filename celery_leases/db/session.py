@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 
 from .dbapi import Direct
+from .errors import Kind, kind_of
 
 if TYPE_CHECKING:
     from .engine import Database
@@ -71,9 +72,10 @@ class Session:
             try:
                 return self._execute(operation)
             except sa.exc.DBAPIError as exc:
-                if not exc.connection_invalidated:
-                    raise  # a lock or statement timeout, say: the session lives on
-                self._close()
+                if kind_of(exc, self.db.dialect) not in (Kind.GONE, Kind.CONFLICT):
+                    raise  # a statement timeout, say: the session lives on
+                if exc.connection_invalidated:
+                    self._close()
             return self._execute(operation)
 
     def _execute(self, operation: Callable[[Any], T]) -> T:
@@ -90,6 +92,8 @@ class Session:
             raise
 
     def _open(self) -> Direct:
+        if self._direct is not None and self._direct.broken:
+            self._close()  # a statement on it failed or was interrupted: a new session
         if self._direct is not None and self._pid == os.getpid():
             return self._direct
         self._pid = os.getpid()

@@ -35,6 +35,7 @@ from ..db.schema import DONE, FINISHED_STATES, LIVE_STATES, QUEUED, REVOKED
 from ..errors import LeaseError
 from ..log import job_fields
 from ..message import Message
+from ..process import owner_name
 from .deaths import deaths
 from .signals import SHUTTING_DOWN, end_job
 
@@ -99,7 +100,7 @@ class LeasedRequest(Request):  # type: ignore[misc]
             )
 
     def _dead_owner(self) -> str:
-        return f"{self.hostname}/{self.worker_pid}"
+        return owner_name(self.hostname, self.worker_pid)
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False

@@ -15,7 +15,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.dml import Update
 
 from ...errors import ConfigurationError
-from ..clock import db_now
+from ..functions import db_now
 from .base import Dialect
 
 #: Prefix of the named lock a keeper's session holds (``GET_LOCK``), which any user can see.
@@ -25,6 +25,15 @@ SESSION_LOCK_PREFIX = "celery_leases:"
 SERVER_CLOSED_CONNECTION = (2006, 2013, 4031)
 #: ER_DUP_ENTRY.
 DUPLICATE_ENTRY = 1062
+#: A concurrent transaction won: lock wait timeout (1205), deadlock (1213), a row changed since
+#: the snapshot read it (1020, MariaDB's innodb_snapshot_isolation).
+CONFLICT_CODES = (1205, 1213, 1020)
+#: A write refused for good: a packet over max_allowed_packet (1153, 1301), a value too long
+#: (1406), out of range (1264), not in the column's character set (1366), NULL in a NOT NULL
+#: column (1048), a row too large (1118), a constraint (1452, 3819).
+REFUSED_CODES = (1153, 1301, 1406, 1264, 1366, 1048, 1118, 1452, 3819)
+#: Bytes kept free in a packet for the protocol's own framing.
+PACKET_MARGIN = 1024
 #: Modules of the drivers whose errors carry these codes.
 _DRIVERS = ("pymysql", "MySQLdb", "mariadb")
 
@@ -64,23 +73,56 @@ def _skip_locked_update(element: SkipLockedUpdate, compiler: Any, **kw: Any) -> 
     return f"UPDATE {derived} STRAIGHT_JOIN {table} FORCE INDEX (PRIMARY){rest}"
 
 
-def _on_connect(dbapi_connection: Any, record: Any) -> None:
-    cursor = dbapi_connection.cursor()
-    # UTC makes UNIX_TIMESTAMP(NOW(6)) unambiguous around DST; strict mode makes a value the
-    # column cannot hold an error instead of a silent truncation.
-    cursor.execute("SET time_zone = '+00:00', sql_mode = CONCAT(@@sql_mode, ',STRICT_ALL_TABLES')")
-    cursor.close()
-
-
 class MySQL(Dialect):
     names: ClassVar[tuple[str, ...]] = ("mysql", "mariadb")
     returning: ClassVar[bool] = False
     autocommit: ClassVar[bool] = False
 
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        #: The server's ``max_allowed_packet``, read at each new connection (None before).
+        self.max_packet: int | None = None
+
     # -- connecting --------------------------------------------------------------------------
 
     def prepare_engine(self, engine: sa.engine.Engine, database: Any) -> None:
-        sa.event.listen(engine, "connect", _on_connect)
+        sa.event.listen(engine, "connect", self._on_connect)
+
+    def _on_connect(self, dbapi_connection: Any, record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        # UTC makes UNIX_TIMESTAMP(NOW(6)) unambiguous around DST; strict mode makes a value
+        # the column cannot hold an error instead of a silent truncation.
+        cursor.execute(
+            "SET time_zone = '+00:00', sql_mode = CONCAT(@@sql_mode, ',STRICT_ALL_TABLES')"
+        )
+        cursor.execute("SELECT @@max_allowed_packet")
+        (self.max_packet,) = cursor.fetchone()
+        cursor.close()
+
+    def check_size(self, sql: str, parameters: Any, sa_dialect: Any) -> None:
+        """A statement over ``max_allowed_packet`` is refused here, as the server's own error
+        1153: sent, it would fail with that error or with the connection cut (the server drops
+        it), which would read as an outage and be retried."""
+        limit = self.max_packet
+        if limit is None:
+            return
+        values = parameters.values() if isinstance(parameters, dict) else parameters
+        size = len(sql) + sum(
+            len(v) * 4 if isinstance(v, str) else len(v) if isinstance(v, bytes) else 16
+            for v in values
+        )
+        if size < limit - PACKET_MARGIN:
+            return
+        size = len(sql.encode()) + sum(
+            len(v.encode()) if isinstance(v, str) else len(v) if isinstance(v, bytes) else 16
+            for v in values
+        )
+        if size >= limit - PACKET_MARGIN:
+            raise sa_dialect.loaded_dbapi.OperationalError(
+                1153,
+                f"Got a packet bigger than 'max_allowed_packet' bytes (the statement is about "
+                f"{size:,} bytes; the server's max_allowed_packet is {limit:,})",
+            )
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -101,14 +143,13 @@ class MySQL(Dialect):
             else_=sa.null(),
         )
 
-    def claimed_session(self, session: Any) -> Any:
-        alive = sa.func.is_used_lock(sa.func.concat(SESSION_LOCK_PREFIX, session)) == session
-        return sa.case((alive, session), else_=sa.null())
+    def session_alive(self, session: Any) -> Any:
+        return sa.func.is_used_lock(sa.func.concat(SESSION_LOCK_PREFIX, session)) == session
 
-    def session_gone(self, table: sa.Table) -> Any:
-        """The holder's lock is free, and the server has been up since the lease's last
+    def session_gone(self, holders: sa.Table) -> Any:
+        """The holder's lock is free, and the server has been up since the holder's last
         renewal (a failover is not seen: the lease's expiry)."""
-        t = table
+        t = holders
         status = sa.table(
             "GLOBAL_STATUS",
             sa.column("VARIABLE_NAME"),
@@ -153,9 +194,22 @@ class MySQL(Dialect):
         # row, and ON DUPLICATE KEY UPDATE reports 1 row either way under FOUND_ROWS.
         return sa.insert(table).values(values)
 
-    def upsert(self, table: sa.Table, select: Any, columns: list[str], key: str) -> Any:
+    def upsert(
+        self,
+        table: sa.Table,
+        select: Any,
+        columns: list[str],
+        key: str,
+        *,
+        update: Callable[[Any], dict[str, Any]] | None = None,
+        returning: tuple[Any, ...] = (),
+    ) -> Any:
         upsert = mysql.insert(table).from_select(columns, select)
-        return upsert.on_duplicate_key_update({c: upsert.inserted[c] for c in columns if c != key})
+        incoming = upsert.inserted
+        changes = update(incoming) if update else {c: incoming[c] for c in columns if c != key}
+        # MySQL evaluates the assignments left to right, each seeing the ones before: those
+        # that read the row's old values come first (``update`` orders them).
+        return upsert.on_duplicate_key_update(list(changes.items()))
 
     # -- reading a write's outcome -----------------------------------------------------------
 
@@ -217,6 +271,16 @@ class MySQL(Dialect):
 
     def duplicate_key(self, orig: Any) -> bool:
         return bool(_code(orig) == DUPLICATE_ENTRY)
+
+    def error_kind(self, orig: Any) -> str | None:
+        if not type(orig).__module__.startswith(_DRIVERS):
+            return None
+        code = _code(orig)
+        if code in CONFLICT_CODES:
+            return "conflict"
+        if code in REFUSED_CODES:
+            return "refused"
+        return None
 
     def ended_idle_transaction(self, orig: Any) -> bool:
         driver = type(orig).__module__.startswith(_DRIVERS)

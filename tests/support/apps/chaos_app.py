@@ -55,7 +55,7 @@ from celery import Celery, Task
 from sqlalchemy.engine import Engine
 
 from celery_leases import LeasedTask, StoreUnavailable
-from celery_leases.db.clock import db_now
+from celery_leases.db.functions import db_now
 from celery_leases.settings import DEFAULTS
 from tests.support.apps.leased_app import make_app as make_leased_app
 from tests.support.chaos.fault import HOLD_DIR_ENV, hold_if_asked
