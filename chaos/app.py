@@ -1,5 +1,5 @@
-"""``tests.support.apps.leased_app`` plus the two tasks of the chaos driver
-(``tests/support/chaos/driver.py``).
+"""``tests.support.apps.leased_app`` plus the tasks of the chaos driver (``chaos/driver.py``):
+what its workers run (``celery -A chaos.app worker``).
 
 Configured from the environment like ``leased_app`` (see its ``app_env``). Both tasks run
 ``count`` units of ``unit_seconds``, write one unit-log row per unit (``<table>_units``,
@@ -57,8 +57,8 @@ from sqlalchemy.engine import Engine
 import celery_leases
 from celery_leases import LeasedTask, StoreUnavailable
 from celery_leases.schema import db_now
+from chaos.fault import HOLD_DIR_ENV, hold_if_asked
 from tests.support.apps.leased_app import make_app as make_leased_app
-from tests.support.chaos.fault import HOLD_DIR_ENV, hold_if_asked
 from tests.support.unit_log import ProcessTable, UnitLog
 
 #: Errors of the task's own database writes that a retry from the checkpoint cures.
