@@ -26,7 +26,8 @@ lint: venv
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# The unit tests on the oldest and newest supported versions, each in a fresh venv (~6 min).
+# The tests that start no celery worker (scripts/matrix.sh) on the oldest and newest supported
+# versions, each in a fresh venv (~6 min).
 matrix:
 	bash scripts/matrix.sh
 

@@ -6,7 +6,7 @@ the pytest plugin's fixtures.
     python scripts/api_reference.py --check    # exit 1 if docs/api.md is out of date
 
 The sections follow the comments that group ``__all__`` in ``celery_leases/__init__.py``.
-A unit test (tests/unit/test_api_reference.py) fails when the file is out of date.
+A test (tests/inprocess/test_api_reference.py) fails when the file is out of date.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The webhook-sync example: the exactly-once storage of a page, the account's cursor and the
 run's checkpoint.
 
-Its demo end to end, with real workers, is in tests/e2e/test_demo.py.
+Its demo end to end, with real workers, is in tests/workers/test_demo.py.
 """
 
 from __future__ import annotations
