@@ -81,7 +81,7 @@ from chaos.check import (
     Trigger,
     check_all,
 )
-from tests.support.apps.leased_app import app_env
+from tests.support.apps.factory import app_env
 from tests.support.apps.leased_app import make_app as make_leased_app
 from tests.support.scenario import freeze, kill_all, start_all, thaw
 from tests.support.service import close_app, drop_tables, sqlite_result_backend

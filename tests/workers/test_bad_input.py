@@ -24,7 +24,7 @@ from celery_leases import Job, StoreUnavailable, get_job
 from celery_leases.config import settings_for
 from celery_leases.store import Store, store_for
 from chaos.app import ReconnectingUnitLog, add_chaos_tasks, chaos_log_for
-from tests.support.apps.leased_app import app_env
+from tests.support.apps.factory import app_env
 from tests.support.apps.leased_app import make_app as make_leased_app
 from tests.support.message import job_message
 from tests.support.proxy import TcpProxy
