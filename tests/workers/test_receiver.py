@@ -32,8 +32,9 @@ from celery_leases import migrations
 from celery_leases.config import DEFAULTS, validate
 from celery_leases.rows import Job
 from celery_leases.store import Store
-from examples.webhook_sync import deliveries, fs_transport
-from examples.webhook_sync.provider import deliver, new_delivery_id, notification, post
+from examples.webhook_sync import deliveries
+from examples.webhook_sync.demo import fs_transport
+from examples.webhook_sync.demo.provider import deliver, new_delivery_id, notification, post
 from examples.webhook_sync.signature import sign
 from tests.support.service import drop_tables, private_redis_url, require
 

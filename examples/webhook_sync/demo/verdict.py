@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from celery_leases import Job, jobs_table
 
-from . import deliveries, sink
+from .. import deliveries, sink
 from .upstream import generate_events
 
 
