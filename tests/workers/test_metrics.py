@@ -1,6 +1,6 @@
 """The metrics recipe of the docs' operating page on a real prefork worker: the pool processes'
-counters, summed by prometheus_client's multiprocess mode and served from the worker's main process with the
-table's gauges, labelled by task."""
+counters, summed by prometheus_client's multiprocess mode and served from the worker's main
+process with the table's gauges, labelled by task."""
 
 from __future__ import annotations
 
