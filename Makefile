@@ -36,7 +36,8 @@ $(DOCS_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -e '.[docs]'
 	touch $@
 
-# The unit tests on the oldest and newest supported versions, each in a fresh venv (~6 min).
+# The tests that start no celery worker (scripts/matrix.sh) on the oldest and newest supported
+# versions, each in a fresh venv (~6 min).
 matrix:
 	bash scripts/matrix.sh
 
@@ -54,7 +55,7 @@ CHAOS_ARGS ?= --jobs 500 --units 20 --unit-seconds 0.5 --workers 3 --faults 120 
 	--keys 6 --triggers 240 --key-units 12 \
 	--broker redis --database postgres --restart-database --restart-broker
 chaos: venv
-	$(BIN)/python -m tests.support.chaos.driver $(CHAOS_ARGS)
+	$(BIN)/python -m chaos.driver $(CHAOS_ARGS)
 
 # Celery's own integration suite with LeasedTask as the default task class, compared test by
 # test with Celery's Task (../shared/celery-suite); ~20-45 min, not in CI.

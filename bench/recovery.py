@@ -40,7 +40,7 @@ UNITS, UNIT_SECONDS, CRASH_AT = 16, 0.25, 5
 STALL_TIMEOUT = 2.0
 #: Seconds a plain run waits for a hung task to move (it never does: nothing watches it).
 PLAIN_STALL_WAIT = 20.0
-#: Keywords of ``tests.support.apps.leased_app.app_env``, and seconds to wait for the next run.
+#: Keywords of ``tests.support.apps.factory.app_env``, and seconds to wait for the next run.
 MODES: dict[str, tuple[dict[str, Any], float]] = {
     "leased": ({"lease_seconds": 2.0, "reaper_every": 1.0}, 30.0),
     "plain": ({"acks_late": True, "visibility_timeout": 10, "restore_interval": 1}, 60.0),

@@ -4,7 +4,8 @@ Counters and the checkpoint histogram are labelled by ``task`` (the task name) a
 process that does the work: no database work, nothing sent. With the prefork pool set
 ``PROMETHEUS_MULTIPROC_DIR`` before the worker starts so every pool process writes its
 samples there. :class:`JobsCollector` adds gauges of the jobs in the table by state, read with
-one ``GROUP BY`` at each scrape (never on a worker's hot path); see the README for exposing both.
+one ``GROUP BY`` at each scrape (never on a worker's hot path); the docs' operating page shows
+how to expose both.
 """
 
 from __future__ import annotations

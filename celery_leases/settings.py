@@ -79,7 +79,7 @@ def mapping(name: str, value: Any) -> dict[str, Any]:
 
 def setting(default: Any, check: Check, doc: str, *, per_task: bool = False) -> Any:
     """Declare a setting: ``leases_<name>`` in ``app.conf``; with ``per_task`` also the task
-    option ``lease_<name>``. ``doc`` is its one-line meaning (the README table)."""
+    option ``lease_<name>``. ``doc`` is its one-line meaning (the docs' configuration table)."""
     return field(default=default, metadata={"check": check, "doc": doc, "per_task": per_task})
 
 
@@ -239,7 +239,7 @@ def redact(url: Any) -> str:
 
 
 def markdown_table() -> str:
-    """The settings as the README's Markdown table (a test keeps the README in step)."""
+    """The settings as a Markdown table: the docs' configuration page renders it at build time."""
     lines = ["| setting | task option | default | meaning |", "|---|---|---|---|"]
     for f in fields(Settings):
         option = f"`lease_{f.name}`" if f.metadata["per_task"] else ""

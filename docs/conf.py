@@ -3,11 +3,11 @@ docstrings (autodoc), the furo theme. Built with warnings as errors (``make docs
 
 from __future__ import annotations
 
-import importlib
 import sys
 from pathlib import Path
 
 import celery_leases
+from celery_leases.settings import markdown_table
 
 sys.path.insert(0, str(Path(__file__).parent / "_ext"))
 
@@ -35,9 +35,8 @@ myst_enable_extensions = ["substitution", "deflist"]
 myst_heading_anchors = 3
 
 # The settings table is rendered from the declaration itself (``Settings``' fields, through
-# ``markdown_table()`` in the module that declares them), so it cannot drift from the code.
-_config = importlib.import_module(celery_leases.Settings.__module__)
-myst_substitutions = {"settings_table": _config.markdown_table()}
+# ``markdown_table()``), so it cannot drift from the code.
+myst_substitutions = {"settings_table": markdown_table()}
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The supported-versions matrix: the unit tests (tests/unit, real databases, no worker
-# processes) in a fresh virtualenv per combination, each installing celery-leases and its test
-# extra with pip. The full suite (`make test`) runs on the project's .venv.
+# The supported-versions matrix: the tests that start no `celery worker` (the marker e2e) in a
+# fresh virtualenv per combination, each installing celery-leases and its test extra with pip:
+# tests/inprocess, tests/databases (real databases), and from tests/workers the unmarked ones (the
+# `celery leases` command, the pytest plugin in a fresh pytest: click's and pytest's floors).
+# The full suite (`make test`) runs on the project's .venv.
 #
 #   oldest  Python 3.10 with the dependency floors of pyproject.toml (scripts/matrix/oldest.txt)
 #   newest  Python 3.13 with the newest release of everything
@@ -17,6 +19,7 @@ declare -A python=(
     [newest]=${MATRIX_PYTHON_NEWEST:-$pyenv_versions/3.13.0/bin/python3.13}
 )
 declare -A constraints=([oldest]=scripts/matrix/oldest.txt [newest]=)
+tests=(tests/inprocess tests/databases tests/workers -m "not e2e")
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/celery-leases-matrix.XXXXXX")
 trap 'rm -rf "$work"' EXIT
@@ -38,7 +41,7 @@ for name in "${combos[@]}"; do
     "$venv/bin/python" -m pip list --disable-pip-version-check 2>/dev/null |
         grep -iE '^(celery|kombu|sqlalchemy|click|psycopg|pymysql|prometheus.client) ' |
         tr -s ' ' | paste -sd, - | sed "s/^/== matrix $name: /"
-    if "$venv/bin/python" -m pytest tests/unit -q -p no:cacheprovider; then
+    if "$venv/bin/python" -m pytest "${tests[@]}" -q -p no:cacheprovider; then
         echo "== matrix $name: passed in $((SECONDS - started)) s"
     else
         echo "== matrix $name: FAILED after $((SECONDS - started)) s" >&2

@@ -3,7 +3,7 @@
 Settings come from environment variables, so the demo (and you) can switch them:
 
 - ``WEBHOOK_SYNC_BROKER``: broker URL. Default ``atomicfs://``: files under the data folder, no
-  server (``fs_transport.py``). Also ``redis://...``, ``amqp://...``, ``sqla+sqlite:///...``.
+  server (the demo's ``demo/fs_transport.py``). Also ``redis://...``, ``amqp://...``, ``sqla+sqlite:///...``.
 - ``WEBHOOK_SYNC_DATABASE``: SQLAlchemy URL of the leases table, of ``synced_events`` and of
   the receiver's ``deliveries``. Default: ``webhook_sync.sqlite3`` in the data folder.
 - ``WEBHOOK_SYNC_DATA``: the data folder. Default ``.demo`` in the working directory.
@@ -31,7 +31,7 @@ from sqlalchemy.engine import Engine
 
 from celery_leases import LeasedTask, schedule_reaper
 
-from . import deliveries, fs_transport, sink
+from . import deliveries, sink
 from .client import EventsClient, UpstreamBusy
 
 DATA = Path(os.environ.get("WEBHOOK_SYNC_DATA", ".demo")).resolve()
@@ -49,7 +49,6 @@ DELIVERIES = deliveries.deliveries_table(f"{NAME}_deliveries")
 LEASE_SECONDS = 2.0
 REAP_EVERY_SECONDS = 1.0
 
-fs_transport.register()
 app = Celery("webhook_sync", broker=BROKER)
 app.conf.update(
     leases_database_url=DATABASE,
@@ -67,6 +66,11 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
 )
 if BROKER.startswith(("atomicfs:", "filesystem:")):
+    # The demo's broker: message files under the data folder, no server. With Redis or
+    # RabbitMQ nothing here runs; a copy of this module without the demo can drop it.
+    from .demo import fs_transport
+
+    fs_transport.register()
     app.conf.broker_transport_options = {
         **fs_transport.options(DATA / "broker"),
         "polling_interval": 0.1,

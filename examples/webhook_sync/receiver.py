@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -38,7 +39,6 @@ from sqlalchemy.engine import Engine
 from . import deliveries, sink
 from .app import DATABASE, DELIVERIES, make_data_folder, sync_account
 from .signature import DELIVERY_ID, ID_HEADER, SIGNATURE_HEADER, BadSignature, verify
-from .upstream import serve
 
 SECRET_VARIABLE = "WEBHOOK_SYNC_SECRET"
 ROUTE = "/webhooks"
@@ -151,6 +151,22 @@ class ReceiverServer(ThreadingHTTPServer):
     def url(self) -> str:
         host, port = self.socket.getsockname()[:2]
         return f"http://{host}:{port}{ROUTE}"
+
+
+def serve(server: ThreadingHTTPServer, banner: str) -> None:
+    """Print ``banner`` (the line the demo waits for), then serve until SIGTERM or Ctrl-C."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    print(banner, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,11 +3,11 @@ them cancels (and revokes on Redis), and 4 jobs sent with an ``expires`` that pa
 of them; and keyed jobs (issue 17): 16 triggers of 2 accounts in bursts, sent while the faults
 happen, coalesced into one run per account at a time.
 
-Each test runs ``tests/support/chaos/driver.py`` against real services, with a result backend
+Each test runs the chaos driver (``chaos/driver.py``) against real services, with a result backend
 (a Redis database of its own; an SQLite file with the embedded broker), and fails when an
 invariant does not hold. The seed is printed (``pytest -s``) and is in the failure message;
 replay one with ``CHAOS_SEED=<seed> pytest tests/chaos -m chaos -k <test>``, or run the long
-form with ``python -m tests.support.chaos.driver --help``. The PostgreSQL + Redis test restarts
+form with ``python -m chaos.driver --help``. The PostgreSQL + Redis test restarts
 both local servers mid-run (set ``CHAOS_SERVICE_RESTARTS=0`` to leave them alone on a shared
 machine); the result backend's database is kept across the Redis restart.
 """
@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.chaos import fault as faults
-from tests.support.chaos.driver import Chaos, Config, Report, new_seed
+from chaos import fault as faults
+from chaos.driver import Chaos, Config, Report, new_seed
 from tests.support.service import in_ci, private_redis_url, sqlite_result_backend
 from tests.support.worker import Spawner
 

@@ -1,4 +1,4 @@
-"""Support code of the test suite (and of ``bench/``); no tests here.
+"""Support code of the test suite (and of ``bench/`` and ``chaos/``); no tests here.
 
 - ``service``: the real services (PostgreSQL, MariaDB, Redis, RabbitMQ), ``require()``, private
   Redis databases, Celery settings carried to subprocesses, the test process's client app
@@ -11,5 +11,4 @@
 - ``cli``: the ``celery leases`` command run as a subprocess, and jobs made for it.
 - ``unit_log``: the table the test tasks write one row per unit of work to.
 - ``apps``: the Celery apps the workers run (``celery -A tests.support.apps.<name>``).
-- ``chaos``: the chaos driver (``python -m tests.support.chaos.driver``), its faults and checks.
 """

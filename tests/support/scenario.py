@@ -20,7 +20,8 @@ from celery import Celery
 from celery_leases import Job, get_job
 from celery_leases.config import settings_for
 from celery_leases.db.store import Store, store_for
-from tests.support.apps.leased_app import app_env, make_app, unit_log_for
+from tests.support.apps.factory import app_env
+from tests.support.apps.leased_app import make_app, unit_log_for
 from tests.support.service import close_app
 from tests.support.unit_log import Unit, UnitLog
 from tests.support.worker import Beat, CeleryProcess, Spawner, Worker, pid_exists
@@ -90,7 +91,7 @@ class Scenario:
         **options: Any,
     ) -> Scenario:
         """``broker``: Celery settings with at least ``broker_url`` (e.g. the ``celery_settings``
-        or ``filesystem_broker`` fixture); ``options``: keywords of ``leased_app.app_env``."""
+        or ``filesystem_broker`` fixture); ``options``: keywords of ``factory.app_env``."""
         extra = {k: v for k, v in broker.items() if k != "broker_url"}
         env = app_env(
             broker_url=broker["broker_url"],

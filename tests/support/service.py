@@ -8,7 +8,8 @@ mode, started by ``scripts/services.sh``), ``LEASES_TEST_MARIADB_URL``,
 
 Celery settings travel to worker subprocesses as JSON in ``TEST_CELERY_CONFIG`` (plus the broker
 URL alone in ``TEST_BROKER_URL``): build the environment with :func:`celery_env` in the test and
-read it back with :func:`config_from_env` in the app module.
+read it back in the app module with ``tests.support.apps.factory.make_app(...,
+variables="celery_env")``.
 """
 
 from __future__ import annotations
@@ -177,15 +178,6 @@ def celery_env(settings: dict[str, Any]) -> dict[str, str]:
     if "broker_url" in settings:
         env["TEST_BROKER_URL"] = settings["broker_url"]
     return env
-
-
-def config_from_env() -> dict[str, Any]:
-    """The Celery settings a test passed with :func:`celery_env` (for the app modules in
-    tests/support/apps/)."""
-    settings: dict[str, Any] = json.loads(os.environ.get("TEST_CELERY_CONFIG", "{}"))
-    if "TEST_BROKER_URL" in os.environ:
-        settings["broker_url"] = os.environ["TEST_BROKER_URL"]
-    return settings
 
 
 #: How long (seconds) a claim on a Redis database lasts if its test run dies without releasing it.

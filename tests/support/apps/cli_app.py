@@ -9,13 +9,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from celery import Celery
-
 from celery_leases import LeasedTask
-from tests.support.service import config_from_env
+from tests.support.apps.factory import make_app
 
-app = Celery("cli_app")
-app.conf.update({"broker_url": "memory://", **config_from_env()})
+app = make_app(
+    "cli_app", variables="celery_env", defaults={"broker_url": "memory://"}, current=True
+)
 
 
 @app.task(base=LeasedTask, bind=True, name="cli.count")  # type: ignore[untyped-decorator]

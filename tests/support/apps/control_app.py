@@ -42,9 +42,10 @@ from celery.exceptions import Reject
 
 from celery_leases import LeasedTask
 from celery_leases.db.functions import db_now
-from celery_leases.settings import DEFAULTS
-from tests.support.apps.leased_app import _atomic_filesystem_put, settings_from_env, unit_log_for
+from tests.support.apps import factory
+from tests.support.apps.factory import table_of
 from tests.support.apps.leased_app import make_app as make_leased_app
+from tests.support.apps.leased_app import unit_log_for
 from tests.support.unit_log import ProcessTable, UnitLog
 
 PARTIAL_ENV = "CONTROLS_PARTIAL"
@@ -99,15 +100,7 @@ class CallLog(ProcessTable):
 
 def call_log_for(app: Celery) -> CallLog:
     """The call log of ``app``: table ``<leases_table>_calls`` in the leases database."""
-    found: CallLog | None = app.__dict__.get("_controls_call_log")
-    if found is None:
-        conf = app.conf
-        found = CallLog(
-            conf.get("leases_database_url", DEFAULTS["database_url"]),
-            f"{conf.get('leases_table', DEFAULTS['table'])}_calls",
-        )
-        app.__dict__["_controls_call_log"] = found
-    return found
+    return table_of(app, CallLog, "calls")
 
 
 def _start_unit(task: Task, log: UnitLog, unit: int, run: str) -> int:
@@ -202,12 +195,8 @@ def add_control_tasks(app: Celery) -> Celery:
 
 
 def make_partial_app(environ: Mapping[str, str], *, name: str = "partial_app") -> Celery:
-    """An app of the same settings that knows ``controls.other`` only."""
-    settings, _ = settings_from_env(environ)
-    if str(settings.get("broker_url", "")).startswith("filesystem://"):
-        _atomic_filesystem_put()
-    app = Celery(name, set_as_current=True)
-    app.conf.update(settings)
+    """An app of the same settings that knows ``controls.other`` only (no reaper either)."""
+    app = factory.make_app(name, environ, reaper=False, current=True)
 
     @app.task(base=LeasedTask, bind=True, shared=False, name="controls.other")
     def other(self: Task) -> str:

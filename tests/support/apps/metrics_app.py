@@ -1,4 +1,4 @@
-"""``progress_app`` serving its metrics as the README says (prefork, prometheus_client's
+"""``progress_app`` serving its metrics as the docs say (operating.md) (prefork, prometheus_client's
 multiprocess mode, the worker's main process serving them), for the metrics test.
 
 The port to serve on comes from ``TEST_METRICS_PORT``; ``PROMETHEUS_MULTIPROC_DIR`` is set by

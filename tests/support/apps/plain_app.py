@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import time
 
-from celery import Celery
+from tests.support.apps.factory import make_app
 
-from tests.support.service import config_from_env
-
-app = Celery("plain_app")
-app.conf.update(config_from_env())
+app = make_app("plain_app", variables="celery_env", current=True)
 
 
 @app.task(name="plain.add")

@@ -11,13 +11,10 @@ database and table from ``leases_database_url`` / ``leases_table`` in it.
 
 from __future__ import annotations
 
-from celery import Celery
-
 from celery_leases import LeasedTask
-from tests.support.service import config_from_env
+from tests.support.apps.factory import make_app
 
-app = Celery("progress_app")
-app.conf.update(config_from_env())
+app = make_app("progress_app", variables="celery_env", current=True)
 
 
 @app.task(base=LeasedTask, bind=True, name="progress.count")

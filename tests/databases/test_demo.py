@@ -1,7 +1,7 @@
 """The webhook-sync example: the exactly-once storage of a page, the account's cursor and the
 run's checkpoint.
 
-Its demo end to end, with real workers, is in tests/e2e/test_demo.py.
+Its demo end to end, with real workers, is in tests/workers/test_demo.py.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_a_stale_attempt_can_neither_store_a_page_nor_move_the_cursor(
     example: ModuleType, database_url: str, table_name: str
 ) -> None:
     from examples.webhook_sync import sink
-    from examples.webhook_sync.upstream import generate_events
+    from examples.webhook_sync.demo.upstream import generate_events
 
     app = Celery("exactly_once", set_as_current=False)
     app.conf.update(leases_database_url=database_url, leases_table=table_name)

@@ -15,7 +15,7 @@ requests get a 429 or a 500 (picked by the seed; never more than twice in a row 
 ``GET /stats`` tells how many events each account has and how many times each page was
 served: the demo's count of pages fetched again after a crash.
 
-Run it alone: ``python -m examples.webhook_sync.upstream --port 8765``.
+Run it alone: ``python -m examples.webhook_sync.demo.upstream --port 8765``.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ ACCOUNT = "acct_demo"
 BURST_AT, KILL_AT = 0.2, 0.4
 #: Webhooks in the burst, after the one that starts the sync.
 BURST = 5
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SECRET_VARIABLE = "WEBHOOK_SYNC_SECRET"
 
 
@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def prepare_data_folder(path: Path) -> None:
     """Wipe the data folder and make it again; refuse a folder that is not the example's."""
-    from .app import DATA_MARKER, make_data_folder
+    from ..app import DATA_MARKER, make_data_folder
 
     if path.exists():
         if any(path.iterdir()) and not (path / DATA_MARKER).exists():
@@ -179,7 +179,7 @@ class Demo:
         self.deadline = 0.0
 
         # Imported only now: the app reads the WEBHOOK_SYNC_* variables set in main().
-        from . import app as example
+        from .. import app as example
 
         self.example = example
 
@@ -231,7 +231,7 @@ class Demo:
         from celery_leases.db import migrations
         from celery_leases.db.store import store_for
 
-        from . import sink
+        from .. import sink
 
         example = self.example
         leases = example.LEASES_TABLE
@@ -266,7 +266,7 @@ class Demo:
         upstream = children.start(
             "upstream",
             [
-                *(python, "-m", "examples.webhook_sync.upstream", "--seed", args.seed),
+                *(python, "-m", "examples.webhook_sync.demo.upstream", "--seed", args.seed),
                 *("--events", str(args.events), "--latency", str(args.page_latency)),
                 *("--error-rate", str(args.error_rate)),
             ],
@@ -583,7 +583,3 @@ class Demo:
             "kill -9 of its worker"
         )
         return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

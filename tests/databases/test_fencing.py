@@ -1,7 +1,7 @@
 """Fence your own writes with ``self.lease.token``: a stale attempt's write is refused.
 
-The pattern the README documents for storage the leases database does not cover: keep the
-highest token that wrote a record, and write only ``WHERE last_token <= :token``.
+The pattern the docs' guarantees page gives for storage the leases database does not cover: keep
+the highest token that wrote a record, and write only ``WHERE last_token <= :token``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from celery_leases import Job
 from celery_leases.db.schema import jobs_table
 
-from . import deliveries, sink
+from .. import deliveries, sink
 from .upstream import generate_events
 
 

@@ -9,9 +9,9 @@ import re
 import shlex
 from pathlib import Path
 
+from chaos import trigger as T
+from chaos.driver import build_parser, config_of
 from tests.chaos.test_chaos import POSTGRES_KINDS, SHORT
-from tests.support.chaos import trigger as T
-from tests.support.chaos.driver import build_parser, config_of
 
 MAKEFILE = Path(__file__).resolve().parents[2] / "Makefile"
 

@@ -23,8 +23,8 @@ from celery import Celery
 from celery_leases import Job, StoreUnavailable, get_job
 from celery_leases.config import settings_for
 from celery_leases.db.store import Store, store_for
-from tests.support.apps.chaos_app import ReconnectingUnitLog, add_chaos_tasks, chaos_log_for
-from tests.support.apps.leased_app import app_env
+from chaos.app import ReconnectingUnitLog, add_chaos_tasks, chaos_log_for
+from tests.support.apps.factory import app_env
 from tests.support.apps.leased_app import make_app as make_leased_app
 from tests.support.message import job_message
 from tests.support.proxy import TcpProxy
@@ -40,7 +40,7 @@ pytestmark = [
     pytest.mark.parametrize("broker_url", ["redis"], indirect=True),
 ]
 
-CHAOS_APP = "tests.support.apps.chaos_app"
+CHAOS_APP = "chaos.app"
 #: Given to the workers in their database URL; it must never show up in a log.
 PASSWORD = "secret-pw-7"
 

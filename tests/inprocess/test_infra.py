@@ -1,6 +1,6 @@
 """The test infrastructure itself: the check that a service answers.
 
-Real workers and beat on real brokers are tested in tests/e2e/test_infra.py.
+Real workers and beat on real brokers are tested in tests/workers/test_infra.py.
 """
 
 from __future__ import annotations

@@ -44,8 +44,9 @@ from celery_leases.config import settings_for
 from celery_leases.db.statements import GAVE_UP_NO_PROGRESS
 from celery_leases.db.store import Store, store_for
 from tests.support.apps.control_app import PARTIAL_ENV, add_control_tasks, call_log_for
-from tests.support.apps.leased_app import app_env, unit_log_for
+from tests.support.apps.factory import app_env
 from tests.support.apps.leased_app import make_app as make_leased_app
+from tests.support.apps.leased_app import unit_log_for
 from tests.support.cli import migrate_table
 from tests.support.scenario import Run, close_app, kill_all, runs_of, start_all, wait_for
 from tests.support.service import (

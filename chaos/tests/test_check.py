@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from tests.support.chaos.check import (
+from chaos.check import (
     AT_LEAST_ONCE,
     EXACTLY_ONCE,
     Callback,

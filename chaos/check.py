@@ -37,7 +37,7 @@ LIVE = ("queued", "running")
 #: The Celery state the result backend must hold for a job that ended in each table state.
 CELERY_STATE = {DONE: "SUCCESS", FAILED: "FAILURE", CANCELLED: "REVOKED", REVOKED: "REVOKED"}
 #: Seconds after a job was marked done within which a SIGKILL of the process that marked it
-#: leaves its result unstored and its callbacks unsent, as README "Guarantees" says ("A worker
+#: leaves its result unstored and its callbacks unsent, as the docs' guarantees page says ("A worker
 #: killed between the moment its attempt marks the job done and the moment Celery stores the
 #: result ... leaves the result unstored"): tolerated, and counted apart.
 UNSTORED_WINDOW = 1.0
@@ -571,7 +571,7 @@ def _result_backend(e: Evidence) -> Check:
         f"{agree['FAILURE']}/{total['FAILURE']} failed, REVOKED {agree['REVOKED']}/"
         f"{total['REVOKED']} revoked or cancelled; {bad} disagree; {len(unstored)} done with "
         f"nothing stored, their process SIGKILLed <= {UNSTORED_WINDOW:g} s after it marked "
-        f"them done (the window README 'Guarantees' leaves open; tolerated)"
+        f"them done (the window the docs' guarantees page leaves open; tolerated)"
         + (f": {', '.join(unstored[:3])}" if unstored else "")
     )
     for example in examples[:3]:

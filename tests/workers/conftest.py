@@ -1,4 +1,4 @@
-"""Fixtures of the end-to-end layer: a ``scenario`` factory over the shared fixtures."""
+"""Fixtures of the tests that run real workers: a ``scenario`` factory over the shared fixtures."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.apps.leased_app import app_env
+from tests.support.apps.factory import app_env
 from tests.support.worker import Spawner
 
 pytestmark = pytest.mark.e2e

@@ -1,6 +1,6 @@
 """A stand-in for the provider's side of the webhooks: sign a notification and deliver it.
 
-    WEBHOOK_SYNC_SECRET=... python -m examples.webhook_sync.provider URL ACCOUNT [--id ID]
+    WEBHOOK_SYNC_SECRET=... python -m examples.webhook_sync.demo.provider URL ACCOUNT [--id ID]
 
 prints the receiver's answer. The demo and the tests deliver through :func:`deliver` (stdlib
 only), with a bad secret or an old timestamp when they mean to.
@@ -16,7 +16,7 @@ import urllib.request
 import uuid
 from typing import Any
 
-from .signature import sign
+from ..signature import sign
 
 
 def notification(account: str) -> bytes:

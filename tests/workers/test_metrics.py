@@ -1,6 +1,6 @@
-"""The README's metrics recipe on a real prefork worker: the pool processes' counters, summed by
-prometheus_client's multiprocess mode and served from the worker's main process with the
-table's gauges, labelled by task."""
+"""The metrics recipe of the docs' operating page on a real prefork worker: the pool processes'
+counters, summed by prometheus_client's multiprocess mode and served from the worker's main
+process with the table's gauges, labelled by task."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def scrape(port: int) -> dict[str, float]:
 def test_a_prefork_workers_metrics_count_every_pool_processs_claims_by_task_and_the_jobs(
     spawn: Spawner, celery_settings: dict[str, Any], tmp_path: Path
 ) -> None:
-    # Given a prefork worker of two processes with the README's metrics setup
+    # Given a prefork worker of two processes with the docs' metrics setup
     url = f"sqlite:///{tmp_path}/leases.sqlite3"
     settings = {**celery_settings, "leases_database_url": url}
     migrate_table(url, "celery_leases_jobs")

@@ -1,5 +1,5 @@
-"""``tests.support.apps.leased_app`` plus the two tasks of the chaos driver
-(``tests/support/chaos/driver.py``).
+"""``tests.support.apps.leased_app`` plus the tasks of the chaos driver (``chaos/driver.py``):
+what its workers run (``celery -A chaos.app worker``).
 
 Configured from the environment like ``leased_app`` (see its ``app_env``). Both tasks run
 ``count`` units of ``unit_seconds``, write one unit-log row per unit (``<table>_units``,
@@ -56,9 +56,9 @@ from sqlalchemy.engine import Engine
 
 from celery_leases import LeasedTask, StoreUnavailable
 from celery_leases.db.functions import db_now
-from celery_leases.settings import DEFAULTS
+from chaos.fault import HOLD_DIR_ENV, hold_if_asked
+from tests.support.apps.factory import table_of
 from tests.support.apps.leased_app import make_app as make_leased_app
-from tests.support.chaos.fault import HOLD_DIR_ENV, hold_if_asked
 from tests.support.unit_log import ProcessTable, UnitLog
 
 #: Errors of the task's own database writes that a retry from the checkpoint cures.
@@ -79,15 +79,7 @@ class ReconnectingUnitLog(UnitLog):
 
 def chaos_log_for(app: Celery) -> ReconnectingUnitLog:
     """The unit log of ``app`` (table ``<leases_table>_units``, as ``leased_app`` names it)."""
-    log: ReconnectingUnitLog | None = app.__dict__.get("_chaos_unit_log")
-    if log is None:
-        conf = app.conf
-        log = ReconnectingUnitLog(
-            conf.get("leases_database_url", DEFAULTS["database_url"]),
-            f"{conf.get('leases_table', DEFAULTS['table'])}_units",
-        )
-        app.__dict__["_chaos_unit_log"] = log
-    return log
+    return table_of(app, ReconnectingUnitLog, "units")
 
 
 class CallbackLog(ProcessTable):
@@ -127,15 +119,7 @@ def callbacks_table(name: str) -> sa.Table:
 
 def callback_log_for(app: Celery) -> CallbackLog:
     """The callback log of ``app`` (table ``<leases_table>_callbacks``)."""
-    found: CallbackLog | None = app.__dict__.get("_chaos_callback_log")
-    if found is None:
-        conf = app.conf
-        found = CallbackLog(
-            conf.get("leases_database_url", DEFAULTS["database_url"]),
-            f"{conf.get('leases_table', DEFAULTS['table'])}_callbacks",
-        )
-        app.__dict__["_chaos_callback_log"] = found
-    return found
+    return table_of(app, CallbackLog, "callbacks")
 
 
 class TriggerLog(ProcessTable):
@@ -190,15 +174,7 @@ def triggers_table(name: str) -> sa.Table:
 
 def trigger_log_for(app: Celery) -> TriggerLog:
     """The trigger log of ``app`` (table ``<leases_table>_triggers``)."""
-    found: TriggerLog | None = app.__dict__.get("_chaos_trigger_log")
-    if found is None:
-        conf = app.conf
-        found = TriggerLog(
-            conf.get("leases_database_url", DEFAULTS["database_url"]),
-            f"{conf.get('leases_table', DEFAULTS['table'])}_triggers",
-        )
-        app.__dict__["_chaos_trigger_log"] = found
-    return found
+    return table_of(app, TriggerLog, "triggers")
 
 
 def add_chaos_tasks(app: Celery) -> Celery:

@@ -32,8 +32,9 @@ from celery_leases.db import migrations
 from celery_leases.db.rows import Job
 from celery_leases.db.store import Store
 from celery_leases.settings import DEFAULTS, validate
-from examples.webhook_sync import deliveries, fs_transport
-from examples.webhook_sync.provider import deliver, new_delivery_id, notification, post
+from examples.webhook_sync import deliveries
+from examples.webhook_sync.demo import fs_transport
+from examples.webhook_sync.demo.provider import deliver, new_delivery_id, notification, post
 from examples.webhook_sync.signature import sign
 from tests.support.service import drop_tables, private_redis_url, require
 

@@ -1,14 +1,14 @@
 """Chaos driver: real ``celery worker`` (prefork) and ``celery beat`` processes on real services,
 N jobs of M units, seeded random faults while they run, and the invariants checked at the end.
 
-    python -m tests.support.chaos.driver --jobs 500 --units 20 --workers 3 --faults 100 --seed 7 \\
+    python -m chaos.driver --jobs 500 --units 20 --workers 3 --faults 100 --seed 7 \\
         --broker redis --database postgres --restart-database --restart-broker
 
 ``--broker`` is ``redis`` (a Redis database no test uses), ``rabbitmq``, ``filesystem`` (the
 embedded broker) or a URL; ``--database`` is ``postgres``, ``sqlite`` or a URL. Half the jobs
 run ``chaos.exactly_once`` (unit row and checkpoint in one transaction), half
 ``chaos.at_least_once`` (unit row committed, then the checkpoint): see
-``tests/support/apps/chaos_app.py``. Every job is sent with a ``link`` callback and a
+``chaos/app.py``. Every job is sent with a ``link`` callback and a
 ``link_error`` errback that record their calls; a fraction (``--expiring``) is sent with an
 ``expires`` some seconds after it is sent, so some expire while they wait or while they are
 resumed and others end done first. The result backend (``--result-backend``) is a Redis
@@ -17,7 +17,7 @@ faults, the plan revokes running jobs (``revoke(terminate=True)``) and cancels q
 running ones (``celery leases cancel``, through the store); ``--no-controls`` leaves revokes,
 cancels and expiring jobs out. Keyed jobs (``--keys``, ``--triggers``): bursts of triggers
 (calls of ``chaos.keyed``, one account each, as a webhook provider sends them) go out during the
-run while the faults happen, from a thread of their own (``tests/support/chaos/trigger.py``);
+run while the faults happen, from a thread of their own (``chaos/trigger.py``);
 ``--keys 0`` leaves them out. The seed is printed first; the same seed replays the same jobs,
 fault plan (kinds, moments by progress, targets, freeze lengths), expiring jobs and trigger
 bursts. Exits 1 if an invariant failed.
@@ -50,7 +50,9 @@ from celery_leases import LeaseError
 from celery_leases.config import settings_for
 from celery_leases.db import migrations
 from celery_leases.db.store import store_for
-from tests.support.apps.chaos_app import (
+from chaos import fault as F
+from chaos import trigger as T
+from chaos.app import (
     KEYED_TASK,
     TASKS,
     add_chaos_tasks,
@@ -64,11 +66,7 @@ from tests.support.apps.chaos_app import (
     remove_state_log,
     trigger_log_for,
 )
-from tests.support.apps.leased_app import app_env
-from tests.support.apps.leased_app import make_app as make_leased_app
-from tests.support.chaos import fault as F
-from tests.support.chaos import trigger as T
-from tests.support.chaos.check import (
+from chaos.check import (
     AT_LEAST_ONCE,
     EXACTLY_ONCE,
     Callback,
@@ -84,11 +82,13 @@ from tests.support.chaos.check import (
     Trigger,
     check_all,
 )
+from tests.support.apps.factory import app_env
+from tests.support.apps.leased_app import make_app as make_leased_app
 from tests.support.scenario import freeze, kill_all, start_all, thaw
 from tests.support.service import close_app, drop_tables, sqlite_result_backend
 from tests.support.worker import Beat, Spawner, Worker
 
-CHAOS_APP = "tests.support.apps.chaos_app"
+CHAOS_APP = "chaos.app"
 TASK_OF_MODE = {EXACTLY_ONCE: "chaos.exactly_once", AT_LEAST_ONCE: "chaos.at_least_once"}
 CALLBACK_TASK = "chaos.on_done"
 #: Finished states of a job; those a job stops in before its last unit.
@@ -977,7 +977,7 @@ def new_seed() -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The command line of the long form (``make chaos``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m tests.support.chaos.driver", description=__doc__.splitlines()[0]
+        prog="python -m chaos.driver", description=__doc__.splitlines()[0]
     )
     d = Config()
     parser.add_argument("--jobs", type=int, default=500)
