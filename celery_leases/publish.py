@@ -59,10 +59,10 @@ class RecordingProducer:
             if serializer != "json":
                 raise ArgumentsError(
                     f"task {headers.get('task')} is sent with the {serializer!r} serializer: "
-                    f"celery-leases records a job's message as JSON (never pickled into the "
-                    f"database), and a resumed attempt must get the values the first one got; "
-                    f"send leased tasks with the json serializer (task_serializer = 'json', "
-                    f"Celery's default, or serializer='json' on the task)"
+                    f"celery-leases stores a job's message as JSON only, and a resumed attempt "
+                    f"must get the values the first one got; send leased tasks with the json "
+                    f"serializer (task_serializer = 'json', Celery's default, or "
+                    f"serializer='json' on the task)"
                 )
             self.recorded = self._record(
                 Message.published(

@@ -164,7 +164,7 @@ class Driver:
         sql, parameters = compiled.parameters(params or {})
         cursor = self._dbapi_connection.cursor()
         try:
-            with interrupted(self.discard):
+            with interrupted(self.discard, (self.dialect.loaded_dbapi.Error,)):
                 self.family.check_size(sql, parameters, self.dialect)
                 cursor.execute(sql, parameters, **compiled.execute_options)
                 if cursor.description is None:
@@ -181,7 +181,7 @@ class Driver:
         """Rows of ``sql`` (the driver's SQL and parameters), for statements of no table."""
         cursor = self._dbapi_connection.cursor()
         try:
-            with interrupted(self.discard):
+            with interrupted(self.discard, (self.dialect.loaded_dbapi.Error,)):
                 cursor.execute(sql, parameters)
                 return [tuple(r) for r in cursor.fetchall()] if cursor.description else []
         except self.dialect.loaded_dbapi.Error as exc:

@@ -151,18 +151,19 @@ class Guarded:
     (``errors.interrupted``). Everything else is the connection's own."""
 
     def __init__(self, connection: Connection) -> None:
-        self.connection = connection
+        #: The SQLAlchemy connection itself (to inspect it, say).
+        self.wrapped = connection
 
     def execute(self, statement: Any, *args: Any, **kwargs: Any) -> Any:
-        with interrupted(self.connection.invalidate):
-            return self.connection.execute(statement, *args, **kwargs)
+        with interrupted(self.wrapped.invalidate):
+            return self.wrapped.execute(statement, *args, **kwargs)
 
     def exec_driver_sql(self, statement: str, *args: Any, **kwargs: Any) -> Any:
-        with interrupted(self.connection.invalidate):
-            return self.connection.exec_driver_sql(statement, *args, **kwargs)
+        with interrupted(self.wrapped.invalidate):
+            return self.wrapped.exec_driver_sql(statement, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.connection, name)
+        return getattr(self.wrapped, name)
 
 
 __all__ = ["Database", "Guarded"]

@@ -98,13 +98,14 @@ class Wrapped:
 
 
 @contextlib.contextmanager
-def interrupted(discard: Any) -> Iterator[None]:
-    """Run a statement; if anything but a database error interrupts it (a soft time limit, a
-    ``KeyboardInterrupt``, a gevent timeout), call ``discard()`` (the connection is in an
-    unknown state: closed, never used again) and let the interruption go on."""
+def interrupted(discard: Any, driver_errors: Any = ()) -> Iterator[None]:
+    """Run a statement; if anything but a database error (SQLAlchemy's, or the driver's
+    ``driver_errors``) interrupts it (a soft time limit, a ``KeyboardInterrupt``, a gevent
+    timeout), call ``discard()`` (the connection is in an unknown state: closed, never used
+    again) and let the interruption go on."""
     try:
         yield
-    except (sa.exc.SQLAlchemyError, LeaseError):
+    except (sa.exc.SQLAlchemyError, LeaseError, *driver_errors):
         raise
     except BaseException:
         with contextlib.suppress(Exception):

@@ -36,13 +36,20 @@ def keeper(store: Store) -> Iterator[Keeper]:
     keeper.join(timeout=10)
 
 
-def held_lease(store: Store, job_id: str, renew: float = RENEW) -> Lease:
-    """A new job claimed by this process, as an attempt holds it (a 30 s lease)."""
+def held_lease(store: Store, keeper: Keeper, job_id: str, renew: float = RENEW) -> Lease:
+    """A new job claimed by this process, kept by ``keeper``'s holder, as an attempt holds it
+    (a 30 s lease)."""
+    owner = f"w/{os.getpid()}"
     outcome = store.claim(
-        job_message(job_id, "tests.job", recorded=False), owner=f"w/{os.getpid()}", duration=30.0
+        job_message(job_id, "tests.job", recorded=False),
+        owner=owner,
+        duration=30.0,
+        holder=keeper.holder_for(owner, 30.0),
     )
     assert isinstance(outcome, Claimed), outcome
-    return Lease(job_id, outcome.token, outcome.attempt, None, f"w/{os.getpid()}", 30.0, renew)
+    lease = Lease(job_id, outcome.token, outcome.attempt, None, owner, 30.0, renew)
+    lease.bound = outcome.bound
+    return lease
 
 
 def asleep(keeper: Keeper) -> bool:
@@ -60,7 +67,7 @@ def test_short_tasks_back_to_back_do_not_wake_the_keeper_and_a_long_one_is_renew
     store: Store, keeper: Keeper
 ) -> None:
     # Given a keeper that has held one lease and let it go (it now sleeps a renew interval)
-    first = held_lease(store, "first")
+    first = held_lease(store, keeper, "first")
     keeper.add(first)
     keeper.remove(first)
     wait_for(lambda: asleep(keeper), timeout=5, what="the keeper asleep")
@@ -68,7 +75,7 @@ def test_short_tasks_back_to_back_do_not_wake_the_keeper_and_a_long_one_is_renew
     # When 20 short tasks are held and let go one after another
     woken = 0
     for n in range(20):
-        lease = held_lease(store, f"short-{n}")
+        lease = held_lease(store, keeper, f"short-{n}")
         keeper.add(lease)
         woken += keeper._wake.is_set()
         keeper.remove(lease)
@@ -78,7 +85,7 @@ def test_short_tasks_back_to_back_do_not_wake_the_keeper_and_a_long_one_is_renew
 
     # And when a task holds its lease past a renew interval, the keeper renews it: its
     # expiry moves on, a renew interval or two after the claim
-    long = held_lease(store, "long")
+    long = held_lease(store, keeper, "long")
     claimed = expiry(store, "long")
     keeper.add(long)
     wait_for(lambda: expiry(store, "long") > claimed, timeout=3 * RENEW + 2, what="a renewal")
@@ -89,13 +96,13 @@ def test_a_lease_with_a_stall_deadline_before_the_next_tick_wakes_the_keeper(
     store: Store, keeper: Keeper
 ) -> None:
     # Given a keeper asleep until its next tick, a renew interval (10 s) away
-    first = held_lease(store, "first", renew=10.0)
+    first = held_lease(store, keeper, "first", renew=10.0)
     keeper.add(first)
     keeper.remove(first)
     wait_for(lambda: asleep(keeper), timeout=5, what="the keeper asleep")
 
     # When a lease whose stall timeout (0.1 s) ends long before that is added
-    lease = held_lease(store, "stalls", renew=10.0)
+    lease = held_lease(store, keeper, "stalls", renew=10.0)
     lease.stall_timeout = 0.1
     keeper.add(lease)
 

@@ -158,8 +158,9 @@ class Keys:
         self.save_cursor_in_tx = d.upsert(
             k, d.with_idle_guard(written, "leases_cursor_idle_guard"), columns, "lease_key"
         )
-        #: An operator's (or a test's) cursor, written only while no job holds the key; NULL
-        #: clears it. Job and token NULL: no attempt wrote it.
+        #: An operator's (or a test's) cursor, written only while no job holds the key and no
+        #: trigger waits on it; NULL clears it. Job and token NULL: no attempt wrote it.
+        waiting = k.alias("waiting")
         self.set_cursor = d.upsert(
             k,
             sa.select(
@@ -168,7 +169,16 @@ class Keys:
                 sa.cast(sa.null(), k.c.job_id.type),
                 sa.cast(sa.null(), sa.BigInteger()),
                 p.now,
-            ).where(~sa.exists(sa.select(t.c.id).where(holds_key))),
+            ).where(
+                ~sa.exists(sa.select(t.c.id).where(holds_key)),
+                # nor triggers waiting on it (their run starts from the cursor)
+                ~sa.exists(
+                    sa.select(waiting.c.lease_key).where(
+                        waiting.c.lease_key == param("key", k.c.lease_key.type),
+                        waiting.c.pending_id.is_not(None),
+                    )
+                ),
+            ),
             columns,
             "lease_key",
         )

@@ -50,14 +50,20 @@ class Renew:
         self.unbound = holder(None)
         #: A lease of this keeper's the claim could not bind to it (its holder row was
         #: missing, or its session was cut): bound now.
-        self.bind = (
+        self.bind = d.with_returning(
             sa.update(t)
             .where(p.by_token, t.c.holder.is_(None))
             .ordered_values(
-                (t.c.expires_at, p.unbound_expiry()),
+                (
+                    t.c.expires_at,
+                    sa.case((p.bound_holder.is_(None), t.c.expires_at), else_=sa.null()),
+                ),
                 (t.c.holder, p.bound_holder),
-            )
+            ),
+            t.c.holder,
         )
+        #: The holder of the lease ``b_token`` of job ``b_id`` (read back).
+        self.holder_of = sa.select(t.c.holder).where(p.by_token)
         #: A stalled lease left to end by itself: no longer kept by its holder, it ends when
         #: its holder's last renewal (or its own) runs out.
         self.detach = (

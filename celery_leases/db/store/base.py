@@ -176,7 +176,7 @@ class StoreBase:
                 f"leases table {name!r} in {where} is at revision {found[0]}, older than this "
                 f"celery-leases needs ({head}): run {migrations.UPGRADE_COMMAND}"
             )
-        if self.db.run(lambda c: sa.inspect(c).has_table(name)):
+        if self.db.run(lambda c: sa.inspect(c.wrapped).has_table(name)):
             raise ConfigurationError(
                 f"leases table {name!r} in {where} has no migration history (made by an "
                 f"older celery-leases, or its migration failed): bring it under the "

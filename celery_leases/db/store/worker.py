@@ -175,8 +175,13 @@ class Worker(Client):
         not: its row was missing, or its session cut); False when it cannot yet, or the lease
         is lost."""
         params = {"b_id": job_id, "b_token": token, "b_holder": holder}
-        self._count(self.sql.renew.bind, params)
-        return bool(self._hot(lambda c: c.execute(self.sql.record.claimed, params).first()))
+        renew = self.sql.renew
+
+        def run(c: Connection) -> bool:
+            found = self.dialect.rows(c, renew.bind, params, read_back=renew.holder_of)
+            return bool(found and found[0] and found[0][0])
+
+        return bool(self._hot(run, reads_back=True))
 
     def detach(self, job_id: str, token: int) -> bool:
         """Stop keeping the lease ``token`` of job ``job_id`` by its holder (a stalled attempt):
