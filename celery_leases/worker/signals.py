@@ -98,6 +98,7 @@ def release_on_process_shutdown(**_: Any) -> None:
                     exc,
                     extra=lease_fields(lease),
                 )
+        keeper.retire()
 
 
 def preempt_on_shutdown(sender: Any = None, **_: Any) -> None:

@@ -71,5 +71,9 @@ class Renew:
             .where(p.by_token, t.c.holder.is_not(None))
             .ordered_values((t.c.expires_at, p.lease_end), (t.c.holder, None))
         )
-        #: The holder ``b_holder`` gone (its keeper stops; its jobs were handed back).
-        self.drop = sa.delete(h).where(h.c.id == param("holder", h.c.id.type))
+        #: The holder ``b_holder`` gone (its keeper stops), unless it still holds a running job
+        #: (one it could not hand back: the reaper lets it go when its lease runs out).
+        self.drop = sa.delete(h).where(
+            h.c.id == param("holder", h.c.id.type),
+            ~sa.exists().where(t.c.holder == h.c.id, t.c.state == "running"),
+        )

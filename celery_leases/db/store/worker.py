@@ -190,7 +190,8 @@ class Worker(Client):
         return self._count(self.sql.renew.detach, {"b_id": job_id, "b_token": token}) == 1
 
     def drop_holder(self, holder: str) -> None:
-        """Delete the holder ``holder`` (its keeper stops: its jobs were handed back)."""
+        """Delete the holder ``holder`` (its keeper stops), unless it still holds a running
+        job (one it could not hand back: the reaper lets it go when its lease runs out)."""
         self._count(self.sql.renew.drop, {"b_holder": holder})
 
     # -- a checkpoint and a key's cursor: fenced writes of an attempt ----------------------
