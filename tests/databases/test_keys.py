@@ -191,6 +191,29 @@ def test_a_run_that_ends_any_other_way_leaves_its_triggers_a_run_too(
     assert store.pending_keys(batch=10) == []
 
 
+@pytest.mark.parametrize("end", ["fail", "revoke"])
+def test_a_run_that_started_after_a_trigger_serves_it_only_by_ending_done(
+    store: Store, end: str
+) -> None:
+    # Given a trigger that came while the key's job waited, and that job then started
+    first = trigger("t1")
+    store.register(first)
+    store.register(trigger("t2"))
+    lease = claimed(store, first)
+
+    # When it ends failed or revoked (the work the trigger asked for was not done)
+    if end == "fail":
+        assert store.fail("t1", lease.token, error="boom")
+    else:
+        assert store.end_live("t1", state="revoked", error="revoked")
+
+    # Then the trigger is not served by it: it runs under its own id
+    settled = store.settle(KEY)
+    assert not settled.served
+    assert settled.followup is not None and settled.followup.id == "t2"
+    assert live_jobs(store) == ["t2"]
+
+
 @pytest.mark.parametrize("end", ["revoked", "cancelled", "expired"])
 def test_triggers_waiting_behind_a_job_that_never_runs_get_a_run_of_their_own(
     store: Store, end: str

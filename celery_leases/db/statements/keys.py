@@ -6,7 +6,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ..schema import FINISHED_STATES, LIVE_STATES, RUNNING, SCHEMA_VERSION
+from ..schema import DONE, FINISHED_STATES, LIVE_STATES, RUNNING, SCHEMA_VERSION
 from .common import Parts, param, unindexed
 
 
@@ -85,12 +85,17 @@ class Keys:
             .where(by_key, k.c.pending_id == param("pending_id", k.c.pending_id.type))
             .values(pending_id=None, pending=None, pending_at=None)
         )
-        #: The first run of key ``b_key`` that started at ``b_since`` or later: (id, state,
-        #: result, error).
+        #: The run of key ``b_key`` that started at ``b_since`` or later and serves the
+        #: triggers of that moment: (id, state, result, error). A live one first (they wait
+        #: for its end), then the first that ended done; one that ended otherwise serves
+        #: nothing (it is only returned when no run did better).
         self.started_since = (
             sa.select(t.c.id, t.c.state, t.c.result, t.c.error)
             .where(t.c.lease_key == param("key"), t.c.started_at >= param("since", sa.Double()))
-            .order_by(t.c.started_at)
+            .order_by(
+                sa.case((t.c.state.in_(LIVE_STATES), 0), (t.c.state == DONE, 1), else_=2),
+                t.c.started_at,
+            )
             .limit(1)
         )
         #: Keys with triggers waiting, the longest waiting first.

@@ -1,6 +1,6 @@
 """The store's operations on the triggers of lease keys: a trigger of a held key is kept on the
 key (it survives any end of the job that holds the key), and settled when that job ends: served
-by a run that started after it, or run for."""
+by a run that started after it and ended done, or run for."""
 
 from __future__ import annotations
 
@@ -65,9 +65,10 @@ class Triggers(StoreBase):
 
     def settle(self, key: str, *, connection: Any = None) -> Settled:
         """Settle the triggers waiting on ``key``, in one transaction (the key's row locked): a
-        run of the key that started after the latest of them serves them all (recorded as a
-        finished job of their own, for their callers: ``Settled.served``); while a job holds
-        the key without such a start, they wait; else a run of their own is recorded for them
+        run of the key that started after the latest of them and ended done serves them all
+        (recorded as a finished job of their own, with its result, for their callers:
+        ``Settled.served``); while a job holds the key, they wait for its end; else (no run
+        started after them, or none that did ended done) a run of their own is recorded for them
         (``Settled.followup``), under the id their callers were given, as soon as possible:
         without the first trigger's ``expires`` or countdown. ``connection``: in the caller's
         transaction (an attempt that started inside one)."""
@@ -97,17 +98,17 @@ class Triggers(StoreBase):
             c.execute(keys.clear_pending, cleared)  # nothing can run it
             return Settled()
         first = c.execute(keys.started_since, {"b_key": key, "b_since": pending_at}).first()
-        if first is not None:
-            run_id, state, result, error = first
-            if state in LIVE_STATES:
-                return Settled()  # it serves them; they are settled when it ends
+        if first is not None and first[1] in LIVE_STATES:
+            return Settled()  # it may serve them; they are settled when it ends
+        if first is not None and first[1] == DONE:
+            run_id, _, result, _ = first
             served = job_params(trigger, text) | {
                 "b_id": pending_id,
                 "b_served_by": run_id,
-                "b_state": "done" if state == DONE else "failed",
-                "b_result": result if state == DONE else None,
-                "b_error": None if state == DONE else _ended(run_id, state, error),
-                "b_notify": "SUCCESS" if state == DONE else "FAILURE",
+                "b_state": DONE,
+                "b_result": result,
+                "b_error": None,
+                "b_notify": "SUCCESS",
             }
             inserted = self._insert(c, keys.record_served, served)
             c.execute(keys.clear_pending, cleared)
@@ -169,10 +170,6 @@ class Triggers(StoreBase):
         pending = self.sql.keys.followups_pending
         found = self._run(lambda c: c.execute(pending, {"b_batch": batch}).all())
         return [r[0] for r in found]
-
-
-def _ended(run_id: str, state: str, error: str | None) -> str:
-    return f"served by job {run_id}, which ended {state}" + (f": {error}" if error else "")
 
 
 __all__ = ["Settled", "Triggers", "job_params"]
