@@ -263,7 +263,8 @@ def test_cancel_of_a_running_job_asks_it_to_stop_at_its_next_checkpoint(
     assert "running on celery@w1/100: it stops at its next checkpoint and ends cancelled" in output
     job = store.get(ids["running"])
     assert job is not None and (job.state, job.stop_requested) == ("running", "cancel")
-    assert store.renew([(job.id, job.token)]).stops == {job.id: "cancel"}
+    # The attempt sees it at its next checkpoint (saved first, fenced by its token)
+    assert store.checkpoint(job.id, job.token, json.dumps(job.checkpoint)) == (True, "cancel")
 
 
 def test_release_of_a_running_job_makes_the_next_reap_republish_it(
