@@ -25,7 +25,7 @@ from tests.support.cli import (
     recorded,
     store_of,
 )
-from tests.support.legacy import drop_lease_keys
+from tests.support.legacy import drop_holders, drop_lease_keys
 from tests.support.message import job_message
 
 
@@ -402,6 +402,7 @@ def test_upgrade_brings_a_table_made_by_an_older_release_under_the_migrations(
         jobs_table(sa.MetaData(), table).create(store.engine)
         store._schema_ready = True  # what an older release did: use it as it was
         job_id = record(store)
+        drop_holders(store.engine, table)
         drop_lease_keys(store.engine, table)
     finally:
         store.engine.dispose()
