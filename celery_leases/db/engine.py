@@ -1,7 +1,9 @@
 """The connection to the leases database: one engine per process, and the one retry.
 
-Driver errors are wrapped at this boundary, once (``errors.wrapped``): an unreachable or
-restarting server becomes :class:`StoreUnavailable`, anything else a :class:`LeaseError`.
+Driver errors are wrapped at this boundary, once (``errors.Wrapped``, which classifies them by
+kind): an unreachable or restarting server becomes :class:`StoreUnavailable`, a conflict
+:class:`WriteConflict`, a value the database refuses the caller's error, anything else a
+:class:`LeaseError`; a connection interrupted mid-statement is closed (``errors.interrupted``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The tables and the facts every part of the storage wing shares: states, limits, names.
 
 Every time in the table is a float of epoch seconds read from the database clock
-(``clock.db_now``), so lease arithmetic never compares a worker's clock with a stored time and
+(``functions.db_now``), so lease arithmetic never compares a worker's clock with a stored time and
 keeps sub-second resolution on every backend. The table is created and changed by the
 migrations (``migrations/``), never at first use; this is the shape the code reads and writes,
 which the migrations' head must match (a test compares them).

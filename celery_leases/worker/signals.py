@@ -127,8 +127,9 @@ def wait_for_a_worker_that_knows(
 ) -> None:
     """A message for a task this worker does not know (an older worker of a rolling deploy):
     Celery discards it. A leased job waits for a worker that knows the task: the reaper sends
-    it again after ``leases_reap_grace`` (and so on after each such wait), never failing it
-    for a worker that lacks its code. A running job is left alone (its message was a copy)."""
+    it again after ``leases_reap_grace``, then with doubling waits (up to 64 times it),
+    never failing it for a worker that lacks its code. A running job is left alone (its
+    message was a copy)."""
     app = getattr(sender, "app", None) or current_app
     if not uses_leases(app) or not id:
         return

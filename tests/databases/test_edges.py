@@ -6,6 +6,8 @@ and a trigger behind a job's countdown."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import signal
 import time
 import uuid
@@ -307,6 +309,25 @@ def test_no_attempt_past_leases_max_attempts_is_claimed_whatever_sent_it(
 # -- 12. a retry after checkpoints; a trigger behind a countdown ---------------------------------
 
 
+@contextlib.contextmanager
+def logging_restored() -> Iterator[None]:
+    """Celery's in-process worker sets up Celery's logging (the root and ``celery.task``, the
+    parent of celery-leases' loggers, at ERROR): give the next tests theirs back."""
+    loggers = [logging.getLogger()] + [
+        logger
+        for logger in logging.Logger.manager.loggerDict.values()
+        if isinstance(logger, logging.Logger)
+    ]
+    saved = [(logger, logger.level, list(logger.handlers), logger.propagate) for logger in loggers]
+    try:
+        yield
+    finally:
+        for logger, level, handlers, propagate in saved:
+            logger.setLevel(level)
+            logger.handlers[:] = handlers
+            logger.propagate = propagate
+
+
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 @pytest.mark.parametrize("start_over", [False, True], ids=["resumes", "starts over"])
 def test_a_retry_after_checkpoints_resumes_from_the_checkpoint_unless_it_is_cleared(
@@ -335,7 +356,10 @@ def test_a_retry_after_checkpoints_resumes_from_the_checkpoint_unless_it_is_clea
         return self.lease.checkpoint
 
     try:
-        with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+        with (
+            logging_restored(),
+            start_worker(app, pool="threads", concurrency=1, perform_ping_check=False),
+        ):
             result = pages.delay()
             assert result.get(timeout=30) == (None if start_over else {"page": 2})
         assert seen == [None, None if start_over else {"page": 2}]

@@ -2,7 +2,7 @@
 (``postgresql``, ``mysql``, ``sqlite``); ``dialects/__init__.py`` registers them by the names
 SQLAlchemy gives their backends. A new database is one new module and one registration line.
 
-The statements (``db/statements``) and the store (``db/store.py``) never test a dialect's name:
+The statements (``db/statements``) and the store (``db/store/``) never test a dialect's name:
 where databases differ they call the methods here.
 """
 
@@ -59,11 +59,6 @@ class Dialect:
     def check_size(self, sql: str, parameters: Any, sa_dialect: Any) -> None:
         """Refuse, before sending it, a statement the server would refuse for its size (and
         drop the connection with it), as the driver's own error: nothing by default."""
-
-    def planned_per_call(self, statement: Any) -> Any:
-        """``statement``, marked so that the database plans it for the values of each call
-        (a statement over lists of any length), where it would otherwise reuse one plan."""
-        return statement
 
     # -- sessions: a lease bound to its holder's connection ----------------------------------
 
@@ -133,22 +128,6 @@ class Dialect:
             t.c.lease_key == key, sa.or_(t.c.state.in_(live), t.c.followup_id.is_not(None))
         )
 
-    def leases_held(self, table: sa.Table, held: Any) -> sa.Select[Any]:
-        """A SELECT of the ids of the rows held under the leases ``b_ids`` / ``b_tokens`` /
-        ``b_leases`` (a process's leases, given as parameters) that satisfy ``held``."""
-        t = table
-        return sa.select(t.c.id).where(
-            t.c.id.in_(sa.bindparam("b_ids", expanding=True)),
-            sa.tuple_(t.c.id, t.c.token).in_(sa.bindparam("b_leases", expanding=True)),
-            held,
-        )
-
-    def update_unlocked(self, table: sa.Table, ids: sa.Select[Any]) -> sa.Update:
-        """An UPDATE of the rows ``ids`` selects, skipping (never waiting for) a row another
-        transaction holds locked: a checkpoint in a transaction of the task's must not hold
-        up the renewal of the process's other leases."""
-        return sa.update(table).where(table.c.id.in_(ids.with_for_update(skip_locked=True)))
-
     def locking_candidates(self, select: sa.Select[Any]) -> sa.Select[Any]:
         """``select`` (the reaper's orphan candidates) in the form that locks what it returns,
         where the database locks only the rows it returns."""
@@ -213,13 +192,6 @@ class Dialect:
     def upserted(self, c: Any, statement: Any, params: dict[str, Any]) -> bool:
         """Run an :meth:`upsert`; True when it wrote."""
         return c.execute(statement, params).first() is not None
-
-    def renewed(
-        self, c: Any, renew: Any, renewed: Any, params: dict[str, Any], count: int
-    ) -> list[tuple[Any, ...]]:
-        """(id, stop request) of the leases a renewal of ``count`` leases kept: the rows it
-        renewed and, where it skips locked rows, those still held that it skipped."""
-        return list(c.execute(renew, params).all())
 
     # -- a caller's transaction ----------------------------------------------------------------
 

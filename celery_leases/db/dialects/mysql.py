@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.dml import Update
 
 from ...errors import ConfigurationError
 from ..functions import db_now
@@ -43,34 +42,6 @@ _DRIVERS = ("pymysql", "MySQLdb", "mariadb")
 def _db_now(element: Any, compiler: Any, **kw: Any) -> str:
     # The session time zone is UTC (on_connect), so this is unambiguous around DST.
     return "UNIX_TIMESTAMP(NOW(6))"
-
-
-class SkipLockedUpdate(Update):
-    """An ``UPDATE`` of the rows a derived table named ``lockable`` selected ``FOR UPDATE SKIP
-    LOCKED`` (these databases have no ``UPDATE ... SKIP LOCKED``).
-
-    SQLAlchemy renders ``UPDATE jobs, (SELECT ...) AS lockable SET ... WHERE jobs.id =
-    lockable.id``, which lets the optimizer scan ``jobs`` first and wait on every locked row
-    it reads. This form joins in a fixed order, the derived rows first and then ``jobs`` by
-    primary key: ``UPDATE (SELECT ...) AS lockable STRAIGHT_JOIN jobs FORCE INDEX (PRIMARY)
-    SET ...``, so only the rows the derived table locked are read.
-    """
-
-    inherit_cache = True
-
-
-@compiles(SkipLockedUpdate, "mysql")
-@compiles(SkipLockedUpdate, "mariadb")
-def _skip_locked_update(element: SkipLockedUpdate, compiler: Any, **kw: Any) -> str:
-    text: str = compiler.visit_update(element, **kw)
-    table = compiler.preparer.format_table(element.table)
-    head, derived_end = f"UPDATE {table}, (", ") AS lockable SET "
-    end = text.find(derived_end)
-    if not text.startswith(head) or end < 0:  # pragma: no cover - a new SQLAlchemy layout
-        raise sa.exc.CompileError(f"unexpected multi-table UPDATE layout: {text[:80]!r}")
-    derived = text[len(head) - 1 : end + len(") AS lockable")]
-    rest = text[end + len(") AS lockable") :]
-    return f"UPDATE {derived} STRAIGHT_JOIN {table} FORCE INDEX (PRIMARY){rest}"
 
 
 class MySQL(Dialect):
@@ -184,10 +155,6 @@ class MySQL(Dialect):
         # index merge.
         return table.c.live_key == sa.bindparam(key.key, type_=table.c.live_key.type)
 
-    def update_unlocked(self, table: sa.Table, ids: sa.Select[Any]) -> sa.Update:
-        lockable = ids.with_for_update(skip_locked=True).subquery("lockable")
-        return SkipLockedUpdate(table).where(table.c.id == lockable.c.id)
-
     def insert_unless_exists(self, table: sa.Table, values: dict[str, Any]) -> Any:
         # A plain INSERT whose duplicate-key error ``inserted`` reads as "exists": INSERT
         # IGNORE would also turn a value the column cannot hold into a warning and a truncated
@@ -243,12 +210,6 @@ class MySQL(Dialect):
 
     def upserted(self, c: Any, statement: Any, params: dict[str, Any]) -> bool:
         return bool(c.execute(statement, params).rowcount)
-
-    def renewed(
-        self, c: Any, renew: Any, renewed: Any, params: dict[str, Any], count: int
-    ) -> list[tuple[Any, ...]]:
-        c.execute(renew, params)
-        return list(c.execute(renewed, params).all())
 
     # -- a caller's transaction --------------------------------------------------------------
 
@@ -311,4 +272,4 @@ def _code(orig: Any) -> Any:
     return (getattr(orig, "args", None) or (None,))[0]
 
 
-__all__ = ["SESSION_LOCK_PREFIX", "MySQL", "SkipLockedUpdate"]
+__all__ = ["SESSION_LOCK_PREFIX", "MySQL"]

@@ -1,5 +1,6 @@
-"""PostgreSQL: RETURNING, backend pids as sessions, ``SKIP LOCKED``, a transaction-local idle
-bound, and the leases of a process renewed as two arrays (one statement text, any number).
+"""PostgreSQL: RETURNING, backend pids as sessions (and the server's start time, to tell a
+restart from a death), ``SKIP LOCKED``, a transaction-local idle bound, SQLSTATEs as error
+kinds.
 """
 
 from __future__ import annotations
@@ -77,11 +78,6 @@ class PostgreSQL(Dialect):
         prepared = statement.get_execution_options().get(NOT_PREPARED, True)
         return {"prepare": False} if not prepared and sa_dialect.driver == "psycopg" else {}
 
-    def planned_per_call(self, statement: Any) -> Any:
-        # Planned for the arrays they get: a plan made once for arrays of any length (a
-        # prepared statement's generic plan) took a 500-lease tick from 9 to 80 ms.
-        return statement.execution_options(**{NOT_PREPARED: False})
-
     # -- sessions ----------------------------------------------------------------------------
 
     def session_ident(self, driver: Any) -> int:
@@ -106,25 +102,6 @@ class PostgreSQL(Dialect):
         )
 
     # -- statement forms ---------------------------------------------------------------------
-
-    def leases_held(self, table: sa.Table, held: Any) -> sa.Select[Any]:
-        # The leases as two arrays joined to the rows: one statement text whatever their
-        # number (prepared once), and a join, not an (id, token) list tested on each row.
-        t = table
-        ids = sa.bindparam("b_ids", type_=postgresql.ARRAY(t.c.id.type))
-        leases = (
-            sa.func.unnest(ids, sa.bindparam("b_tokens", type_=postgresql.ARRAY(sa.BigInteger())))
-            .table_valued(sa.column("id", t.c.id.type), sa.column("token", sa.BigInteger()))
-            .render_derived()
-        )
-        is_held = sa.and_(t.c.id == leases.c.id, t.c.token == leases.c.token)
-        # The ids again as ``id = ANY(...)``: the rows are found by primary key.
-        return sa.select(t.c.id).join(leases, is_held).where(t.c.id == sa.any_(ids), held)
-
-    def update_unlocked(self, table: sa.Table, ids: sa.Select[Any]) -> sa.Update:
-        return sa.update(table).where(
-            table.c.id.in_(ids.with_for_update(skip_locked=True, of=table))
-        )
 
     def locking_candidates(self, select: sa.Select[Any]) -> sa.Select[Any]:
         # PostgreSQL locks only the rows it returns.
@@ -158,14 +135,6 @@ class PostgreSQL(Dialect):
         return upsert_on_conflict(
             postgresql.insert, table, select, columns, key, update=update, returning=returning
         )
-
-    def renewed(
-        self, c: Any, renew: Any, renewed: Any, params: dict[str, Any], count: int
-    ) -> list[tuple[Any, ...]]:
-        kept = list(c.execute(renew, params).all())
-        if len(kept) < count:
-            kept = list(c.execute(renewed, params).all())  # skipped rows still held count
-        return kept
 
     # -- a caller's transaction --------------------------------------------------------------
 

@@ -149,11 +149,6 @@ class SQLite(Dialect):
 
     # -- statement forms ---------------------------------------------------------------------
 
-    def update_unlocked(self, table: sa.Table, ids: sa.Select[Any]) -> sa.Update:
-        # No row locks: the writer holds the database's lock.
-        where: Any = ids.whereclause
-        return sa.update(table).where(where)
-
     def insert_unless_exists(self, table: sa.Table, values: dict[str, Any]) -> Any:
         return insert_unless_id_exists(sqlite.insert, table, values)
 

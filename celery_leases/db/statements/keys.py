@@ -16,7 +16,7 @@ class Keys:
     At most one job holds a key (``schema.KEY_HELD``: a live one). A trigger of a held key is
     kept on the key, never on a job (``pending``): it waits there, whatever becomes of the job
     that holds the key, until a run of the key that started after it serves it, or a run is
-    started for it (``store.Worker.settle``).
+    started for it (``store.Triggers.settle``).
     """
 
     def __init__(self, p: Parts) -> None:

@@ -73,7 +73,7 @@ class Operator(StoreBase):
 
     def wait_for_worker(self, job_id: str, *, wait: float, error: str) -> bool:
         """A queued job's message was discarded by a worker that does not know its task: the
-        reaper sends it again ``wait`` seconds from now (and so on at each wait), until a
+        reaper sends it again ``wait`` seconds from now (then with doubling waits), until a
         worker that knows it takes it. False when the job is not queued (a running one is
         left alone: its message was a copy)."""
         params = {"b_id": job_id, "b_wait": wait, "b_error": error}
