@@ -64,23 +64,24 @@ class Session:
                 )
             return None
 
-    def run(self, operation: Callable[[Any], T]) -> T:
+    def run(self, operation: Callable[[Any], T], *, single: bool = False) -> T:
         """Run ``operation`` on the session's connection (``dbapi.Direct``): in autocommit
-        where one statement tells its outcome, else in a transaction; reconnecting once if the
-        server had closed it."""
+        where one statement tells its outcome (``single``: it is one statement, as a renew
+        tick's upsert), else in a transaction; reconnecting once if the server had closed
+        it."""
         with self._lock, self.db.wrapped_errors():
             try:
-                return self._execute(operation)
+                return self._execute(operation, single)
             except sa.exc.DBAPIError as exc:
                 if kind_of(exc, self.db.dialect) not in (Kind.GONE, Kind.CONFLICT):
                     raise  # a statement timeout, say: the session lives on
                 if exc.connection_invalidated:
                     self._close()
-            return self._execute(operation)
+            return self._execute(operation, single)
 
-    def _execute(self, operation: Callable[[Any], T]) -> T:
+    def _execute(self, operation: Callable[[Any], T], single: bool) -> T:
         direct = self._open()
-        if self.db.dialect.autocommit:
+        if single or self.db.dialect.autocommit:
             return operation(direct)
         direct.begin()
         try:

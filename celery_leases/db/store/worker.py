@@ -166,7 +166,7 @@ class Worker(Client):
         params = {"b_holder": holder, "b_owner": owner, "b_shortest": shortest}
         params["b_pid"] = os.getpid()
         if session is not None:
-            session.run(lambda c: self.dialect.upserted(c, renew.bound, params))
+            session.run(lambda c: self.dialect.upserted(c, renew.bound, params), single=True)
             return
         self._hot(lambda c: self.dialect.upserted(c, renew.unbound, params))
 
