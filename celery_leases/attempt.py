@@ -29,6 +29,7 @@ from .errors import (
     LeaseLost,
     Preempted,
     StoreUnavailable,
+    WriteConflict,
 )
 from .lease import Lease, holding, until_deadline
 from .log import job_fields, lease_fields
@@ -119,7 +120,9 @@ class Attempt:
                 fresh=request.is_eager,
                 connection=outer,
             )
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, WriteConflict) as exc:
+            # The database is down, or the claim kept losing to concurrent transactions (a
+            # lock timeout on the job's row, SQLite's write lock): deliver it again later.
             if request.is_eager:
                 raise  # no broker message to deliver again; eager mode would recurse
             self.redeliver_later(delivery, exc)
@@ -206,13 +209,16 @@ class Attempt:
         raise Ignore()
 
     def redeliver_later(self, delivery: Message, exc: Exception) -> None:
-        """The database is down: send the message again later instead of running unleased."""
+        """The claim could not be made (the database is down, or it kept losing to concurrent
+        transactions): send the message again later instead of running unleased."""
         request = self.request
         tries = int(delivery.headers.get(DB_RETRY_HEADER) or 0) + 1
         delay = min(2.0**tries, self.settings.db_retry_max_delay) * random.uniform(0.5, 1)
+        why = "unreachable" if isinstance(exc, StoreUnavailable) else "busy"
         logger.error(
-            "job %s: leases database unreachable, delivering again in %.1f s (try %d): %s",
+            "job %s: leases database %s, delivering again in %.1f s (try %d): %s",
             request.id,
+            why,
             delay,
             tries,
             exc,

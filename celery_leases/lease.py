@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .errors import LeaseError, LeaseLost, StoreUnavailable
+from .errors import LeaseError, LeaseLost, StoreUnavailable, WriteConflict
 from .log import lease_fields
 
 T = TypeVar("T")
@@ -139,14 +139,16 @@ def until_deadline(
     first_delay: float = 0.1,
 ) -> T:
     """Run ``operation`` (a write of ``lease``'s attempt), retrying while the database is
-    unavailable and the lease has time left. When it runs out: with ``lost``, the lease counts
-    as lost (:class:`LeaseLost`); otherwise ``gave_up`` is logged and the StoreUnavailable
-    raised."""
+    unavailable, or a concurrent transaction keeps winning (:class:`WriteConflict`, on the
+    store's own connection: in a caller's transaction it is the caller's to run again), and
+    the lease has time left. When it runs out: with ``lost``, the lease counts as lost
+    (:class:`LeaseLost`); otherwise ``gave_up`` is logged and the error raised."""
     delay = first_delay
+    retried = (StoreUnavailable,) if lease.joined is not None else (StoreUnavailable, WriteConflict)
     while True:
         try:
             return operation()
-        except StoreUnavailable as exc:
+        except retried as exc:
             if time.monotonic() + delay > lease.deadline:
                 if lost:
                     lease.lost = True

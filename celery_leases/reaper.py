@@ -75,10 +75,13 @@ def reap(app: Any) -> ReapReport:
     report = ReapReport()
     try:
         orphaned = store.expire_orphaned(batch=settings.reap_batch)
-        store.release_stale()
-    except LeaseError as exc:  # never in the way of the expiry path below
+    except LeaseError as exc:  # never in the way of the paths below (MySQL: no GLOBAL_STATUS)
         logger.error("cannot look for jobs whose holder is gone: %s", exc)
         orphaned = []
+    try:
+        store.release_stale()
+    except LeaseError as exc:  # the expiry path below still runs
+        logger.error("cannot let go the jobs of holders that stopped renewing: %s", exc)
     for job_id, owner in orphaned:
         report.orphaned.append(job_id)
         logger.info(

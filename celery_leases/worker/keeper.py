@@ -55,6 +55,12 @@ class Keeper(threading.Thread):
         #: Seconds an idle keeper sleeps: the shortest renew interval seen, so that a lease
         #: added later is due no sooner than the keeper wakes anyway.
         self._idle_seconds: float | None = None
+        #: Leases whose attempt ended without recording its end, still bound to the holder:
+        #: job id -> token, to detach (else they would last as long as the holder renews).
+        self._orphans: dict[str, int] = {}
+        #: Monotonic time of the next sweep for jobs bound to the holder that it does not
+        #: hold (:meth:`sweep`; None: at the first tick's lease from now).
+        self._next_sweep: float | None = None
 
     def add(self, lease: Lease) -> None:
         """Hold ``lease`` from now on: its first renewal is one renew interval away (the claim
@@ -75,8 +81,17 @@ class Keeper(threading.Thread):
             self._wake.set()
 
     def remove(self, lease: Lease) -> None:
+        """Hold ``lease`` no more. An attempt that ended without recording its end (the
+        database failed it, its lease was lost to failed renewals, an interrupt) leaves its
+        job bound to the holder: the keeper detaches it at once, in its own thread, so that
+        its lease runs out and the reaper sends the job again."""
+        orphaned = not (lease.released or lease.fenced_out) and self._renewed is not None
         with self._lock:
             self._leases.pop(id(lease), None)
+            if orphaned:
+                self._orphans[lease.job_id] = lease.token
+        if orphaned:
+            self._wake.set()
 
     def held(self) -> list[Lease]:
         with self._lock:
@@ -154,6 +169,55 @@ class Keeper(threading.Thread):
             lease.deadline = max(lease.deadline, sent + lease.duration)
             if not lease.bound:
                 self._bind(lease)
+        now = time.monotonic()
+        if self._next_sweep is None:
+            self._next_sweep = now + min(lease.duration for lease in renewable)
+        elif now >= self._next_sweep:
+            self._next_sweep = now + min(lease.duration for lease in renewable)
+            self.sweep(margin=max(lease.renew_interval for lease in renewable))
+
+    def sweep(self, *, margin: float) -> None:
+        """Detach the jobs bound to the holder that this keeper does not hold (an attempt
+        whose end and whose detach were both lost, a claim whose reply was lost): one read
+        per lease's length while leases are held, besides the ticks. ``margin``: a job claimed
+        since is left alone (its lease may not be added yet)."""
+        try:
+            bound = self.store.bound_to(self.holder, margin=margin)
+        except LeaseError as exc:
+            logger.warning("celery-leases: cannot check this process's bound jobs: %s", exc)
+            return
+        held = {(lease.job_id, lease.token) for lease in self.held()}
+        with self._lock:
+            for job_id, token in bound:
+                if (job_id, token) not in held:
+                    self._orphans.setdefault(job_id, token)
+        self._detach_orphans()
+
+    def _detach_orphans(self) -> None:
+        """Detach the leases :meth:`remove` and :meth:`sweep` found ended but still bound:
+        each ends when the holder's last renewal runs out, and the reaper sends its job
+        again. One that cannot be detached now (the database is down) is tried again."""
+        with self._lock:
+            orphans = list(self._orphans.items())
+        for job_id, token in orphans:
+            try:
+                detached = self.store.detach(job_id, token)
+            except LeaseError as exc:
+                logger.warning(
+                    "celery-leases: job %s: cannot let its ended attempt's lease go yet: %s",
+                    job_id,
+                    exc,
+                )
+                return
+            with self._lock:
+                self._orphans.pop(job_id, None)
+            if detached:
+                logger.warning(
+                    "celery-leases: job %s: its attempt (token %d) ended without recording "
+                    "its end; its lease is left to run out, and the reaper sends it again",
+                    job_id,
+                    token,
+                )
 
     def _renew_idle(self) -> None:
         """Renew the holder of a keeper holding nothing, if an hour has passed."""
@@ -255,6 +319,8 @@ class Keeper(threading.Thread):
             if self._stopped.is_set():
                 return
             try:
+                if self._orphans:
+                    self._detach_orphans()
                 if due is None or time.monotonic() < due:
                     # Idle, woken by add() or for a stall: a claim has just renewed its
                     # lease, so only the next tick renews it; renewing now would cost one
@@ -285,6 +351,7 @@ class Keeper(threading.Thread):
         mark away, and end its session."""
         self.stop()
         if self._renewed is not None:
+            self._detach_orphans()
             try:
                 self.store.drop_holder(self.holder)
             except LeaseError as exc:  # the reaper deletes it once its session is gone

@@ -18,13 +18,14 @@ import pytest
 import sqlalchemy as sa
 from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery
+from celery.signals import task_prerun
 
 from celery_leases import ArgumentsError, LeasedTask, WriteConflict
 from celery_leases.config import settings_for
 from celery_leases.db.rows import Claimed, Refused
 from celery_leases.db.statements import GAVE_UP_MAX_ATTEMPTS
 from celery_leases.db.store import Store, store_for
-from celery_leases.message import KEY_HEADER
+from celery_leases.message import DB_RETRY_HEADER, KEY_HEADER
 from celery_leases.publish import Recorder
 from celery_leases.reaper import reap
 from celery_leases.settings import DEFAULTS, validate
@@ -173,6 +174,60 @@ def test_a_transaction_that_loses_to_a_concurrent_write_is_a_conflict_not_an_out
         with pytest.raises(WriteConflict, match="concurrent transaction"):
             store.checkpoint("j1", token, '{"page": 2}', connection=connection)
         transaction.rollback()
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+def test_a_claim_that_meets_a_lock_timeout_is_delivered_again_not_failed(
+    database_url: str, table_name: str
+) -> None:
+    from celery.contrib.testing.worker import start_worker
+
+    # Given a database whose sessions give up on a row lock after 0.3 s (lock_timeout)
+    url = f"{database_url}?options=-c%20lock_timeout%3D300"
+    app = Celery("edges_claim_conflict", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        result_backend="cache+memory://",
+        leases_database_url=url,
+        leases_table=table_name,
+        task_default_queue=table_name,
+        leases_db_retry_max_delay=0.5,
+    )
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.locked")
+    def locked(self: LeasedTask) -> int:
+        return self.lease.attempt
+
+    deliveries: list[Any] = []
+
+    def delivered(sender: Any = None, task_id: str = "", task: Any = None, **_: Any) -> None:
+        if getattr(task, "name", None) == "tests.locked":
+            deliveries.append(task.request.get(DB_RETRY_HEADER))
+
+    store = store_for(settings_for(app))
+    result = locked.delay()
+    task_prerun.connect(delivered, weak=False)
+    try:
+        with logging_restored(), store.engine.connect() as blocker:
+            # And the job's row locked by another transaction when the worker claims it
+            t = store.table
+            blocker.execute(sa.select(t.c.id).where(t.c.id == result.id).with_for_update())
+            with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline and len(deliveries) < 3:
+                    time.sleep(0.05)
+                # Then the claim's conflict sends the message again later, again and again
+                # (the job is not failed, and not lost)...
+                job = store.get(result.id)
+                assert job is not None and job.state == "queued", job
+                assert deliveries[:3] == [None, 1, 2]
+                # ...and once the lock is gone, it runs
+                blocker.rollback()
+                assert result.get(timeout=30) == 1
+    finally:
+        task_prerun.disconnect(delivered)
+        store.engine.dispose()
+        app.close()
 
 
 # -- 9. a message over MariaDB's max_allowed_packet ---------------------------------------------

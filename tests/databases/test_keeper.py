@@ -52,6 +52,13 @@ def held_lease(store: Store, keeper: Keeper, job_id: str, renew: float = RENEW) 
     return lease
 
 
+def ended(store: Store, keeper: Keeper, lease: Lease) -> None:
+    """The attempt of ``lease`` ends done, as an attempt ends: its end recorded, then let go."""
+    assert store.finish(lease.job_id, lease.token, result="null")
+    lease.released = True
+    keeper.remove(lease)
+
+
 def asleep(keeper: Keeper) -> bool:
     """The keeper has gone back to sleep, knowing when it wakes next."""
     return keeper._wakes_at is not None and not keeper._wake.is_set()
@@ -69,7 +76,7 @@ def test_short_tasks_back_to_back_do_not_wake_the_keeper_and_a_long_one_is_renew
     # Given a keeper that has held one lease and let it go (it now sleeps a renew interval)
     first = held_lease(store, keeper, "first")
     keeper.add(first)
-    keeper.remove(first)
+    ended(store, keeper, first)
     wait_for(lambda: asleep(keeper), timeout=5, what="the keeper asleep")
 
     # When 20 short tasks are held and let go one after another
@@ -78,7 +85,7 @@ def test_short_tasks_back_to_back_do_not_wake_the_keeper_and_a_long_one_is_renew
         lease = held_lease(store, keeper, f"short-{n}")
         keeper.add(lease)
         woken += keeper._wake.is_set()
-        keeper.remove(lease)
+        ended(store, keeper, lease)
 
     # Then none of them woke it
     assert woken == 0
@@ -98,7 +105,7 @@ def test_a_lease_with_a_stall_deadline_before_the_next_tick_wakes_the_keeper(
     # Given a keeper asleep until its next tick, a renew interval (10 s) away
     first = held_lease(store, keeper, "first", renew=10.0)
     keeper.add(first)
-    keeper.remove(first)
+    ended(store, keeper, first)
     wait_for(lambda: asleep(keeper), timeout=5, what="the keeper asleep")
 
     # When a lease whose stall timeout (0.1 s) ends long before that is added
@@ -108,3 +115,49 @@ def test_a_lease_with_a_stall_deadline_before_the_next_tick_wakes_the_keeper(
 
     # Then the keeper wakes for it and sees the stall when it happens, not at its next tick
     wait_for(lambda: lease.stall_reported, timeout=5, what="the stall seen")
+
+
+def holder_of(store: Store, job_id: str) -> str | None:
+    """The holder whose renewals keep the running job's lease (None: it ends by itself)."""
+    job = store.get(job_id)
+    assert job is not None and job.state == "running"
+    return job.holder
+
+
+def test_an_attempt_that_ends_without_recording_its_end_is_let_go_by_the_keeper(
+    store: Store, keeper: Keeper
+) -> None:
+    # Given two leases of this process, bound to its holder, and a keeper renewing them
+    kept = held_lease(store, keeper, "kept")
+    lost = held_lease(store, keeper, "lost")
+    keeper.add(kept)
+    keeper.add(lost)
+    assert holder_of(store, "lost") == keeper.holder
+
+    # When one attempt ends and its end cannot be recorded (the database failed it, say)
+    keeper.remove(lost)
+
+    # Then the keeper lets its job go: its lease runs out (within one lease, not while the
+    # holder renews) and the reaper sends it again; the other lease is still kept
+    wait_for(lambda: holder_of(store, "lost") is None, timeout=5, what="the job let go")
+    job = store.get("lost")
+    assert job is not None and job.expires_in is not None and job.expires_in <= 31.0
+    assert holder_of(store, "kept") == keeper.holder
+
+
+def test_a_job_bound_to_the_holder_that_no_attempt_holds_is_let_go_by_the_sweep(
+    store: Store, keeper: Keeper
+) -> None:
+    # Given a lease the keeper renews, and a job bound to its holder that no attempt of
+    # this process holds (a claim whose reply was lost), claimed a while ago
+    kept = held_lease(store, keeper, "kept")
+    keeper.add(kept)
+    held_lease(store, keeper, "unheld")
+    time.sleep(0.2)
+
+    # When the keeper sweeps its holder's jobs
+    keeper.sweep(margin=0.1)
+
+    # Then the unheld job is let go; the held one is still kept
+    assert holder_of(store, "unheld") is None
+    assert holder_of(store, "kept") == keeper.holder

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+from ..schema import RUNNING
 from .common import Parts, param
 
 #: A holder's columns, as an upsert writes them.
@@ -62,6 +63,15 @@ class Renew:
             ),
             t.c.holder,
         )
+        #: The running jobs bound to the holder ``b_holder`` whose last claim or checkpoint is
+        #: over ``b_margin`` seconds old: (id, token). Its keeper detaches those it does not
+        #: hold (an attempt that ended without recording its end), or they would last as long
+        #: as it renews.
+        self.bound_to = sa.select(t.c.id, t.c.token).where(
+            t.c.holder == param("holder", h.c.id.type),
+            t.c.state == RUNNING,
+            t.c.renewed_at < now - param("margin", sa.Double()),
+        )
         #: The holder of the lease ``b_token`` of job ``b_id`` (read back).
         self.holder_of = sa.select(t.c.holder).where(p.by_token)
         #: A stalled lease left to end by itself: no longer kept by its holder, it ends when
@@ -75,5 +85,5 @@ class Renew:
         #: (one it could not hand back: the reaper lets it go when its lease runs out).
         self.drop = sa.delete(h).where(
             h.c.id == param("holder", h.c.id.type),
-            ~sa.exists().where(t.c.holder == h.c.id, t.c.state == "running"),
+            ~sa.exists().where(t.c.holder == h.c.id, t.c.state == RUNNING),
         )

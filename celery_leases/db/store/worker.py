@@ -189,6 +189,13 @@ class Worker(Client):
         lost."""
         return self._count(self.sql.renew.detach, {"b_id": job_id, "b_token": token}) == 1
 
+    def bound_to(self, holder: str, *, margin: float) -> list[tuple[str, int]]:
+        """The running jobs bound to ``holder`` whose last claim or checkpoint is over
+        ``margin`` seconds old, as (id, token): its keeper detaches those it does not hold."""
+        params = {"b_holder": holder, "b_margin": margin}
+        found = self._hot(lambda c: c.execute(self.sql.renew.bound_to, params).all())
+        return [(str(job_id), int(token)) for job_id, token in found]
+
     def drop_holder(self, holder: str) -> None:
         """Delete the holder ``holder`` (its keeper stops), unless it still holds a running
         job (one it could not hand back: the reaper lets it go when its lease runs out)."""
