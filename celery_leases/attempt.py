@@ -232,7 +232,9 @@ class Attempt:
         store = self.store
         try:
             result = self.task.run(*args, **kwargs)
+            self.held_back(lease)
         except Retry:
+            self.held_back(lease)
             if not lease.released:
                 self.hand_back(lease, reap_in=0.0)
             if lease.fenced_out:
@@ -286,6 +288,7 @@ class Attempt:
                 )
             raise Ignore() from None
         except Ignore:
+            self.held_back(lease)
             self.finish(lease, None)
             raise
         except Exception as exc:
@@ -304,6 +307,40 @@ class Attempt:
             raise
         self.finish(lease, result)
         return result
+
+    def held_back(self, lease: Lease) -> None:
+        """Do what the task asked for inside a transaction of its own that may have held the
+        job's row (``Lease.held_back``), now that its body has returned or raised past that
+        transaction: hand the lease back for its retry and send the retry's message, or end
+        the job replaced and send the replacement (``Ignore``)."""
+        held_back, lease.held_back = lease.held_back, None
+        if held_back is None or lease.released or lease.fenced_out:
+            return
+        if held_back[0] == "replace":
+            self.task.replace_now(lease, held_back[1])
+            return
+        _, message, countdown = held_back
+        wait = self.settings.queued_timeout or self.settings.reap_grace
+        try:
+            state = self.store.hand_back_retry(
+                lease.job_id, lease.token, message, reap_in=countdown + wait
+            )
+        except LeaseError as exc:
+            logger.warning(
+                "job %s: could not hand the lease back for its retry (%s); it expires in %.0f s",
+                lease.job_id,
+                exc,
+                lease.duration,
+                extra=lease_fields(lease),
+            )
+            raise Ignore() from exc
+        lease.released = state is not None
+        lease.fenced_out = state is None
+        if state == CANCELLED:  # an operator's cancel met the retry: the reaper says REVOKED
+            self.ended(lease)
+            raise Ignore()
+        if state == QUEUED:
+            message.send(self.task.app)
 
     def idle_transaction_ended(self, lease: Lease, exc: Exception) -> NoReturn:
         """The database ended the task's transaction after its checkpoint: it sat idle longer

@@ -109,6 +109,8 @@ def joined_by(store: Any, lease: Lease, connection: Any) -> Joined | None:
     if connection is None and lease.joined is not None:
         return lease.joined  # type: ignore[no-any-return]
     transaction = joined(store, connection)
+    if transaction is not None:
+        lease.joined_write = True
     if transaction is not None and transaction.guard_idle:
         lease.idle_bounded = lease.idle_bounded or store.bounds_idle(transaction)
     return transaction

@@ -62,6 +62,12 @@ class Lease:
     #: The caller's transaction every write of the attempt joins (an attempt that started
     #: inside one: ``db.joined``), or None.
     joined: Any = None
+    #: A write of the attempt joined a transaction of the task's (``connection=``, Django's
+    #: ``atomic()``), which may still hold the job's row.
+    joined_write: bool = False
+    #: What the attempt does once its body has returned, because the task asked for it
+    #: inside such a transaction: ``("retry", message, countdown)`` or ``("replace", sig)``.
+    held_back: Any = None
     #: Reads the key's cursor from the database (the first ``cursor`` read calls it).
     read_cursor: Callable[[], Any] | None = field(default=None, repr=False)
     _cursor: Any = field(default=_UNREAD, repr=False)

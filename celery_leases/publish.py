@@ -36,7 +36,7 @@ class RecordingProducer:
     and publishes the message ``record`` returns (it adds the version header). An error from
     ``record`` stops the publish. Publish retries record once."""
 
-    def __init__(self, producer: Any, record: Callable[[Message], Message]) -> None:
+    def __init__(self, producer: Any, record: Callable[[Message], Message | None]) -> None:
         self._producer = producer
         self._record = record
         self.recorded: Message | None = None
@@ -64,7 +64,7 @@ class RecordingProducer:
                     f"serializer (task_serializer = 'json', Celery's default, or "
                     f"serializer='json' on the task)"
                 )
-            self.recorded = self._record(
+            recorded = self._record(
                 Message.published(
                     body=body,
                     headers=headers,
@@ -74,6 +74,9 @@ class RecordingProducer:
                     declare=options.get("declare"),
                 )
             )
+            if recorded is None:
+                return None  # a retry held back until the attempt's body has returned
+            self.recorded = recorded
         headers.update(self.recorded.headers)
         return self._producer.publish(
             body, exchange=exchange, routing_key=routing_key, headers=headers, **options
@@ -93,8 +96,9 @@ class Recorder:
         """``publisher`` (kombu's), recording through this recorder."""
         return RecordingProducer(publisher, self.record)
 
-    def record(self, published: Message) -> Message:
-        """The message to publish, recorded (its version header added)."""
+    def record(self, published: Message) -> Message | None:
+        """The message to publish, recorded (its version header added); None when it is held
+        back (a retry the attempt sends once its body has returned: :meth:`_retry`)."""
         try:
             return self._record(published)
         except StoreUnavailable as exc:
@@ -112,7 +116,7 @@ class Recorder:
             )
             return published
 
-    def _record(self, published: Message) -> Message:
+    def _record(self, published: Message) -> Message | None:
         # A message Celery built from a recorded one (a retry, a re-send after a lost pool
         # process) carries that one's version; a fresh publish has none.
         fresh = published.version is None
@@ -166,11 +170,20 @@ class Recorder:
             return float(self.settings.reap_grace)
         return timeout
 
-    def _retry(self, lease: Any, recorded: Message, countdown: float) -> Message:
+    def _retry(self, lease: Any, recorded: Message, countdown: float) -> Message | None:
         """A retry of the running attempt: hand the lease back before the new message can
         reach another worker, or its claim would find the lease still held. If the retry
         message is lost (its worker dies holding it until its ETA), the reaper publishes the
-        job again once it is overdue; a duplicate is dropped."""
+        job again once it is overdue; a duplicate is dropped.
+
+        An attempt that wrote in a transaction of its caller's (``checkpoint(connection=)``,
+        Django's ``atomic()``) may still be inside it, holding the job's row: the hand-back
+        would wait for that transaction, which waits for the retry. The retry is then held
+        back (None: nothing published now) and the attempt hands back and sends it once its
+        body has raised, the caller's transaction ended (``Attempt.retry_held_back``)."""
+        if lease.joined_write and lease.joined is None:
+            lease.held_back = ("retry", recorded, countdown)
+            return None
         wait = self.settings.queued_timeout or self.settings.reap_grace
         state = self.store.hand_back_retry(
             lease.job_id, lease.token, recorded, reap_in=countdown + wait

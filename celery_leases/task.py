@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Task
+from celery.exceptions import Ignore
 
 from . import attempt, checkpoint, keys
 from .config import check_task_options, conf_version, settings_for
@@ -184,8 +185,18 @@ class LeasedTask(Task):  # type: ignore[misc]
 
     def on_replace(self, sig: Any) -> Any:
         """``self.replace(sig)``: the job ends ``replaced`` and hands its id over to the
-        replacement, which runs as a job of its own (a new generation of the id)."""
+        replacement, which runs as a job of its own (a new generation of the id). Asked inside
+        a transaction of the task's that may hold the job's row (a checkpoint joined it), the
+        replacement waits for the body to return, that transaction ended
+        (``Attempt.held_back``)."""
         lease = held(self.request.id)
+        if lease is not None and lease.joined_write and lease.joined is None:
+            lease.held_back = ("replace", sig)
+            raise Ignore("Replaced by new task")
+        return self.replace_now(lease, sig)
+
+    def replace_now(self, lease: Lease | None, sig: Any) -> Any:
+        """End the job ``replaced`` (fenced), settle its key, and send the replacement."""
         if lease is not None:
             if not self.lease_store.replace(lease.job_id, lease.token):
                 raise LeaseLost(f"job {lease.job_id}: lost its lease; not replaced")

@@ -287,13 +287,14 @@ def app(database_url: str, table_name: str) -> Iterator[Celery]:
 
 @pytest.mark.parametrize("database_url", ["sqlite", "postgres"], indirect=True)
 def test_a_keyed_job_whose_client_died_before_publishing_is_sent_by_the_reaper(
-    app: Celery,
+    app: Celery, table_name: str
 ) -> None:
     # Given a keyed job recorded by a client killed before it published the message (with the
     # default settings: leases_queued_timeout off)
     sync = app.tasks["tests.sync"]
     store = store_for(settings_for(app))
-    recorded = Recorder(sync).record(job_message("orphaned", "tests.sync", args=["42"]))
+    orphan = job_message("orphaned", "tests.sync", args=["42"], routing_key=table_name)
+    recorded = Recorder(sync).record(orphan)
     assert recorded.key == "42"
     # and triggers of its key that came since, which it holds
     later = sync.delay("42")
@@ -419,6 +420,65 @@ def test_a_retry_after_checkpoints_resumes_from_the_checkpoint_unless_it_is_clea
             assert result.get(timeout=30) == (None if start_over else {"page": 2})
         assert seen == [None, None if start_over else {"page": 2}]
     finally:
+        store_for(settings_for(app)).engine.dispose()
+        app.close()
+
+
+@pytest.mark.parametrize("database_url", ["sqlite", "postgres"], indirect=True)
+@pytest.mark.parametrize("asks", ["retry", "replace"])
+def test_a_retry_or_replace_asked_inside_the_tasks_transaction_waits_for_it_to_end(
+    database_url: str, table_name: str, asks: str
+) -> None:
+    from celery.contrib.testing.worker import start_worker
+
+    app = Celery("edges_inside", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        result_backend="cache+memory://",
+        leases_database_url=database_url,
+        leases_table=table_name,
+        task_default_queue=table_name,
+    )
+    engine = sa.create_engine(database_url)
+    seen: list[Any] = []
+
+    @app.task(bind=True, shared=False, name="tests.replacement")
+    def replacement(self: Any) -> str:
+        return "replaced"
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.inside", max_retries=1)
+    def inside(self: LeasedTask) -> Any:
+        seen.append(self.lease.checkpoint)
+        if self.request.retries == 0:
+            self.checkpoint({"page": 1})
+            # The page and its checkpoint in the task's transaction, which holds the job's row
+            # (SQLite: the whole file) until it ends; and the retry (or replace) asked inside it
+            with engine.begin() as connection:
+                self.checkpoint({"page": 2}, connection=connection)
+                if asks == "retry":
+                    raise self.retry(countdown=0)
+                raise self.replace(replacement.si())
+        return self.lease.checkpoint
+
+    try:
+        with logging_restored(), start_worker(
+            app, pool="threads", concurrency=1, perform_ping_check=False
+        ):
+            result = inside.delay()
+            # Then the transaction is not kept waiting on the job's row (a wait that only the
+            # lease's end, 30 s, or SQLite's busy timeout would end): the retry resumes from
+            # the last committed checkpoint (the block rolled back with its checkpoint), the
+            # replacement runs
+            outcome = result.get(timeout=20)
+        if asks == "retry":
+            assert outcome == {"page": 1}
+            assert seen == [None, {"page": 1}]
+        else:
+            assert outcome == "replaced"
+            job = store_for(settings_for(app)).get(result.id)
+            assert job is not None and job.state == "replaced"
+    finally:
+        engine.dispose()
         store_for(settings_for(app)).engine.dispose()
         app.close()
 
