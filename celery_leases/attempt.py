@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import random
 import traceback
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
+from billiard.exceptions import SoftTimeLimitExceeded
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_task_logger
 
@@ -36,6 +38,8 @@ from .log import job_fields, lease_fields
 from .message import CONFLICT_HEADER, DB_RETRY_HEADER, KEY_HEADER, Message
 from .process import owner_name
 from .worker.keeper import Keeper, keeper_for
+
+T = TypeVar("T")
 
 logger = get_task_logger("celery_leases")
 
@@ -322,8 +326,13 @@ class Attempt:
         _, message, countdown = held_back
         wait = self.settings.queued_timeout or self.settings.reap_grace
         try:
-            state = self.store.hand_back_retry(
-                lease.job_id, lease.token, message, reap_in=countdown + wait
+            state = until_deadline(
+                lease,
+                lambda: self.store.hand_back_retry(
+                    lease.job_id, lease.token, message, reap_in=countdown + wait
+                ),
+                waiting=f"the retry of job {lease.job_id} waits for the database",
+                gave_up=f"job {lease.job_id}: the database stayed down; its retry is not sent",
             )
         except LeaseError as exc:
             logger.warning(
@@ -387,7 +396,11 @@ class Attempt:
     def failed(self, lease: Lease, exc: Exception) -> None:
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         try:
-            ended = self.store.fail(lease.job_id, lease.token, error=text, connection=lease.joined)
+            ended = recorded(
+                lambda: self.store.fail(
+                    lease.job_id, lease.token, error=text, connection=lease.joined
+                )
+            )
         except LeaseError as store_exc:
             logger.error(
                 "job %s: failed, and the failure could not be recorded: %s",
@@ -409,18 +422,20 @@ class Attempt:
     def finish(self, lease: Lease, result: Any) -> None:
         if lease.released:
             return
-        ended = until_deadline(
-            lease,
-            lambda: self.store.finish(
-                lease.job_id,
-                lease.token,
-                result=rows.dumps_result(result),
-                connection=lease.joined,
-            ),
-            waiting=f"job {lease.job_id}: done, waiting for the database to record it",
-            gave_up=f"job {lease.job_id}: done, but the database stayed down until the lease "
-            f"ended; it will run again from its checkpoint",
-            first_delay=0.2,
+        ended = recorded(
+            lambda: until_deadline(
+                lease,
+                lambda: self.store.finish(
+                    lease.job_id,
+                    lease.token,
+                    result=rows.dumps_result(result),
+                    connection=lease.joined,
+                ),
+                waiting=f"job {lease.job_id}: done, waiting for the database to record it",
+                gave_up=f"job {lease.job_id}: done, but the database stayed down until the "
+                f"lease ended; it will run again from its checkpoint",
+                first_delay=0.2,
+            )
         )
         if not ended:
             metrics.count("leases_lost", task=self.task.name)
@@ -475,6 +490,19 @@ class Attempt:
             logger.error(
                 "job %s: could not store REVOKED: %r", request.id, exc, extra=job_fields(request.id)
             )
+
+
+def recorded(write: Callable[[], T]) -> T:
+    """Run ``write``, the record of the attempt's end; if a soft time limit lands inside it,
+    run it again (once, on a new connection: the interrupted one is closed): the body is over,
+    and its end must be recorded as it is, not as the limit. Ends are fenced and idempotent
+    for their token (a done job is done again, a failed one failed again), so a first write
+    the server committed before the interruption changes nothing."""
+    try:
+        return write()
+    except SoftTimeLimitExceeded:
+        logger.warning("the soft time limit came while the attempt's end was recorded; again")
+        return write()
 
 
 def _refusal_text(refused: Refused) -> str:

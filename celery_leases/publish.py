@@ -16,7 +16,7 @@ from typing import Any
 from celery import current_task
 
 from .errors import ArgumentsError, Cancelled, StoreUnavailable
-from .lease import held
+from .lease import held, until_deadline
 from .log import job_fields
 from .message import KEY_HEADER, Message
 
@@ -185,8 +185,15 @@ class Recorder:
             lease.held_back = ("retry", recorded, countdown)
             return None
         wait = self.settings.queued_timeout or self.settings.reap_grace
-        state = self.store.hand_back_retry(
-            lease.job_id, lease.token, recorded, reap_in=countdown + wait
+        # Retried while the database is down or busy (SQLite's write lock, a lock timeout)
+        # and the lease lasts: Celery would turn an error here into a failure of the job.
+        state = until_deadline(
+            lease,
+            lambda: self.store.hand_back_retry(
+                lease.job_id, lease.token, recorded, reap_in=countdown + wait
+            ),
+            waiting=f"the retry of job {lease.job_id} waits for the database",
+            lost=True,
         )
         lease.released = state is not None
         if state == "cancelled":

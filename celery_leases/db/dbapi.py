@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from .dialects import Dialect
-from .errors import interrupted
+from .errors import cancel_statement, interrupted
 
 T = TypeVar("T")
 
@@ -154,6 +154,8 @@ class Driver:
         self._dbapi_connection = dbapi_connection
         self._compiled = compiled
         self.broken = False
+        #: Called (no arguments) when a statement's interruption discards the connection.
+        self.on_discard: Callable[[], None] | None = None
 
     def execute(self, statement: Any, params: dict[str, Any] | None = None) -> Result:
         compiled = self._compiled.get(statement)
@@ -196,7 +198,10 @@ class Driver:
         used again. A connection of another library's (``Foreign``) is closed too: its owner
         sees a closed connection and drops it."""
         self.broken = True
+        cancel_statement(self._dbapi_connection)
         self._dbapi_connection.close()
+        if self.on_discard is not None:
+            self.on_discard()
 
     def exec_driver_sql(self, sql: str) -> Result:
         """Run one SQL string as it is (no parameters)."""

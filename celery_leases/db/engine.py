@@ -8,6 +8,7 @@ kind): an unreachable or restarting server becomes :class:`StoreUnavailable`, a 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -21,7 +22,7 @@ from ..errors import ConfigurationError, LeaseError
 from ..settings import redact
 from .dbapi import Connections
 from .dialects import Dialect, dialect_for
-from .errors import Kind, Wrapped, interrupted, kind_of
+from .errors import Kind, Wrapped, cancel_statement, interrupted, kind_of
 from .session import Session
 
 T = TypeVar("T")
@@ -157,12 +158,18 @@ class Guarded:
         self.wrapped = connection
 
     def execute(self, statement: Any, *args: Any, **kwargs: Any) -> Any:
-        with interrupted(self.wrapped.invalidate):
+        with interrupted(self.discard):
             return self.wrapped.execute(statement, *args, **kwargs)
 
     def exec_driver_sql(self, statement: str, *args: Any, **kwargs: Any) -> Any:
-        with interrupted(self.wrapped.invalidate):
+        with interrupted(self.discard):
             return self.wrapped.exec_driver_sql(statement, *args, **kwargs)
+
+    def discard(self) -> None:
+        """Stop the interrupted statement on the server, and invalidate the connection."""
+        with contextlib.suppress(Exception):
+            cancel_statement(self.wrapped.connection.dbapi_connection)
+        self.wrapped.invalidate()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.wrapped, name)

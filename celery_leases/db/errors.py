@@ -113,6 +113,19 @@ def interrupted(discard: Any, driver_errors: Any = ()) -> Iterator[None]:
         raise
 
 
+def cancel_statement(dbapi_connection: Any) -> None:
+    """Ask the server to stop the statement running on ``dbapi_connection`` (psycopg's
+    ``cancel()``, sqlite3's ``interrupt()``), before the connection is closed: closing alone
+    leaves a statement waiting on a lock to run, and commit, once it gets it. Best effort:
+    PyMySQL has no such call (the statement ends when the server sees the socket gone)."""
+    cancel = getattr(dbapi_connection, "cancel", None) or getattr(
+        dbapi_connection, "interrupt", None
+    )
+    if callable(cancel):
+        with contextlib.suppress(Exception):
+            cancel()
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of a driver error's own message."""
     orig = getattr(exc, "orig", None) or exc

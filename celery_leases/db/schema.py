@@ -194,6 +194,10 @@ def holders_table(metadata: sa.MetaData, jobs: str = "celery_leases_jobs") -> sa
         # When its shortest lease ends without a renewal: a job of a holder past it may be over.
         sa.Column("expires_at", sa.Double, nullable=False),
         sa.Column("created_at", sa.Double, nullable=False),
+        # When the database server it last renewed on started (epoch seconds; NULL where the
+        # database cannot say): its session gone under another start is a restart or a
+        # failover, which ended every session, not a death.
+        sa.Column("server", sa.Double),
     )
 
 

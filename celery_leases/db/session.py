@@ -38,6 +38,9 @@ class Session:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._warned = False
+        #: Called (no arguments) when an interrupted statement ended the session (the keeper
+        #: renews its holder on a new one at once, so the reaper never finds it gone).
+        self.on_lost: Callable[[], None] | None = None
 
     def ident(self) -> int | None:
         """The session's id as the reaper sees it (``Dialect.session_ident``), connecting
@@ -105,9 +108,16 @@ class Session:
             direct.close()
             raise
         self._direct = direct
+        direct.on_discard = self._discarded
         if self.shared:
             self.db.direct.share(direct, self._lock)
         return direct
+
+    def _discarded(self) -> None:
+        """A statement on the session's connection was interrupted, and the connection closed
+        (``dbapi.Direct.discard``): the session is gone; tell ``on_lost``."""
+        if self.on_lost is not None:
+            self.on_lost()
 
     def close(self) -> None:
         """Give the connection up (the session, and anything it holds, end with it)."""

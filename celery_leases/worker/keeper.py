@@ -61,6 +61,9 @@ class Keeper(threading.Thread):
         #: Monotonic time of the next sweep for jobs bound to the holder that it does not
         #: hold (:meth:`sweep`; None: at the first tick's lease from now).
         self._next_sweep: float | None = None
+        #: The session was lost to an interrupted statement: renew on a new one at once.
+        self._session_lost = False
+        self.session.on_lost = self._lost_session
 
     def add(self, lease: Lease) -> None:
         """Hold ``lease`` from now on: its first renewal is one renew interval away (the claim
@@ -79,6 +82,27 @@ class Keeper(threading.Thread):
             wake = self._wakes_at is None or needed < self._wakes_at
         if wake:
             self._wake.set()
+
+    def _lost_session(self) -> None:
+        """The holder's session ended under an interrupted statement (a soft time limit in a
+        checkpoint of a prefork process, whose statements share it): until the holder is
+        bound to a new one, the reaper would take it for dead. Wake the keeper to do it now."""
+        self._session_lost = True
+        self._wake.set()
+
+    def rebind(self) -> None:
+        """Renew the holder on a new session, and bind again any held lease a reaper pass
+        let go meanwhile (it found the old session gone)."""
+        if self._renewed is None:
+            self._session_lost = False
+            return  # no holder yet: the first claim makes it, on the new session
+        held = [lease for lease in self.held() if not (lease.lost or lease.released)]
+        shortest = min((lease.duration for lease in held), default=self._shortest or 30.0)
+        if not self._renew_quietly(shortest):
+            return  # tried again when the keeper next wakes
+        self._session_lost = False
+        for lease in held:
+            self._bind(lease)
 
     def remove(self, lease: Lease) -> None:
         """Hold ``lease`` no more. An attempt that ended without recording its end (the
@@ -319,6 +343,8 @@ class Keeper(threading.Thread):
             if self._stopped.is_set():
                 return
             try:
+                if self._session_lost:
+                    self.rebind()
                 if self._orphans:
                     self._detach_orphans()
                 if due is None or time.monotonic() < due:

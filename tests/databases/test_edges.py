@@ -25,6 +25,7 @@ from celery_leases.config import settings_for
 from celery_leases.db.rows import Claimed, Refused
 from celery_leases.db.statements import GAVE_UP_MAX_ATTEMPTS
 from celery_leases.db.store import Store, store_for
+from celery_leases.lease import Lease
 from celery_leases.message import DB_RETRY_HEADER, KEY_HEADER
 from celery_leases.publish import Recorder
 from celery_leases.reaper import reap
@@ -106,6 +107,54 @@ def test_a_statement_a_soft_time_limit_interrupts_leaves_no_connection_in_use(
     if shared:
         assert session.ident() != ident  # a new session, to which its leases bind again
     session.close()
+
+
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
+def test_a_keeper_whose_session_an_interrupted_statement_ended_binds_a_new_one_at_once(
+    store: Store,
+) -> None:
+    from celery_leases.worker.keeper import Keeper
+
+    # Given a keeper whose session the process's statements share (a prefork pool process),
+    # renewing every 30 s, and a job it holds
+    keeper = Keeper(store)
+    keeper.session = store.db.session(shared=True)
+    keeper.session.on_lost = keeper._lost_session
+    keeper.start()
+    try:
+        holder = keeper.holder_for(OWNER, 30.0)
+        assert holder is not None
+        message = job_message("j1")
+        store.register(message)
+        claimed = store.claim(message, owner=OWNER, duration=30.0, holder=holder)
+        assert isinstance(claimed, Claimed) and claimed.bound
+        keeper.add(Lease("j1", claimed.token, 1, None, OWNER, 30.0, 10.0))
+        connection, transaction = _blocking(store, "j1")
+        try:
+            # When a soft time limit lands inside a checkpoint's statement on that session
+            _soft_time_limit_in(0.5)
+            with pytest.raises(SoftTimeLimitExceeded):
+                store.checkpoint("j1", claimed.token, '"interrupted"')
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            transaction.rollback()
+            connection.close()
+
+        # Then the keeper binds its holder to a new session at once, not at its next tick:
+        # a reaper pass then finds no holder gone, and the job stays with its attempt
+        h = store.holders
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and keeper._session_lost:
+            time.sleep(0.01)
+        with store.engine.connect() as c:
+            session = c.execute(sa.select(h.c.session).where(h.c.id == holder)).scalar()
+        assert session is not None and session == keeper.session.ident()
+        assert store.expire_orphaned(batch=10) == []
+        assert store.get("j1").holder == holder  # type: ignore[union-attr]
+    finally:
+        keeper.stop()
+        keeper.join(timeout=5)
+        keeper.session.close()
 
 
 # -- 7. a caller's transaction under snapshot isolation ------------------------------------------

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 import pytest
+import sqlalchemy as sa
 
 from celery_leases.db.rows import Claimed
 from celery_leases.db.session import Session
@@ -201,6 +202,39 @@ def test_a_claim_never_binds_a_holder_whose_session_is_gone(store: Store) -> Non
     job = store.get("stale-1")
     assert job is not None and job.holder is None and job.expires_in > LEASE - 60
     assert store.expire_orphaned(batch=10) == []
+
+
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
+@pytest.mark.parametrize("server", ["same", "another"])
+def test_a_gone_session_is_a_death_on_the_server_it_renewed_on_and_a_restart_elsewhere(
+    store: Store, server: str
+) -> None:
+    # Given a job kept by a holder bound to a session, whose last renewal was on this server,
+    # or on another one (a server since restarted, or the primary before a failover to a
+    # replica): the server's start it renewed under is another
+    session = store.db.session()
+    holder = hold(store, session)
+    claim_here(store, "bound-1", holder)
+    if server == "another":
+        h = store.holders
+        with store.engine.begin() as c:
+            c.execute(sa.update(h).where(h.c.id == holder).values(server=h.c.server - 3600))
+
+    # When its session ends
+    gone = session.ident()
+    session.close()
+    assert gone is not None
+    wait_for(lambda: _session_gone(store, gone), timeout=10, interval=0.1, what="the session")
+
+    # Then on the same server that is a death: the reaper ends the lease at once; after a
+    # restart or a failover every session ended at once: the lease waits for its expiry while
+    # the live holder binds again at its next renewal
+    orphaned = store.expire_orphaned(batch=10)
+    if server == "same":
+        assert [job_id for job_id, _ in orphaned] == ["bound-1"]
+    else:
+        assert orphaned == []
+        assert store.get("bound-1").holder == holder  # type: ignore[union-attr]
 
 
 def _session_gone(store: Store, ident: int) -> bool:

@@ -81,6 +81,11 @@ class Dialect:
         """SQL true while the session ``session`` (a column or a parameter) is alive."""
         return sa.true()
 
+    def server_started(self) -> Any:
+        """SQL for when the database server started (epoch seconds), which a restart or a
+        failover to another server changes; None where the database cannot say."""
+        return None
+
     def session_gone(self, holders: sa.Table) -> Any:
         """SQL true for a holder (a row of ``holders``) whose session has ended, and not in a
         reset that ended every session (a restart: those holders bind again). None where the

@@ -117,10 +117,9 @@ class MySQL(Dialect):
     def session_alive(self, session: Any) -> Any:
         return sa.func.is_used_lock(sa.func.concat(SESSION_LOCK_PREFIX, session)) == session
 
-    def session_gone(self, holders: sa.Table) -> Any:
-        """The holder's lock is free, and the server has been up since the holder's last
-        renewal (a failover is not seen: the lease's expiry)."""
-        t = holders
+    def server_started(self) -> Any:
+        # information_schema.GLOBAL_STATUS: MariaDB (MySQL 8 dropped it; there this fails,
+        # and the reaper's search for dead holders with it: their jobs wait for the expiry).
         status = sa.table(
             "GLOBAL_STATUS",
             sa.column("VARIABLE_NAME"),
@@ -128,12 +127,21 @@ class MySQL(Dialect):
             schema="information_schema",
         )
         uptime = (
-            sa.select(sa.cast(status.c.VARIABLE_VALUE, sa.Double()))
+            sa.select(sa.type_coerce(status.c.VARIABLE_VALUE, sa.Double()))
             .where(status.c.VARIABLE_NAME == "UPTIME")
             .scalar_subquery()
         )
-        lock = sa.func.concat(SESSION_LOCK_PREFIX, t.c.session)
-        return sa.and_(sa.func.is_used_lock(lock).is_(None), t.c.renewed_at > db_now() - uptime)
+        return db_now() - uptime
+
+    def session_gone(self, holders: sa.Table) -> Any:
+        """The holder's lock is free, on the very server it last renewed on (the same start,
+        ``Uptime`` ago): its process died, or its connection was cut; not a restart, nor a
+        failover to a replica, which ended every session."""
+        h = holders
+        lock = sa.func.concat(SESSION_LOCK_PREFIX, h.c.session)
+        # Uptime counts whole seconds: one start, read at two moments, differs by under 2 s.
+        same_server = sa.func.abs(h.c.server - self.server_started()) < 2
+        return sa.and_(sa.func.is_used_lock(lock).is_(None), same_server)
 
     # -- statement forms ---------------------------------------------------------------------
 

@@ -89,17 +89,17 @@ class PostgreSQL(Dialect):
     def session_alive(self, session: Any) -> Any:
         return sa.exists().select_from(sa.func.pg_stat_get_activity(sa.cast(session, sa.Integer)))
 
+    def server_started(self) -> Any:
+        return sa.cast(sa.extract("epoch", sa.func.pg_postmaster_start_time()), sa.Double())
+
     def session_gone(self, holders: sa.Table) -> Any:
-        """The holder's backend is gone, and the server has been up since the holder's last
-        renewal (``pg_postmaster_start_time()``): its process died, or its connection was cut,
-        not a restart that ended every session (its holders bind again at their next renewal).
-        A crash recovery keeps the start time: its holders count as gone (their jobs move, a
-        live attempt is then fenced out)."""
+        """The holder's backend is gone, on the very server it last renewed on (the same
+        ``pg_postmaster_start_time()``): its process died, or its connection was cut; not a
+        restart, nor a failover to a replica, which ended every session (its holders bind
+        again at their next renewal). A crash recovery keeps the start time: its holders
+        count as gone (their jobs move, a live attempt is then fenced out)."""
         h = holders
-        return sa.and_(
-            ~self.session_alive(h.c.session),
-            sa.func.pg_postmaster_start_time() < sa.func.to_timestamp(h.c.renewed_at),
-        )
+        return sa.and_(~self.session_alive(h.c.session), h.c.server == self.server_started())
 
     # -- statement forms ---------------------------------------------------------------------
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import sqlalchemy as sa
 
 from ..schema import RUNNING
 from .common import Parts, param
 
 #: A holder's columns, as an upsert writes them.
-HOLDER_COLUMNS = ["id", "owner", "session", "renewed_at", "expires_at", "created_at"]
+HOLDER_COLUMNS = ["id", "owner", "session", "renewed_at", "expires_at", "created_at", "server"]
 
 
 class Renew:
@@ -23,8 +25,9 @@ class Renew:
     def __init__(self, p: Parts) -> None:
         t, h, d, now = p.table, p.holders, p.dialect, p.now
         pid = param("pid", sa.BigInteger())
+        server = d.server_started()
 
-        def holder(session: sa.ColumnElement[int] | None) -> sa.Insert:
+        def holder(session: sa.ColumnElement[int] | None, server: Any) -> sa.Insert:
             row = sa.select(
                 param("holder", h.c.id.type),
                 param("owner", h.c.owner.type),
@@ -32,6 +35,7 @@ class Renew:
                 now,
                 now + param("shortest", sa.Double()),
                 now,
+                server if server is not None else sa.null(),
             )
             return d.upsert(  # type: ignore[no-any-return]
                 h,
@@ -39,16 +43,16 @@ class Renew:
                 HOLDER_COLUMNS,
                 "id",
                 update=lambda new: {
-                    c: new[c] for c in ("owner", "session", "renewed_at", "expires_at")
+                    c: new[c] for c in ("owner", "session", "renewed_at", "expires_at", "server")
                 },
             )
 
         #: The holder ``b_holder`` renewed (made if missing) on its keeper's session, bound
         #: to that session; it lasts ``b_shortest`` seconds (its shortest lease) if it stops.
-        self.bound = holder(d.holder_session(pid))
+        self.bound = holder(d.holder_session(pid), server)
         #: The same through any connection, bound to no session (behind a pooler, or
         #: leases_bind_session off): it lasts by its renewals only.
-        self.unbound = holder(None)
+        self.unbound = holder(None, None)
         #: A lease of this keeper's the claim could not bind to it (its holder row was
         #: missing, or its session was cut): bound now.
         self.bind = d.with_returning(

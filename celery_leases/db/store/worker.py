@@ -179,7 +179,9 @@ class Worker(Client):
 
         def run(c: Connection) -> bool:
             found = self.dialect.rows(c, renew.bind, params, read_back=renew.holder_of)
-            return bool(found and found[0] and found[0][0])
+            if not (found and found[0] and found[0][0]):
+                found = [tuple(r) for r in c.execute(renew.holder_of, params).all()]  # bound?
+            return bool(found and found[0][0] == holder)
 
         return bool(self._hot(run, reads_back=True))
 

@@ -70,6 +70,7 @@ def upgrade() -> None:
             sa.Column("renewed_at", sa.Double, nullable=False),
             sa.Column("expires_at", sa.Double, nullable=False),
             sa.Column("created_at", sa.Double, nullable=False),
+            sa.Column("server", sa.Double),
         )
     op.create_index(
         f"ix_{name}_holder",
