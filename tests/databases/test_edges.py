@@ -510,8 +510,9 @@ def test_a_retry_or_replace_asked_inside_the_tasks_transaction_waits_for_it_to_e
         return self.lease.checkpoint
 
     try:
-        with logging_restored(), start_worker(
-            app, pool="threads", concurrency=1, perform_ping_check=False
+        with (
+            logging_restored(),
+            start_worker(app, pool="threads", concurrency=1, perform_ping_check=False),
         ):
             result = inside.delay()
             # Then the transaction is not kept waiting on the job's row (a wait that only the

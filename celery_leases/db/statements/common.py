@@ -65,13 +65,12 @@ class Parts:
         # A running job's lease ends ``duration`` after its last renewal: a claim or a
         # checkpoint of its own, or a renewal of its holder (``holder``: its keeper's row).
         # A job no holder keeps has its lease's end in ``expires_at`` (as a queued job has its
-        # wait's end there).
+        # wait's end there); one with neither (its holder row gone, say) ends ``duration``
+        # after its own last claim or checkpoint: never a running job without an end.
         holder_renewed = sa.select(h.c.renewed_at).where(h.c.id == t.c.holder).scalar_subquery()
         renewed = greatest(t.c.renewed_at, sa.func.coalesce(holder_renewed, t.c.renewed_at))
         #: When the job's lease (or a queued job's wait) ends.
-        self.lease_end = sa.func.coalesce(
-            t.c.expires_at, sa.case((t.c.holder.is_not(None), renewed + t.c.duration))
-        )
+        self.lease_end = sa.func.coalesce(t.c.expires_at, renewed + t.c.duration)
         # The claimant's keeper (``b_holder``), bound only while its row exists and its session
         # (if it has one) is alive: a keeper that has not seen its connection drop yet binds
         # nothing, and the lease lasts by ``expires_at`` until the keeper binds it again.
