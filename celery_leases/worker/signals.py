@@ -17,6 +17,7 @@ from celery.signals import (
     worker_init,
     worker_process_shutdown,
     worker_ready,
+    worker_shutdown,
     worker_shutting_down,
 )
 
@@ -219,6 +220,9 @@ RECEIVERS = (
     (worker_init, migrate_on_start),
     (worker_ready, replace_dead_processes_at_once),
     (worker_process_shutdown, release_on_process_shutdown),
+    # A threads, solo or gevent pool runs its tasks (and its keeper) in the main process,
+    # which has no worker_process_shutdown: its holder row and mark go at the worker's end.
+    (worker_shutdown, release_on_process_shutdown),
     (worker_shutting_down, preempt_on_shutdown),
     (task_unknown, wait_for_a_worker_that_knows),
     (task_revoked, record_revoke),

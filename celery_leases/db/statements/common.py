@@ -70,7 +70,13 @@ class Parts:
         holder_renewed = sa.select(h.c.renewed_at).where(h.c.id == t.c.holder).scalar_subquery()
         renewed = greatest(t.c.renewed_at, sa.func.coalesce(holder_renewed, t.c.renewed_at))
         #: When the job's lease (or a queued job's wait) ends.
-        self.lease_end = sa.func.coalesce(t.c.expires_at, renewed + t.c.duration)
+        self.lease_end = sa.func.coalesce(
+            t.c.expires_at, sa.case((t.c.state == RUNNING, renewed + t.c.duration))
+        )
+        #: How many waits a queued job sent again waits next: each re-publish (``sends``)
+        #: doubles it, up to 64, so a job in a long backlog, or one waiting for a worker that
+        #: knows its task, is sent few copies.
+        self.backoff = sa.case(*((t.c.sends == n, 2**n) for n in range(6)), else_=64)
         # The claimant's keeper (``b_holder``), bound only while its row exists and its session
         # (if it has one) is alive: a keeper that has not seen its connection drop yet binds
         # nothing, and the lease lasts by ``expires_at`` until the keeper binds it again.

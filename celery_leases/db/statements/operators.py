@@ -45,7 +45,7 @@ class Operators:
         self.wait_for_worker = (
             sa.update(t)
             .where(p.by_id, t.c.state == QUEUED)
-            .values(expires_at=now + param("wait", sa.Double()), error=param("error"))
+            .values(expires_at=now + param("wait", sa.Double()) * p.backoff, error=param("error"))
         )
         #: A job recorded whose publish failed, deleted.
         self.forget = sa.delete(t).where(p.by_id, t.c.state == QUEUED, t.c.token == 0)

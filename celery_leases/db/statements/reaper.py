@@ -114,6 +114,8 @@ class Reaper:
         self.set_notify = sa.update(t).where(p.by_id).values(notify=param("notify"))
         #: Jobs marked as told.
         self.clear_notices = sa.update(t).where(t.c.id.in_(ids)).values(notify=None)
+        #: The doubling wait of a queued job sent again (``Parts.backoff``).
+        self.backoff = p.backoff
 
     def expired_batch(
         self, ids: list[str], *, grace: float, max_stalled: int | None, max_attempts: int | None
@@ -152,8 +154,8 @@ class Reaper:
                 (t.c.finished_at, now),
             )
         # A job still queued when its wait ran out may only be waiting in a long backlog:
-        # each re-publish of it doubles the wait (up to 64 times), so copies stay few.
-        backoff = sa.case(*((t.c.sends == n, 2**n) for n in range(6)), else_=64)
+        # each re-publish of it doubles the wait (``Parts.backoff``), so copies stay few.
+        backoff = self.backoff
         republish = sa.update(t).ordered_values(
             (
                 t.c.stalled_attempts,
