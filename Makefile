@@ -48,9 +48,12 @@ bench: venv
 	$(BIN)/python -m bench.run_all
 
 # The long form by hand (~15-20 min on 2 cores); the short form runs in `make test`. Its faults:
-# every worker fault, freeze_in_transaction (not on SQLite), the controls and both service
-# restarts (drop --restart-* on a machine whose PostgreSQL and Redis others use), while bursts of
-# triggers of keyed jobs (6 accounts) arrive.
+# every worker fault, freeze_in_transaction, the controls and both service restarts (drop
+# --restart-* on a machine whose PostgreSQL and Redis others use), soft time limits landing in
+# statements, clients killed between recording and publishing, keyed calls revoked, cancelled
+# or expiring while they wait, half the transactional checkpoints at REPEATABLE READ, while
+# bursts of triggers of keyed jobs (6 accounts) arrive. On SQLite (--database sqlite --broker
+# filesystem) add --namespace-reaper: a reaper in another PID namespace (unshare).
 CHAOS_ARGS ?= --jobs 500 --units 20 --unit-seconds 0.5 --workers 3 --faults 120 \
 	--keys 6 --triggers 240 --key-units 12 \
 	--broker redis --database postgres --restart-database --restart-broker

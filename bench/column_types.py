@@ -8,10 +8,15 @@ scratch tables that differ only in the column's type:
 - checkpoint: ``UPDATE t SET checkpoint = %s[::jsonb], checkpoint_at = <now> WHERE id = %s``
   with a checkpoint of 100 B, 10 KB and 1 MB, in two shapes: one string of random hex (what
   ``bench.operations`` writes) and a list of small objects (a cursor over many records);
-- renew tick: ``UPDATE t SET expires_at = <now> + duration, renewed_at = <now> WHERE id IN
-  (...)`` over 100 running leases, with times as ``double precision`` (epoch seconds,
-  ``clock_timestamp()`` converted) or as ``timestamptz`` (``clock_timestamp() + duration *
-  interval '1 second'``).
+- lease ends through holders: a renew tick no longer moves any job's ``expires_at`` (it is
+  one upsert of the keeper's holder row); a running job's lease end is computed from its
+  holder's last renewal, ``coalesce(expires_at, greatest(renewed_at, <its holder's
+  renewed_at>) + duration)``, and the reaper compares it with the clock for every job of a
+  holder that stopped renewing (``release_stale``). Here that selection, counted (a
+  ``SELECT count(*)`` with the reaper's condition, so every call sees the same rows), over
+  1,000 running jobs bound to 10 stale holders, with times as ``double precision`` (epoch
+  seconds, ``clock_timestamp()`` converted) or as ``timestamptz`` (``+ duration * interval
+  '1 second'``, compared with ``clock_timestamp()``).
 
 Medians and p90 in ms, and the size each form takes on disk (``pg_column_size``).
 
@@ -113,52 +118,97 @@ def main() -> None:
                     )
                 )
                 raw[f"checkpoint {shape} {label}"] = times
-        rows += renew_rows(connection, name, calls=calls, block=block, raw=raw)
+        rows += lease_end_rows(connection, name, calls=calls, block=block, raw=raw)
     report(
         "column_types",
         rows,
         quick=args.quick,
-        title="PostgreSQL: jsonb vs text checkpoints, timestamptz vs double renewals",
+        title="PostgreSQL: jsonb vs text checkpoints, timestamptz vs double lease ends",
         raw=raw,
     )
 
 
-def renew_rows(
+#: The jobs of the lease-end comparison: 10 holders of 100 running jobs each.
+HOLDERS, JOBS_PER_HOLDER = 10, 100
+
+#: The reaper's stale-lease condition (``statements/reaper.py``, ``release_stale``), counted:
+#: jobs of a holder past its expiry whose lease end (through the holder) has passed. ``{now}``
+#: the clock, ``{seconds}`` a duration in the column's type.
+LEASE_ENDS = (
+    "SELECT count(*) FROM {jobs} j WHERE j.state = 'running'"
+    " AND j.holder IN (SELECT id FROM {holders} WHERE expires_at <= (SELECT {now}))"
+    " AND coalesce(j.expires_at, CASE WHEN j.holder IS NOT NULL THEN greatest(j.renewed_at,"
+    " coalesce((SELECT h.renewed_at FROM {holders} h WHERE h.id = j.holder), j.renewed_at))"
+    " + {seconds} END) <= {now}"
+)
+
+
+def counting(connection: psycopg.Connection[Any], sql: str) -> Callable[[int], Any]:
+    """A timed call running the query ``sql`` and reading its rows."""
+    return lambda _: connection.execute(sql).fetchall()  # type: ignore[arg-type]
+
+
+def lease_end_rows(
     connection: psycopg.Connection[Any], name: str, *, calls: int, block: int, raw: dict[str, Any]
 ) -> list[dict[str, Any]]:
-    """A renew tick of 100 leases with epoch-second doubles and with timestamptz."""
-    double, tz = f"{name}_double", f"{name}_tz"
-    connection.execute(
-        f"CREATE TABLE {double} (id varchar(155) PRIMARY KEY, duration double precision, "
-        "expires_at double precision, renewed_at double precision)"
-    )
-    connection.execute(
-        f"CREATE TABLE {tz} (id varchar(155) PRIMARY KEY, duration double precision, "
-        "expires_at timestamptz, renewed_at timestamptz)"
-    )
-    ids = [f"job-{i}" for i in range(100)]
-    for table in (double, tz):
-        connection.execute(
-            f"INSERT INTO {table} (id, duration) SELECT unnest(%s::varchar[]), 30.0", (ids,)
-        )
-    sql = {
-        "double": f"UPDATE {double} SET expires_at = {NOW_EPOCH} + duration, "
-        f"renewed_at = {NOW_EPOCH} WHERE id = ANY(%s)",
-        "timestamptz": f"UPDATE {tz} SET expires_at = clock_timestamp() + duration * "
-        "interval '1 second', renewed_at = clock_timestamp() WHERE id = ANY(%s)",
+    """The reaper's lease-end test of 1,000 jobs bound to 10 stale holders, with epoch-second
+    doubles and with timestamptz."""
+    forms = {
+        "double": ("double precision", NOW_EPOCH, "j.duration", f"{NOW_EPOCH} - %s"),
+        "timestamptz": (
+            "timestamptz",
+            "clock_timestamp()",
+            "j.duration * interval '1 second'",
+            "clock_timestamp() - %s * interval '1 second'",
+        ),
     }
+    sql: dict[str, str] = {}
+    for kind, (column, now, seconds, ago) in forms.items():
+        jobs, holders = f"{name}_{kind}_jobs", f"{name}_{kind}_holders"
+        connection.execute(
+            f"CREATE TABLE {holders} (id varchar(64) PRIMARY KEY, renewed_at {column}, "
+            f"expires_at {column})"
+        )
+        connection.execute(
+            f"CREATE TABLE {jobs} (id varchar(155) PRIMARY KEY, state varchar(16), "
+            f"holder varchar(64), duration double precision, renewed_at {column}, "
+            f"expires_at {column})"
+        )
+        connection.execute(
+            f"CREATE INDEX {jobs}_holder ON {jobs} (holder) WHERE holder IS NOT NULL"
+        )
+        # Holders that stopped renewing two hours ago, past their expiry an hour ago; their
+        # jobs claimed then (30 s leases), bound (no expiry of their own).
+        connection.execute(
+            f"INSERT INTO {holders} SELECT 'holder-' || g, {ago}, {ago} "
+            f"FROM generate_series(1, {HOLDERS}) AS g",
+            (7200, 3600),
+        )
+        connection.execute(
+            f"INSERT INTO {jobs} SELECT 'job-' || g, 'running', "
+            f"'holder-' || (mod(g, {HOLDERS}) + 1), 30.0, {ago}, NULL "
+            f"FROM generate_series(1, {HOLDERS * JOBS_PER_HOLDER}) AS g",
+            (7200,),
+        )
+        connection.execute(f"VACUUM ANALYZE {holders}")
+        connection.execute(f"VACUUM ANALYZE {jobs}")
+        sql[kind] = LEASE_ENDS.format(jobs=jobs, holders=holders, now=now, seconds=seconds)
+        counted = connection.execute(sql[kind]).fetchone()[0]  # type: ignore[index]
+        if counted != HOLDERS * JOBS_PER_HOLDER:
+            raise RuntimeError(f"{kind}: {counted} lease ends passed, not every job's")
     times = interleaved(
-        {kind: steady(lambda _, s=s: connection.execute(s, (ids,))) for kind, s in sql.items()},
+        {kind: steady(counting(connection, text)) for kind, text in sql.items()},
         calls=calls,
         block=block,
     )
-    raw["renew 100 leases"] = times
+    label = f"{HOLDERS * JOBS_PER_HOLDER:,} jobs, {HOLDERS} holders"
+    raw[f"lease ends, {label}"] = times
     double_ms, tz_ms = median_ms(times["double"]), median_ms(times["timestamptz"])
     return [
         row(
             "operation shape size calls text_ms jsonb_ms jsonb/text text_p90 jsonb_p90",
-            "renew tick (double | timestamptz)",
-            "100 leases",
+            "reaper's lease-end test through holders (double / timestamptz)",
+            label,
             "-",
             calls,
             double_ms,

@@ -6,11 +6,12 @@ process, calling ``apply_async`` through LeasedTask as a webhook receiver would.
 
 - **absorb**: while a job of the key runs (one long run, started first), a loop of
   ``apply_async`` on that key for ``--seconds`` (a single client, then N threads at once);
-  every call is coalesced into the run's one follow-up job (one read of the key's holder; the
-  first call also one ``UPDATE`` that makes it the follow-up; nothing is published). Calls
-  per second, and the
-  median and p90 of one call. Checked: every call returned the same follow-up id, which waits
-  in the run's row (the key has one job). Next to it, in the same run, the same loop with a
+  every call is a waiting trigger of the key, coalesced into the key's one follow-up id (one
+  read of the job holding the key, then one upsert of the key's row, ``<table>_keys``, which
+  keeps the first trigger's id and message and the latest one's time; nothing is published).
+  Calls per second, and the median and p90 of one call. Checked: every call returned the
+  same id, the one waiting on the key's row (``pending_id``), and the key has one job (the
+  run). Next to it, in the same run, the same loop with a
   key of its own per call: a new job each (the read of the key's holder, the ``INSERT``, then
   a publish to a queue no worker reads), what each trigger costs when nothing coalesces it.
   Checked: an id per call.
@@ -36,6 +37,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import sqlalchemy as sa
 
 from bench.common import available, median_ms, p90_ms, parser, print_rows, report, row, scratch
 from tests.support.scenario import Scenario, kill_all
@@ -70,11 +73,10 @@ def absorb(
         times, ids, elapsed = call_for(
             lambda account=account: task.apply_async((account, 1, 0.0)), clients, seconds
         )
-        # The follow-up waits in the run's row until the run ends.
-        jobs = [j for j in s.store.list_jobs(limit=20) if j.lease_key == f"account:{account}"]
-        one_followup = ids == {followup} and [(j.id, j.followup_id) for j in jobs] == [
-            (busy, followup)
-        ]
+        # The triggers wait on the key's row until the run ends; the key has one job.
+        key = f"account:{account}"
+        jobs = [j.id for j in s.store.list_jobs(limit=20) if j.lease_key == key]
+        one_followup = ids == {followup} and jobs == [busy] and waiting(s, key) == followup
         # The run is cancelled at its next unit; its follow-up then runs (no units) and ends.
         s.store.request_stop([busy], "cancel")
         s.wait_finished(busy, timeout=30)
@@ -112,6 +114,14 @@ def absorb(
             )
             print(rows[-1], flush=True)
     return rows
+
+
+def waiting(s: Scenario, key: str) -> str | None:
+    """The id the triggers waiting on ``key`` were given (None: none waits)."""
+    keys = s.store.keys
+    query = sa.select(keys.c.pending_id).where(keys.c.lease_key == key)
+    with s.store.engine.connect() as connection:
+        return connection.execute(query).scalar_one_or_none()
 
 
 def call_for(

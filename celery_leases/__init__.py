@@ -26,6 +26,7 @@ from .errors import (
     Preempted,
     Stop,
     StoreUnavailable,
+    WriteConflict,
 )
 from .lease import Lease
 from .metrics import JobsCollector
@@ -63,6 +64,7 @@ __all__ = [  # noqa: RUF022  (grouped by what a user does with each name)
     "InvalidJobState",
     "JobNotFound",
     "StoreUnavailable",
+    "WriteConflict",
 ]
 
 __version__ = "0.1.0"

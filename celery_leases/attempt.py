@@ -7,34 +7,44 @@ the body makes are ``checkpoint.py``'s.
 
 from __future__ import annotations
 
-import os
 import random
-import socket
 import traceback
-from typing import Any, NoReturn
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, NoReturn, TypeVar
 
+from billiard.exceptions import SoftTimeLimitExceeded
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_task_logger
 
 from . import keys, metrics
 from .db import Store, rows
-from .db.errors import ended_idle_transaction
+from .db.errors import conflict_in, ended_idle_transaction, first_line
+from .db.joined import Joined, ambient
 from .db.rows import Refused
 from .db.schema import CANCELLED, QUEUED
 from .errors import (
     Cancelled,
+    ConfigurationError,
     CorruptJob,
     LeaseError,
     LeaseLost,
     Preempted,
     StoreUnavailable,
+    WriteConflict,
 )
 from .lease import Lease, holding, until_deadline
 from .log import job_fields, lease_fields
-from .message import DB_RETRY_HEADER, KEY_HEADER, Message
+from .message import CONFLICT_HEADER, DB_RETRY_HEADER, KEY_HEADER, Message
+from .process import owner_name
 from .worker.keeper import Keeper, keeper_for
 
+T = TypeVar("T")
+
 logger = get_task_logger("celery_leases")
+
+#: Times a job whose transaction keeps losing to concurrent ones runs again before it fails.
+CONFLICT_TRIES = 8
 
 #: What a process (or a gevent worker's greenlet) raises when it is being stopped.
 GOING_DOWN: tuple[type[BaseException], ...] = (SystemExit, KeyboardInterrupt)
@@ -54,23 +64,48 @@ class Attempt:
         self.request = task.request
         self.settings = task.lease_settings
         self.store: Store = task.lease_store
-        self.owner = f"{self.request.hostname or socket.gethostname()}/{os.getpid()}"
+        self.owner = owner_name(self.request.hostname)
 
     def run(self, args: Any, kwargs: Any) -> Any:
         """The task body's return value; raises Celery's ``Ignore`` when this delivery must not
-        run (a duplicate, a stale delivery, the database down) or must not record a result."""
-        keeper = keeper_for(self.store)
-        lease = self.claim(args, kwargs, keeper)
-        keeper.add(lease)
+        run (a duplicate, a stale delivery, the database down) or must not record a result.
+
+        An attempt that starts inside a transaction on the leases' database (``Task.apply()``
+        in a Django ``TestCase`` or an ``ATOMIC_REQUESTS`` view) joins it with every write,
+        claim and end included: it commits or rolls back with it, and no keeper renews it
+        meanwhile (its rows are the transaction's until it ends). A worker's attempt never
+        starts inside one: that is refused, with what to do."""
+        outer = self.outer_transaction()
+        keeper = None if outer is not None else keeper_for(self.store)
+        lease = self.claim(args, kwargs, keeper, outer)
+        if keeper is not None:
+            keeper.add(lease)
         try:
             with holding(lease):
                 return self.outcome(lease, args, kwargs)
         finally:
-            keeper.remove(lease)
+            if keeper is not None:
+                keeper.remove(lease)
+
+    def outer_transaction(self) -> Joined | None:
+        """The transaction this attempt starts inside, on the leases' database (``db.joined``:
+        Django's ``atomic()``), joined without an idle bound: its caller holds it around the
+        whole attempt."""
+        found = ambient(self.store)
+        if found is None:
+            return None
+        if not self.request.is_eager:
+            raise ConfigurationError(
+                f"task {self.task.name}: its attempt starts inside a transaction on the leases "
+                f"database that the task did not open (a task_prerun receiver or a middleware "
+                f"opened it): a lease held inside it would be the transaction's until it ends. "
+                f"Open the transaction inside the task, around the work of each checkpoint"
+            )
+        return replace(found, guard_idle=False)
 
     # -- the claim -------------------------------------------------------------------------
 
-    def claim(self, args: Any, kwargs: Any, keeper: Keeper) -> Lease:
+    def claim(self, args: Any, kwargs: Any, keeper: Keeper | None, outer: Joined | None) -> Lease:
         request, settings = self.request, self.settings
         delivery = Message.received(request, args, kwargs)
         if delivery.key is None:  # sent by name: the task's own lease_key, if any
@@ -80,14 +115,18 @@ class Attempt:
         self.delivery = delivery
         try:
             # Task.apply() runs the job now, as Celery does, even one that has ended.
+            holder = None if keeper is None else keeper.holder_for(self.owner, settings.duration)
             outcome = self.store.claim(
                 delivery,
                 owner=self.owner,
                 duration=settings.duration,
+                holder=holder,
                 fresh=request.is_eager,
-                session=keeper.session.ident() if settings.bind_session else None,
+                connection=outer,
             )
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, WriteConflict) as exc:
+            # The database is down, or the claim kept losing to concurrent transactions (a
+            # lock timeout on the job's row, SQLite's write lock): deliver it again later.
             if request.is_eager:
                 raise  # no broker message to deliver again; eager mode would recurse
             self.redeliver_later(delivery, exc)
@@ -111,6 +150,8 @@ class Attempt:
             kill_when_stalled=settings.kill_stalled,
             checkpoint_age=outcome.checkpoint_age,
             key=delivery.key,
+            bound=outcome.bound,
+            joined=outer,
         )
         if lease.key is not None:
             key_of_lease = lease.key
@@ -172,13 +213,16 @@ class Attempt:
         raise Ignore()
 
     def redeliver_later(self, delivery: Message, exc: Exception) -> None:
-        """The database is down: send the message again later instead of running unleased."""
+        """The claim could not be made (the database is down, or it kept losing to concurrent
+        transactions): send the message again later instead of running unleased."""
         request = self.request
         tries = int(delivery.headers.get(DB_RETRY_HEADER) or 0) + 1
         delay = min(2.0**tries, self.settings.db_retry_max_delay) * random.uniform(0.5, 1)
+        why = "unreachable" if isinstance(exc, StoreUnavailable) else "busy"
         logger.error(
-            "job %s: leases database unreachable, delivering again in %.1f s (try %d): %s",
+            "job %s: leases database %s, delivering again in %.1f s (try %d): %s",
             request.id,
+            why,
             delay,
             tries,
             exc,
@@ -192,7 +236,9 @@ class Attempt:
         store = self.store
         try:
             result = self.task.run(*args, **kwargs)
+            self.held_back(lease)
         except Retry:
+            self.held_back(lease)
             if not lease.released:
                 self.hand_back(lease, reap_in=0.0)
             if lease.fenced_out:
@@ -228,7 +274,7 @@ class Attempt:
         except Cancelled as exc:
             # Handed back already (a retry met the cancel): the reaper tells the backend.
             if not lease.released and store.fail(
-                lease.job_id, lease.token, error=str(exc), state=CANCELLED
+                lease.job_id, lease.token, error=str(exc), state=CANCELLED, connection=lease.joined
             ):
                 self.revoked(str(exc))
                 self.ended(lease)
@@ -246,6 +292,7 @@ class Attempt:
                 )
             raise Ignore() from None
         except Ignore:
+            self.held_back(lease)
             self.finish(lease, None)
             raise
         except Exception as exc:
@@ -253,6 +300,8 @@ class Attempt:
                 raise
             if lease.idle_bounded and ended_idle_transaction(exc):
                 self.idle_transaction_ended(lease, exc)
+            if conflict_in(exc) and lease.joined is None:
+                self.conflicted(lease, exc)
             self.failed(lease, exc)
             raise
         except GOING_DOWN:
@@ -262,6 +311,45 @@ class Attempt:
             raise
         self.finish(lease, result)
         return result
+
+    def held_back(self, lease: Lease) -> None:
+        """Do what the task asked for inside a transaction of its own that may have held the
+        job's row (``Lease.held_back``), now that its body has returned or raised past that
+        transaction: hand the lease back for its retry and send the retry's message, or end
+        the job replaced and send the replacement (``Ignore``)."""
+        held_back, lease.held_back = lease.held_back, None
+        if held_back is None or lease.released or lease.fenced_out:
+            return
+        if held_back[0] == "replace":
+            self.task.replace_now(lease, held_back[1])
+            return
+        _, message, countdown = held_back
+        wait = self.settings.queued_timeout or self.settings.reap_grace
+        try:
+            state = until_deadline(
+                lease,
+                lambda: self.store.hand_back_retry(
+                    lease.job_id, lease.token, message, reap_in=countdown + wait
+                ),
+                waiting=f"the retry of job {lease.job_id} waits for the database",
+                gave_up=f"job {lease.job_id}: the database stayed down; its retry is not sent",
+            )
+        except LeaseError as exc:
+            logger.warning(
+                "job %s: could not hand the lease back for its retry (%s); it expires in %.0f s",
+                lease.job_id,
+                exc,
+                lease.duration,
+                extra=lease_fields(lease),
+            )
+            raise Ignore() from exc
+        lease.released = state is not None
+        lease.fenced_out = state is None
+        if state == CANCELLED:  # an operator's cancel met the retry: the reaper says REVOKED
+            self.ended(lease)
+            raise Ignore()
+        if state == QUEUED:
+            message.send(self.task.app)
 
     def idle_transaction_ended(self, lease: Lease, exc: Exception) -> NoReturn:
         """The database ended the task's transaction after its checkpoint: it sat idle longer
@@ -282,10 +370,37 @@ class Attempt:
         )
         raise Ignore() from None
 
+    def conflicted(self, lease: Lease, exc: Exception) -> None:
+        """A transaction of the task's lost to a concurrent one (a serialization failure, a
+        deadlock, a lock timeout: ``db.errors.Kind``) and was rolled back, its checkpoint with
+        it: not the task's failure, nor an outage. The job goes back and runs again from its
+        last committed checkpoint, after a short backoff; a job that keeps losing (``tries``
+        over ``CONFLICT_TRIES``) fails with the error."""
+        tries = int(self.delivery.headers.get(CONFLICT_HEADER) or 0) + 1
+        if tries > CONFLICT_TRIES:
+            return  # failed by the caller, with the error
+        delay = min(0.1 * 2**tries, self.settings.db_retry_max_delay) * random.uniform(0.5, 1)
+        if self.hand_back(lease, reap_in=self.settings.reap_grace) == QUEUED:
+            self.delivery.send(self.task.app, countdown=delay, **{CONFLICT_HEADER: tries})
+        logger.warning(
+            "job %s: its transaction lost to a concurrent one (%s); it runs again from its last "
+            "checkpoint in %.1f s (try %d)",
+            lease.job_id,
+            first_line(exc),
+            delay,
+            tries,
+            extra=lease_fields(lease),
+        )
+        raise Ignore() from None
+
     def failed(self, lease: Lease, exc: Exception) -> None:
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         try:
-            ended = self.store.fail(lease.job_id, lease.token, error=text)
+            ended = recorded(
+                lambda: self.store.fail(
+                    lease.job_id, lease.token, error=text, connection=lease.joined
+                )
+            )
         except LeaseError as store_exc:
             logger.error(
                 "job %s: failed, and the failure could not be recorded: %s",
@@ -307,13 +422,20 @@ class Attempt:
     def finish(self, lease: Lease, result: Any) -> None:
         if lease.released:
             return
-        ended = until_deadline(
-            lease,
-            lambda: self.store.finish(lease.job_id, lease.token, result=rows.dumps_result(result)),
-            waiting=f"job {lease.job_id}: done, waiting for the database to record it",
-            gave_up=f"job {lease.job_id}: done, but the database stayed down until the lease "
-            f"ended; it will run again from its checkpoint",
-            first_delay=0.2,
+        ended = recorded(
+            lambda: until_deadline(
+                lease,
+                lambda: self.store.finish(
+                    lease.job_id,
+                    lease.token,
+                    result=rows.dumps_result(result),
+                    connection=lease.joined,
+                ),
+                waiting=f"job {lease.job_id}: done, waiting for the database to record it",
+                gave_up=f"job {lease.job_id}: done, but the database stayed down until the "
+                f"lease ended; it will run again from its checkpoint",
+                first_delay=0.2,
+            )
         )
         if not ended:
             metrics.count("leases_lost", task=self.task.name)
@@ -328,17 +450,19 @@ class Attempt:
         self.ended(lease)
 
     def ended(self, lease: Lease) -> None:
-        """The job has ended: start its key's follow-up run, if a trigger waits for one."""
-        # Nothing is held any more: the keeper's next tick must neither renew the lease nor
-        # report it lost while the follow-up is recorded and published.
+        """The job has ended: settle the triggers waiting on its key (``keys.settle``)."""
+        # Nothing is held any more: the keeper's next tick must not keep the lease while the
+        # triggers are settled.
         lease.released = True
         if lease.key is not None:
-            keys.start_followup(self.task.app, self.store, lease.job_id)
+            keys.settle(self.task.app, self.store, lease.key, connection=lease.joined)
 
     def hand_back(self, lease: Lease, *, reap_in: float | None) -> str | None:
         """Give the lease back; the job's state after it (None: not handed back)."""
         try:
-            state = self.store.hand_back(lease.job_id, lease.token, reap_in=reap_in)
+            state = self.store.hand_back(
+                lease.job_id, lease.token, reap_in=reap_in, connection=lease.joined
+            )
         except LeaseError as exc:
             logger.warning(
                 "job %s: could not release the lease (%s); it expires in %.0f s",
@@ -366,6 +490,19 @@ class Attempt:
             logger.error(
                 "job %s: could not store REVOKED: %r", request.id, exc, extra=job_fields(request.id)
             )
+
+
+def recorded(write: Callable[[], T]) -> T:
+    """Run ``write``, the record of the attempt's end; if a soft time limit lands inside it,
+    run it again (once, on a new connection: the interrupted one is closed): the body is over,
+    and its end must be recorded as it is, not as the limit. Ends are fenced and idempotent
+    for their token (a done job is done again, a failed one failed again), so a first write
+    the server committed before the interruption changes nothing."""
+    try:
+        return write()
+    except SoftTimeLimitExceeded:
+        logger.warning("the soft time limit came while the attempt's end was recorded; again")
+        return write()
 
 
 def _refusal_text(refused: Refused) -> str:

@@ -7,11 +7,10 @@ import time
 from typing import Any, NoReturn
 
 from celery.utils.log import get_task_logger
-from sqlalchemy.engine import Connection
 
 from . import event, metrics
 from .db import rows
-from .db.dbapi import Foreign
+from .db.joined import Joined, joined
 from .errors import Cancelled, CheckpointError, LeaseLost, Preempted
 from .lease import Lease, until_deadline
 from .log import job_fields, lease_fields
@@ -21,14 +20,10 @@ logger = get_task_logger("celery_leases")
 
 
 def save(
-    task: Any,
-    lease: Lease,
-    state: Any,
-    *,
-    progress: Any = None,
-    connection: Connection | Foreign | None = None,
+    task: Any, lease: Lease, state: Any, *, progress: Any = None, connection: Any = None
 ) -> None:
-    """Save ``state`` for ``lease``'s job, fenced by its token (``LeasedTask.checkpoint``)."""
+    """Save ``state`` for ``lease``'s job, fenced by its token (``LeasedTask.checkpoint``): in
+    the caller's transaction (``connection``, or the one this thread is in: ``joined``)."""
     text = _encoded(task, lease, state, "checkpoint")
     done_total = _progress(progress)
     if lease.stop_seen:
@@ -38,26 +33,24 @@ def save(
     if lease.lost:
         raise LeaseLost(f"job {lease.job_id}: this attempt lost its lease; stop")
     stop = None
+    transaction = None
     if not lease.detached:  # a direct call keeps its checkpoints in memory only
         started = time.monotonic()
         store = task.lease_store
-        if connection is not None:
-            lease.idle_bounded = lease.idle_bounded or store.bounds_idle(connection)
-            saved, stop = store.checkpoint(
+        transaction = joined_by(store, lease, connection)
+        saved, stop = _written(
+            lease,
+            transaction,
+            lambda: store.checkpoint(
                 lease.job_id,
                 lease.token,
                 text,
                 progress=done_total,
-                connection=connection,
+                connection=transaction,
                 idle_limit=lease.duration,
-            )
-        else:
-            saved, stop = until_deadline(
-                lease,
-                lambda: store.checkpoint(lease.job_id, lease.token, text, progress=done_total),
-                waiting=f"checkpoint of job {lease.job_id} waits for the database",
-                lost=True,
-            )
+            ),
+            what="checkpoint",
+        )
         metrics.checkpoint_seconds(time.monotonic() - started, task=task.name)
         if not saved:
             fenced_out(task, lease, "checkpoint")
@@ -75,15 +68,13 @@ def save(
     # caller's transaction a raise would roll the checkpoint back: there the stop is raised by
     # stop_point() after the commit, or before the next checkpoint writes.
     lease.stop_seen = True
-    if connection is None:
+    if transaction is None:
         stop_point(lease)
 
 
-def save_cursor(
-    task: Any, lease: Lease, state: Any, *, connection: Connection | None = None
-) -> None:
+def save_cursor(task: Any, lease: Lease, state: Any, *, connection: Any = None) -> None:
     """Save ``state`` as the cursor of ``lease``'s key, fenced by its token
-    (``LeasedTask.save_cursor``)."""
+    (``LeasedTask.save_cursor``), in the caller's transaction as :func:`save` is."""
     if lease.key is None:
         lease.cursor  # noqa: B018  (raises the no-key error)
     text = _encoded(task, lease, state, "cursor")
@@ -92,26 +83,48 @@ def save_cursor(
     if not lease.detached:
         store = task.lease_store
         key = str(lease.key)
-        if connection is not None:
-            lease.idle_bounded = lease.idle_bounded or store.bounds_idle(connection)
-            saved = store.save_cursor(
+        transaction = joined_by(store, lease, connection)
+        saved = _written(
+            lease,
+            transaction,
+            lambda: store.save_cursor(
                 key,
                 lease.job_id,
                 lease.token,
                 text,
-                connection=connection,
+                connection=transaction,
                 idle_limit=lease.duration,
-            )
-        else:
-            saved = until_deadline(
-                lease,
-                lambda: store.save_cursor(key, lease.job_id, lease.token, text),
-                waiting=f"cursor of job {lease.job_id} waits for the database",
-                lost=True,
-            )
+            ),
+            what="cursor",
+        )
         if not saved:
             fenced_out(task, lease, "cursor")
     lease.cursor = json.loads(text)
+
+
+def joined_by(store: Any, lease: Lease, connection: Any) -> Joined | None:
+    """The caller's transaction a write of ``lease``'s attempt joins: ``connection``'s, the
+    one the whole attempt runs in (it started inside one), or the one this thread is in
+    (Django's ``atomic()`` on the leases' database); None: the store's own connection."""
+    if connection is None and lease.joined is not None:
+        return lease.joined  # type: ignore[no-any-return]
+    transaction = joined(store, connection)
+    if transaction is not None:
+        lease.joined_write = True
+    if transaction is not None and transaction.guard_idle:
+        lease.idle_bounded = lease.idle_bounded or store.bounds_idle(transaction)
+    return transaction
+
+
+def _written(lease: Lease, transaction: Joined | None, write: Any, *, what: str) -> Any:
+    """Run ``write``: in the caller's transaction at once (it cannot be retried there); on
+    the store's own connection, retried while the database is unavailable and the lease has
+    time left (``LeaseLost`` when it runs out)."""
+    if transaction is not None:
+        return write()
+    return until_deadline(
+        lease, write, waiting=f"{what} of job {lease.job_id} waits for the database", lost=True
+    )
 
 
 def fenced_out(task: Any, lease: Lease, what: str) -> NoReturn:

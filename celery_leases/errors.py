@@ -48,6 +48,11 @@ class InvalidJobState(LeaseError):
     """The job is not in a state that allows this operation."""
 
 
+class WriteConflict(LeaseError):
+    """A concurrent transaction won (a serialization failure, a deadlock, a lock timeout) and
+    this write was rolled back: run the transaction again."""
+
+
 class GaveUp(LeaseError):
     """The reaper gave up on this job; its error in the leases table says why."""
 

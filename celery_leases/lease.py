@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .errors import LeaseError, LeaseLost, StoreUnavailable
+from .errors import LeaseError, LeaseLost, StoreUnavailable, WriteConflict
 from .log import lease_fields
 
 T = TypeVar("T")
@@ -57,6 +57,17 @@ class Lease:
     stall_reported: bool = False
     #: The resource the job works on (the task's ``lease_key``), or None.
     key: str | None = None
+    #: Its keeper's holder keeps it (else its own expiry does, until the keeper binds it).
+    bound: bool = True
+    #: The caller's transaction every write of the attempt joins (an attempt that started
+    #: inside one: ``db.joined``), or None.
+    joined: Any = None
+    #: A write of the attempt joined a transaction of the task's (``connection=``, Django's
+    #: ``atomic()``), which may still hold the job's row.
+    joined_write: bool = False
+    #: What the attempt does once its body has returned, because the task asked for it
+    #: inside such a transaction: ``("retry", message, countdown)`` or ``("replace", sig)``.
+    held_back: Any = None
     #: Reads the key's cursor from the database (the first ``cursor`` read calls it).
     read_cursor: Callable[[], Any] | None = field(default=None, repr=False)
     _cursor: Any = field(default=_UNREAD, repr=False)
@@ -134,14 +145,16 @@ def until_deadline(
     first_delay: float = 0.1,
 ) -> T:
     """Run ``operation`` (a write of ``lease``'s attempt), retrying while the database is
-    unavailable and the lease has time left. When it runs out: with ``lost``, the lease counts
-    as lost (:class:`LeaseLost`); otherwise ``gave_up`` is logged and the StoreUnavailable
-    raised."""
+    unavailable, or a concurrent transaction keeps winning (:class:`WriteConflict`, on the
+    store's own connection: in a caller's transaction it is the caller's to run again), and
+    the lease has time left. When it runs out: with ``lost``, the lease counts as lost
+    (:class:`LeaseLost`); otherwise ``gave_up`` is logged and the error raised."""
     delay = first_delay
+    retried = (StoreUnavailable,) if lease.joined is not None else (StoreUnavailable, WriteConflict)
     while True:
         try:
             return operation()
-        except StoreUnavailable as exc:
+        except retried as exc:
             if time.monotonic() + delay > lease.deadline:
                 if lost:
                     lease.lost = True

@@ -31,6 +31,8 @@ from .errors import ArgumentsError, ConfigurationError
 VERSION_HEADER = "leases_message_id"
 #: Header counting the deliveries sent again while the leases database was down.
 DB_RETRY_HEADER = "leases_db_retries"
+#: Header counting the deliveries sent again after the task's transaction lost to another.
+CONFLICT_HEADER = "leases_conflicts"
 #: Header naming the job's lease key (the resource it works on; ``LeasedTask.lease_key``).
 KEY_HEADER = "leases_key"
 
@@ -129,6 +131,13 @@ class Message:
     def with_headers(self, **headers: Any) -> Message:
         return replace(self, headers={**self.headers, **headers})
 
+    def followup(self) -> Message:
+        """This message as a run for triggers that waited: sent as soon as it can run, without
+        the ``expires`` or the countdown (``eta``) of the trigger it was built from."""
+        return replace(
+            self, headers={k: v for k, v in self.headers.items() if k not in ("expires", "eta")}
+        )
+
     def new_version(self) -> Message:
         """This message under a version id of its own (a message the library records)."""
         return self.with_headers(**{VERSION_HEADER: uuid.uuid4().hex})
@@ -219,6 +228,7 @@ class Message:
                 sent.task,
                 task_message(dict(sent.headers), properties, body, None),
                 retry=True,
+                serializer="json",  # as recorded, whatever the app's default serializer
                 **route,
             )
 
@@ -234,12 +244,10 @@ class Message:
             "routing_key": self.routing_key,
             "exchange_type": self.exchange_type,
         }
+        # As Celery's JSON serializer writes it (NaN and Infinity included, as Celery sends
+        # them): what a resumed attempt reads back is what the first one got.
         try:
-            return str(
-                kombu_json.dumps(
-                    document, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-                )
-            )
+            return str(kombu_json.dumps(document, separators=(",", ":"), ensure_ascii=False))
         except (TypeError, ValueError) as exc:
             raise ArgumentsError(
                 f"arguments of {self.task} must be JSON-serializable to be recorded for a "

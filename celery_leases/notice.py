@@ -1,4 +1,5 @@
-"""Telling Celery how a job ended when no attempt did: given up, cancelled while queued, expired.
+"""Telling Celery how a job ended when no attempt did: given up, cancelled while queued, expired,
+or, for the triggers of a lease key, served by a run of the key.
 
 A job that ends inside an attempt gets its Celery state from Celery's own trace. One that ends
 outside any (the reaper gives up on it, an operator cancels it while it waits, its message
@@ -46,13 +47,17 @@ def request_of(job: Job) -> Context:
 def announce(app: Any, job: Job) -> bool:
     """Store the Celery state ``job.notify`` for ``job`` in ``app``'s result backend; False
     when the backend refused (logged)."""
-    if job.notify not in (states.REVOKED, states.FAILURE):
+    if job.notify not in (states.REVOKED, states.FAILURE, states.SUCCESS):
         raise ValueError(f"job {job.id}: no Celery state to announce ({job.notify!r})")
     request = request_of(job)
     backend = app.backend
     store_result = not request.ignore_result
     try:
-        if job.notify == states.REVOKED:
+        if job.notify == states.SUCCESS:
+            # The triggers a run of their key served: its result is theirs.
+            if store_result:
+                backend.mark_as_done(job.id, job.result, request=request)
+        elif job.notify == states.REVOKED:
             backend.mark_as_revoked(
                 job.id, job.error or "revoked", request=request, store_result=store_result
             )

@@ -1,9 +1,38 @@
-"""Processes of this machine, as Linux's ``/proc`` shows them."""
+"""This worker process, as the leases name it, and other processes of this machine.
+
+An owner name is ``<node>/<instance>/<pid>``: the Celery node name (``celery@host``), an id of
+the worker (its main process, taken at import: the pool processes it forks share it), and the
+process id. Two workers started with one node name (two containers of one image, each with a
+``celery@worker``, often with the same pids) have owners of their own: neither hands back,
+preempts or takes the other's jobs.
+"""
 
 from __future__ import annotations
 
 import os
+import secrets
 import socket
+
+#: This worker's id (its main process's, shared by the pool processes it forks).
+INSTANCE = secrets.token_hex(4)
+
+
+def owner_name(node: str | None, pid: int | None = None) -> str:
+    """The owner name of process ``pid`` (default: this one) of the worker ``node``."""
+    return f"{node or socket.gethostname()}/{INSTANCE}/{pid or os.getpid()}"
+
+
+def owner_prefix(node: str | None) -> str:
+    """What every owner name of this worker (node ``node``) starts with."""
+    return f"{node or socket.gethostname()}/{INSTANCE}/"
+
+
+def owner_host(owner: str | None) -> str | None:
+    """The host of an owner name (``node@host/...``; ``host/...`` without a node name)."""
+    if not owner:
+        return None
+    node = owner.split("/", 1)[0]
+    return node.rpartition("@")[2] or None
 
 
 def proc_stat(pid: int) -> list[str]:
@@ -13,24 +42,4 @@ def proc_stat(pid: int) -> list[str]:
         return stat.read().rpartition(")")[2].split()
 
 
-def local_process_gone(owner: str | None, pid: int | None) -> bool:
-    """True if ``owner`` ("node@host/pid") runs on this host and its process ``pid`` is gone
-    (a zombie counts as gone)."""
-    if not owner or not pid:
-        return False
-    node = owner.rsplit("/", 1)[0]
-    if node.rpartition("@")[2] != socket.gethostname():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # it exists (owned by another user)
-        return False
-    try:
-        return proc_stat(pid)[0] == "Z"
-    except OSError:
-        return False
-
-
-__all__ = ["local_process_gone", "proc_stat"]
+__all__ = ["INSTANCE", "owner_host", "owner_name", "owner_prefix", "proc_stat"]

@@ -16,7 +16,7 @@ from typing import Any
 from celery import current_task
 
 from .errors import ArgumentsError, Cancelled, StoreUnavailable
-from .lease import held
+from .lease import held, until_deadline
 from .log import job_fields
 from .message import KEY_HEADER, Message
 
@@ -36,7 +36,7 @@ class RecordingProducer:
     and publishes the message ``record`` returns (it adds the version header). An error from
     ``record`` stops the publish. Publish retries record once."""
 
-    def __init__(self, producer: Any, record: Callable[[Message], Message]) -> None:
+    def __init__(self, producer: Any, record: Callable[[Message], Message | None]) -> None:
         self._producer = producer
         self._record = record
         self.recorded: Message | None = None
@@ -55,7 +55,16 @@ class RecordingProducer:
     ) -> Any:
         headers = dict(headers or {})
         if self.recorded is None:
-            self.recorded = self._record(
+            serializer = options.get("serializer") or "json"
+            if serializer != "json":
+                raise ArgumentsError(
+                    f"task {headers.get('task')} is sent with the {serializer!r} serializer: "
+                    f"celery-leases stores a job's message as JSON only, and a resumed attempt "
+                    f"must get the values the first one got; send leased tasks with the json "
+                    f"serializer (task_serializer = 'json', Celery's default, or "
+                    f"serializer='json' on the task)"
+                )
+            recorded = self._record(
                 Message.published(
                     body=body,
                     headers=headers,
@@ -65,6 +74,9 @@ class RecordingProducer:
                     declare=options.get("declare"),
                 )
             )
+            if recorded is None:
+                return None  # a retry held back until the attempt's body has returned
+            self.recorded = recorded
         headers.update(self.recorded.headers)
         return self._producer.publish(
             body, exchange=exchange, routing_key=routing_key, headers=headers, **options
@@ -84,8 +96,9 @@ class Recorder:
         """``publisher`` (kombu's), recording through this recorder."""
         return RecordingProducer(publisher, self.record)
 
-    def record(self, published: Message) -> Message:
-        """The message to publish, recorded (its version header added)."""
+    def record(self, published: Message) -> Message | None:
+        """The message to publish, recorded (its version header added); None when it is held
+        back (a retry the attempt sends once its body has returned: :meth:`_retry`)."""
         try:
             return self._record(published)
         except StoreUnavailable as exc:
@@ -103,7 +116,7 @@ class Recorder:
             )
             return published
 
-    def _record(self, published: Message) -> Message:
+    def _record(self, published: Message) -> Message | None:
         # A message Celery built from a recorded one (a retry, a re-send after a lost pool
         # process) carries that one's version; a fresh publish has none.
         fresh = published.version is None
@@ -125,7 +138,7 @@ class Recorder:
         outcome = self.store.register(
             recorded,
             countdown=countdown or None,
-            queued_timeout=self.settings.queued_timeout,
+            queued_timeout=self._queued_timeout(key),
             fresh=fresh,
         )
         if outcome.outcome == "coalesced":
@@ -147,14 +160,40 @@ class Recorder:
             )
         return recorded
 
-    def _retry(self, lease: Any, recorded: Message, countdown: float) -> Message:
+    def _queued_timeout(self, key: str | None) -> float | None:
+        """How long the job may wait queued before the reaper re-publishes it: the setting
+        (``leases_queued_timeout``); for a job of a lease key, ``leases_reap_grace`` when that
+        is off: a keyed job whose message never left (its sender died between recording and
+        publishing it) would otherwise hold its key, and every trigger of it, for good."""
+        timeout: float | None = self.settings.queued_timeout
+        if timeout is None and key is not None:
+            return float(self.settings.reap_grace)
+        return timeout
+
+    def _retry(self, lease: Any, recorded: Message, countdown: float) -> Message | None:
         """A retry of the running attempt: hand the lease back before the new message can
         reach another worker, or its claim would find the lease still held. If the retry
         message is lost (its worker dies holding it until its ETA), the reaper publishes the
-        job again once it is overdue; a duplicate is dropped."""
+        job again once it is overdue; a duplicate is dropped.
+
+        An attempt that wrote in a transaction of its caller's (``checkpoint(connection=)``,
+        Django's ``atomic()``) may still be inside it, holding the job's row: the hand-back
+        would wait for that transaction, which waits for the retry. The retry is then held
+        back (None: nothing published now) and the attempt hands back and sends it once its
+        body has raised, the caller's transaction ended (``Attempt.retry_held_back``)."""
+        if lease.joined_write and lease.joined is None:
+            lease.held_back = ("retry", recorded, countdown)
+            return None
         wait = self.settings.queued_timeout or self.settings.reap_grace
-        state = self.store.hand_back_retry(
-            lease.job_id, lease.token, recorded, reap_in=countdown + wait
+        # Retried while the database is down or busy (SQLite's write lock, a lock timeout)
+        # and the lease lasts: Celery would turn an error here into a failure of the job.
+        state = until_deadline(
+            lease,
+            lambda: self.store.hand_back_retry(
+                lease.job_id, lease.token, recorded, reap_in=countdown + wait
+            ),
+            waiting=f"the retry of job {lease.job_id} waits for the database",
+            lost=True,
         )
         lease.released = state is not None
         if state == "cancelled":

@@ -26,6 +26,13 @@ logger = get_task_logger("celery_leases.reaper")
 #: Largest number of batches one pass handles, so a pass always ends.
 MAX_BATCHES = 100
 
+#: Seconds a holder row may go unrenewed before the reaper deletes it (if it holds no running
+#: job): a day; a keeper holding nothing renews its row hourly (``keeper.IDLE_RENEWAL``).
+HOLDER_IDLE = 86400.0
+
+#: Key in an app's ``__dict__``: seconds a reaper pass's message lives (``schedule_reaper``).
+_REAP_EXPIRES = "_celery_leases_reap_expires"
+
 #: The name of the reaper task, registered in each app that uses celery-leases.
 REAP_TASK = "celery_leases.reap"
 
@@ -43,7 +50,8 @@ class ReapReport:
     expired: list[str] = field(default_factory=list)
     #: Jobs whose end (failed, cancelled, expired) was stored in the result backend.
     notified: list[str] = field(default_factory=list)
-    #: Follow-up runs of lease keys started for jobs that ended without starting theirs.
+    #: Lease keys whose waiting triggers were settled (served, or run for), and follow-ups
+    #: older releases kept on ended jobs, started.
     followups: list[str] = field(default_factory=list)
     purged: int = 0
 
@@ -67,9 +75,13 @@ def reap(app: Any) -> ReapReport:
     report = ReapReport()
     try:
         orphaned = store.expire_orphaned(batch=settings.reap_batch)
-    except LeaseError as exc:  # never in the way of the expiry path below
+    except LeaseError as exc:  # never in the way of the paths below (MySQL: no GLOBAL_STATUS)
         logger.error("cannot look for jobs whose holder is gone: %s", exc)
         orphaned = []
+    try:
+        store.release_stale()
+    except LeaseError as exc:  # the expiry path below still runs
+        logger.error("cannot let go the jobs of holders that stopped renewing: %s", exc)
     for job_id, owner in orphaned:
         report.orphaned.append(job_id)
         logger.info(
@@ -132,23 +144,27 @@ def reap(app: Any) -> ReapReport:
             )
         if len(batch.republish) + len(batch.gave_up) < settings.reap_batch:
             break
-    report.notified = announce_pending(app, store, batch=settings.reap_batch)
     report.followups = start_followups(app, store, batch=settings.reap_batch)
+    report.notified = announce_pending(app, store, batch=settings.reap_batch)
     report.purged = store.purge_all(
         older_than=settings.retention, batch=settings.reap_batch, max_batches=MAX_BATCHES
     )
+    store.prune_holders(idle=HOLDER_IDLE)
     store.db.release_pool()  # a pass every few seconds: no idle connection kept between them
     return report
 
 
 def start_followups(app: Any, store: Any, *, batch: int) -> list[str]:
-    """Start the follow-up runs that jobs of a lease key ended without starting (their
-    attempt died first, or they ended outside any: revoked, cancelled, given up); the ids of
-    the follow-ups sent. A failed send is re-published once its queued timeout has passed."""
-    started = (
-        keys.start_followup(app, store, job_id) for job_id in store.followups_pending(batch=batch)
-    )
-    return [followup for followup in started if followup is not None]
+    """Settle the triggers waiting on lease keys whose job ended without settling them (its
+    attempt died first, or it ended outside any: revoked, expired, cancelled, given up, never
+    published), and start the follow-ups older releases kept on ended jobs; the keys settled
+    and the jobs started. A run recorded but not sent is re-published once its wait passed."""
+    done = [key for key in store.pending_keys(batch=batch) if keys.settle(app, store, key)]
+    for job_id in store.followups_pending(batch=batch):
+        started = keys.start_followup(app, store, job_id)
+        if started is not None:
+            done.append(started)
+    return done
 
 
 def _reap_pass(self: Any) -> dict[str, Any]:
@@ -156,20 +172,34 @@ def _reap_pass(self: Any) -> dict[str, Any]:
     return reap(self.app).as_dict()
 
 
+class ReaperTask(Task):  # type: ignore[misc]
+    """The reaper's task class: a plain ``celery.Task`` (a pass holds no lease, whatever the
+    app's default task class), whose messages expire as :func:`schedule_reaper` set them
+    (``expires``, a default of every publish), whichever scheduler sends them: Celery's own
+    passes its entry's options, django-celery-beat's DatabaseScheduler drops ``expires`` from
+    them (it keeps ``expire_seconds`` only)."""
+
+    @property
+    def expires(self) -> float | None:  # type: ignore[override]
+        return self.app.__dict__.get(_REAP_EXPIRES)  # type: ignore[no-any-return]
+
+
 def register_reaper(app: Any) -> None:
     """Register ``celery_leases.reap`` in ``app`` (once; at its finalization if it has not
     finalized yet).
 
     Called when a :class:`LeasedTask` is bound to ``app`` and by :func:`schedule_reaper`, so the
-    task exists only in apps that use celery-leases, never in every app of the process. A plain
-    ``celery.Task``: a reaper pass holds no lease, whatever the app's default task class is.
+    task exists only in apps that use celery-leases, never in every app of the process
+    (:class:`ReaperTask`).
     """
     mark_uses_leases(app)
     worker.connect()
     if REAP_TASK in app._tasks or app.__dict__.get("_celery_leases_reaper"):
         return
     app.__dict__["_celery_leases_reaper"] = True
-    app.task(name=REAP_TASK, base=Task, bind=True, ignore_result=True, shared=False)(_reap_pass)
+    app.task(name=REAP_TASK, base=ReaperTask, bind=True, ignore_result=True, shared=False)(
+        _reap_pass
+    )
 
 
 def _current_reap_task() -> Any:
@@ -186,13 +216,15 @@ def schedule_reaper(app: Any, every: float = 10.0, *, queue: str | None = None) 
     """Add ``celery_leases.reap`` to ``app``'s beat schedule every ``every`` seconds.
 
     Each pass's message expires after ``max(2 * every, 10)`` seconds, so passes that waited
-    behind busy workers are dropped rather than run back to back. ``queue``: send the passes
-    to a queue of their own (serve it with a small worker, ``-Q <queue> -c 1``), where no long
-    job can delay them. It keeps the user's own entries; call it after assigning
-    ``beat_schedule`` yourself.
+    behind busy workers are dropped rather than run back to back, with Celery's scheduler and
+    django-celery-beat's alike (:class:`ReaperTask`). ``queue``: send the passes to a queue of
+    their own (serve it with a small worker, ``-Q <queue> -c 1``), where no long job can delay
+    them. It keeps the user's own entries; call it after assigning ``beat_schedule`` yourself.
     """
+    expires = max(2 * every, 10.0)
+    app.__dict__[_REAP_EXPIRES] = expires
     register_reaper(app)
-    options: dict[str, Any] = {"expires": max(2 * every, 10.0)}
+    options: dict[str, Any] = {"expires": expires}
     if queue is not None:
         options["queue"] = queue
     app.add_periodic_task(every, app.signature(REAP_TASK, options=options), name=REAP_TASK)

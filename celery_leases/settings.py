@@ -132,14 +132,16 @@ class Settings:
         None,
         optional(seconds),
         "seconds a queued job may wait for a worker before its message counts as lost and "
-        "is re-published (None: off)",
+        "is re-published (None: off, but a job of a lease key waits leases_reap_grace)",
     )
     max_attempts_without_progress: int | None = setting(
         3,
         optional(count),
         "consecutive attempts that die without a checkpoint before the reaper fails the job",
     )
-    max_attempts: int | None = setting(None, optional(count), "hard cap on attempts (claims)")
+    max_attempts: int | None = setting(
+        None, optional(count), "hard cap on attempts (claims, Celery retries included)"
+    )
     retention: float = setting(
         7 * 24 * 3600.0,
         seconds,

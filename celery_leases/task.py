@@ -6,12 +6,11 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Task
-from sqlalchemy.engine import Connection
+from celery.exceptions import Ignore
 
 from . import attempt, checkpoint, keys
 from .config import check_task_options, conf_version, settings_for
 from .db import Store, store_for
-from .db.dbapi import Foreign
 from .errors import LeaseError, LeaseLost
 from .lease import Lease, current, held, holding
 from .message import KEY_HEADER
@@ -102,24 +101,27 @@ class LeasedTask(Task):  # type: ignore[misc]
         state: Any,
         *,
         progress: tuple[int, int | None] | int | None = None,
-        connection: Connection | Foreign | None = None,
+        connection: Any = None,
     ) -> None:
         """Save ``state`` (JSON-serializable) as the point to resume from, and renew the lease.
 
-        ``progress`` is ``(done, total)`` or ``done``. With ``connection``, the checkpoint joins
-        that SQLAlchemy transaction (same database as the leases): your writes and the
-        checkpoint commit together, and a stale attempt gets :class:`LeaseLost` before
-        committing anything. Raises :class:`CheckpointError` for a state that is not JSON or too
-        large (nothing is written), :class:`Cancelled` or :class:`Preempted` after saving when
+        ``progress`` is ``(done, total)`` or ``done``. The checkpoint joins the caller's
+        transaction on the leases' database: ``connection``'s (an SQLAlchemy ``Connection``, or
+        a DBAPI connection: psycopg, PyMySQL, sqlite3), or, in a Django project, the
+        ``transaction.atomic()`` block it runs in: your writes and the checkpoint commit
+        together, and a stale attempt gets :class:`LeaseLost` before committing anything.
+        Raises :class:`CheckpointError` for a state that is not JSON or too large (nothing is
+        written), :class:`WriteConflict` when the transaction lost to a concurrent one (it is
+        rolled back: run it again), :class:`Cancelled` or :class:`Preempted` after saving when
         the job was asked to stop.
         """
         checkpoint.save(self, self.lease, state, progress=progress, connection=connection)
 
-    def save_cursor(self, state: Any, *, connection: Connection | None = None) -> None:
+    def save_cursor(self, state: Any, *, connection: Any = None) -> None:
         """Save ``state`` (JSON-serializable) as the cursor of the job's lease key: where the
         key's next run starts (``self.lease.cursor``). Fenced like a checkpoint: a stale
-        attempt gets :class:`LeaseLost` and writes nothing. With ``connection``, it joins that
-        SQLAlchemy transaction, as ``checkpoint`` does."""
+        attempt gets :class:`LeaseLost` and writes nothing. It joins the caller's transaction
+        as ``checkpoint`` does."""
         checkpoint.save_cursor(self, self.lease, state, connection=connection)
 
     def key_for(self, args: Any, kwargs: Any) -> str | None:
@@ -183,14 +185,24 @@ class LeasedTask(Task):  # type: ignore[misc]
 
     def on_replace(self, sig: Any) -> Any:
         """``self.replace(sig)``: the job ends ``replaced`` and hands its id over to the
-        replacement, which runs as a job of its own (a new generation of the id)."""
+        replacement, which runs as a job of its own (a new generation of the id). Asked inside
+        a transaction of the task's that may hold the job's row (a checkpoint joined it), the
+        replacement waits for the body to return, that transaction ended
+        (``Attempt.held_back``)."""
         lease = held(self.request.id)
+        if lease is not None and lease.joined_write and lease.joined is None:
+            lease.held_back = ("replace", sig)
+            raise Ignore("Replaced by new task")
+        return self.replace_now(lease, sig)
+
+    def replace_now(self, lease: Lease | None, sig: Any) -> Any:
+        """End the job ``replaced`` (fenced), settle its key, and send the replacement."""
         if lease is not None:
             if not self.lease_store.replace(lease.job_id, lease.token):
                 raise LeaseLost(f"job {lease.job_id}: lost its lease; not replaced")
             lease.released = True
             if lease.key is not None:
-                keys.start_followup(self.app, self.lease_store, lease.job_id)
+                keys.settle(self.app, self.lease_store, lease.key)
         return super().on_replace(sig)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

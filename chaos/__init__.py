@@ -6,7 +6,10 @@
 - ``fault``: the fault kinds and how each is done to real processes and services;
 - ``trigger``: the bursts of keyed jobs' triggers, sent as a webhook receiver would;
 - ``check``: the invariants, computed from the tables and logs once every process is stopped;
-- ``app``: the Celery app the run's workers load (``celery -A chaos.app worker``).
+- ``app``: the Celery app the run's workers load (``celery -A chaos.app worker``);
+- ``client``: a client the ``kill_client`` fault starts and SIGKILLs (``python -m chaos.client``);
+- ``reaper``: a reaper loop the SQLite runs start in a PID namespace of their own
+  (``python -m chaos.reaper`` under ``unshare``).
 
 Its self-tests (no services) are in ``chaos/tests``; the short form that ``make test`` runs is
 ``tests/chaos/test_chaos.py``. It uses the test suite's support code (``tests.support``: the

@@ -13,6 +13,25 @@ Configured from the environment like ``leased_app`` (see its ``app_env``). Both 
 
 ``tail_seconds`` is a sleep after the last checkpoint, before the job finishes.
 
+A job sent with a ``soft_time_limit`` (``--soft-limits``) gets ``SoftTimeLimitExceeded`` wherever
+it is when the limit passes: often inside a statement, as the run's slow-statement trigger
+(:func:`install_slow_statements`) makes every update of its row take up to
+``SLOW_STATEMENT_SECONDS``. The task catches it, logs where it landed (``chaos: soft time limit
+in ...``), saves a last checkpoint (at-least-once: the units committed so far; exactly-once has
+nothing to add, its checkpoint is in each unit's transaction) and retries from its checkpoint,
+with the same limit. The task's own connections are invalidated when anything but a database
+error interrupts them (:class:`Guarded`), so a connection reused after an interrupt can only
+be the library's: its errors (``REUSE_ERRORS``) in a worker log break an invariant.
+
+``CHAOS_ISOLATION`` (``read_committed``, ``repeatable_read``, or ``mixed``: one or the other
+per job, by its id) is the isolation level of the transactions of ``chaos.exactly_once`` and
+``chaos.keyed`` (PostgreSQL and MariaDB; ignored on SQLite). A conflict there (a
+serialization failure under snapshot isolation: ``WriteConflict``) escapes ``exactly_once``,
+so the library sends the job again from its checkpoint; ``keyed`` runs its transaction again
+itself (``chaos: write conflict``). At repeatable read each of those transactions pauses a
+little (``TX_PAUSE``) between its first statement and its checkpoint, so triggers and
+renewals land inside it.
+
 ``chaos.keyed(account, count, unit_seconds)`` is a sync of one resource (lease key
 ``account:<account>``): ``count`` units, each committing its unit row, the key's cursor
 ``{"units": <units the key's jobs committed>}`` (``self.save_cursor``) and its checkpoint in one
@@ -43,19 +62,27 @@ every change of a job's state or token (every claim, hand-back, re-publish and e
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import random
 import time
+import traceback
 import uuid
+import zlib
 from collections.abc import Mapping
+from types import TracebackType
 from typing import Any
 
 import sqlalchemy as sa
 from celery import Celery, Task
+from celery.exceptions import SoftTimeLimitExceeded
 from sqlalchemy.engine import Engine
 
-from celery_leases import LeasedTask, StoreUnavailable
-from celery_leases.db.clock import db_now
+from celery_leases import LeasedTask, LeaseError, StoreUnavailable, WriteConflict
+from celery_leases.db.functions import db_now
+from celery_leases.errors import Stop
 from chaos.fault import HOLD_DIR_ENV, hold_if_asked
 from tests.support.apps.factory import table_of
 from tests.support.apps.leased_app import make_app as make_leased_app
@@ -69,6 +96,26 @@ KEYED_TASK = "chaos.keyed"
 KEY_FORMAT = "account:{account}"
 #: Seconds ``chaos.errback`` keeps trying to record its call while the database is down.
 ERRBACK_PATIENCE = 30.0
+#: The end of the id of a job sent with a soft time limit: its row's updates are slowed.
+SOFT_SUFFIX = "-s"
+#: Seconds an update of a soft-limited job's row takes at most (the slow-statement trigger).
+SLOW_STATEMENT_SECONDS = 0.3
+#: ``CHAOS_ISOLATION``: the isolation level of the tasks' transactions.
+ISOLATION_ENV = "CHAOS_ISOLATION"
+ISOLATIONS = ("read_committed", "repeatable_read", "mixed")
+#: Seconds (at most) a repeatable-read transaction pauses before its checkpoint.
+TX_PAUSE = 0.15
+#: Times ``chaos.keyed`` runs a transaction again after a write conflict before it gives up.
+CONFLICT_TRIES = 20
+#: What a driver error says when a connection is used again after a statement on it was
+#: interrupted (psycopg, PyMySQL/mysqlclient): in a worker log, a connection was reused.
+REUSE_ERRORS = (
+    r"another command is already in progress",
+    r"[Cc]ommands? out of sync",
+    r"Packet sequence number wrong",
+)
+
+logger = logging.getLogger("chaos")
 
 
 class ReconnectingUnitLog(UnitLog):
@@ -177,9 +224,87 @@ def trigger_log_for(app: Celery) -> TriggerLog:
     return table_of(app, TriggerLog, "triggers")
 
 
+class Guarded:
+    """``engine.begin()`` for the tasks' own writes, whose connection is invalidated (closed,
+    never pooled again) when anything but a database error or a celery-leases error or stop
+    interrupts it (a soft time limit inside a statement leaves it with a command in progress):
+    a connection error after an interrupt in a worker log is then the library's."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.connection: sa.Connection | None = None
+
+    def __enter__(self) -> sa.Connection:
+        self.connection = self.engine.connect()
+        try:
+            self.connection.begin()
+        except BaseException as exc:
+            self._end(exc)
+            raise
+        return self.connection
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            try:
+                assert self.connection is not None
+                self.connection.commit()
+            except BaseException as commit_exc:
+                self._end(commit_exc)
+                raise
+        self._end(exc)
+
+    def _end(self, exc: BaseException | None) -> None:
+        connection, self.connection = self.connection, None
+        if connection is None:
+            return
+        expected = isinstance(exc, sa.exc.SQLAlchemyError | LeaseError | Stop)
+        if exc is not None and (not expected or soft_limit_of(exc) is not None):
+            with contextlib.suppress(Exception):  # closed already: nothing to reuse
+                connection.invalidate()
+        with contextlib.suppress(Exception):  # invalidated, or the server is gone
+            connection.close()  # rolls back what is left
+
+
+def soft_limit_of(exc: BaseException) -> SoftTimeLimitExceeded | None:
+    """The soft time limit behind ``exc``: itself, or one it was raised while handling (a
+    driver's cleanup that failed on the interrupted connection: psycopg's pre-ping restoring
+    ``autocommit`` raises ``ProgrammingError`` from it)."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        if isinstance(error, SoftTimeLimitExceeded):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def isolation_of(job_id: str, setting: str | None) -> str | None:
+    """The isolation level of job ``job_id``'s transactions (None: the database's default)."""
+    if setting == "repeatable_read" or (setting == "mixed" and zlib.crc32(job_id.encode()) % 2):
+        return "REPEATABLE READ"
+    return None
+
+
+def interrupt_site(tb: TracebackType | None) -> str:
+    """Where an exception raised at ``tb`` landed: ``library statement`` (a database call under
+    celery-leases' code), ``own statement`` (a database call of the task's own), ``library``
+    (celery-leases' code, no statement), or ``task`` (the task's own code, a sleep)."""
+    frames = [f.f_code.co_filename for f, _ in traceback.walk_tb(tb)]
+    in_driver = any(("/psycopg" in f or "/sqlalchemy/" in f or "/pymysql/" in f) for f in frames)
+    in_library = any("/celery_leases/" in f for f in frames)
+    if in_driver:
+        return "library statement" if in_library else "own statement"
+    return "library" if in_library else "task"
+
+
 def add_chaos_tasks(app: Celery) -> Celery:
     log = chaos_log_for(app)
     callbacks = callback_log_for(app)
+    isolation = os.environ.get(ISOLATION_ENV) or None
+    sqlite = str(app.conf.get("leases_database_url", "")).startswith("sqlite")
     options: dict[str, Any] = {
         "base": LeasedTask,
         "bind": True,
@@ -192,31 +317,77 @@ def add_chaos_tasks(app: Celery) -> Celery:
     }
 
     def start(task: Task, unit: int, run: str) -> int:
+        """Record (and commit) that ``unit`` starts now (``UnitLog.start``, guarded)."""
         lease = task.lease
-        return log.start(
-            lease.job_id,
-            unit,
-            run=run,
-            token=lease.token,
-            attempt=lease.attempt,
-            host=task.request.hostname or "",
+        t = log.table
+        values = {
+            "job_id": lease.job_id,
+            "unit": unit,
+            "run": run,
+            "token": lease.token,
+            "attempt": lease.attempt,
+            "pid": os.getpid(),
+            "host": task.request.hostname or "",
+            "started_at": db_now(),
+        }
+        with Guarded(log.engine) as connection:
+            found = connection.execute(sa.insert(t).values(values).returning(t.c.id))
+            return int(found.scalar_one())
+
+    def tx_engine(job_id: str) -> tuple[Engine, bool]:
+        """The engine of the job's transactions, at its isolation level; and whether they
+        pause before their checkpoint (repeatable read)."""
+        level = None if sqlite else isolation_of(job_id, isolation)
+        if level is None:
+            return log.engine, False
+        return log.engine.execution_options(isolation_level=level), True
+
+    def pause(paused: bool) -> None:
+        if paused:
+            time.sleep(random.uniform(0.0, TX_PAUSE))
+
+    def soft_limit(task: Task, caught: Exception, last: dict[str, Any] | None) -> Any:
+        """``caught`` is, or was raised from, the soft time limit (else it is raised again):
+        log where the limit landed, save ``last`` (a last checkpoint), and retry from the
+        checkpoint (the retry keeps the limit)."""
+        exc = soft_limit_of(caught)
+        if exc is None:
+            raise caught
+        site = interrupt_site(exc.__traceback__)
+        where = "".join(traceback.format_tb(exc.__traceback__, limit=-1)).strip().splitlines()
+        logger.warning(
+            "chaos: soft time limit in %s, job %s token %s (%s)%s",
+            site,
+            task.lease.job_id,
+            task.lease.token,
+            where[0].strip() if where else "?",
+            "" if exc is caught else f", raised as {type(caught).__name__}",
         )
+        if last is not None:
+            task.checkpoint(last)
+        raise task.retry(countdown=0.1, max_retries=None, exc=exc)
 
     hold_dir = os.environ.get(HOLD_DIR_ENV)
 
     @app.task(name="chaos.exactly_once", **options)  # type: ignore[untyped-decorator]
     def exactly_once(self: Task, count: int, unit_seconds: float, tail_seconds: float = 0.0) -> int:
         run = uuid.uuid4().hex
-        for unit in range((self.lease.checkpoint or {}).get("next", 0), count):
-            row = start(self, unit, run)
-            time.sleep(unit_seconds)
-            with log.engine.begin() as connection:
-                log.end(connection, row)
-                self.checkpoint({"next": unit + 1}, connection=connection)
-                if hold_dir:  # the fault freeze_in_transaction: the row is locked until commit
-                    hold_if_asked(hold_dir, self.lease.job_id)
-            self.stop_point()
-        time.sleep(tail_seconds)
+        engine, paused = tx_engine(self.lease.job_id)
+        try:
+            for unit in range((self.lease.checkpoint or {}).get("next", 0), count):
+                row = start(self, unit, run)
+                time.sleep(unit_seconds)
+                with Guarded(engine) as connection:
+                    log.end(connection, row)
+                    pause(paused)
+                    self.checkpoint({"next": unit + 1}, connection=connection)
+                    if hold_dir:  # freeze_in_transaction: the row is locked until commit
+                        hold_if_asked(hold_dir, self.lease.job_id)
+                self.stop_point()
+            time.sleep(tail_seconds)
+        except Exception as exc:
+            # Nothing to add: each unit's checkpoint committed with it, or neither did.
+            soft_limit(self, exc, None)
         return count
 
     @app.task(name="chaos.at_least_once", **options)  # type: ignore[untyped-decorator]
@@ -224,29 +395,59 @@ def add_chaos_tasks(app: Celery) -> Celery:
         self: Task, count: int, unit_seconds: float, tail_seconds: float = 0.0
     ) -> int:
         run = uuid.uuid4().hex
-        for unit in range((self.lease.checkpoint or {}).get("next", 0), count):
-            row = start(self, unit, run)
-            time.sleep(unit_seconds)
-            with log.engine.begin() as connection:
-                log.end(connection, row)
-            self.checkpoint({"next": unit + 1})
-        time.sleep(tail_seconds)
+        committed = (self.lease.checkpoint or {}).get("next", 0)
+        try:
+            for unit in range(committed, count):
+                row = start(self, unit, run)
+                time.sleep(unit_seconds)
+                with Guarded(log.engine) as connection:
+                    log.end(connection, row)
+                committed = unit + 1
+                self.checkpoint({"next": unit + 1})
+            time.sleep(tail_seconds)
+        except Exception as exc:
+            # The units committed so far (the checkpoint of the last may not have been saved).
+            soft_limit(self, exc, {"next": committed})
         return count
+
+    def keyed_unit(
+        task: Task, engine: Engine, paused: bool, row: int, unit: int, done: int
+    ) -> None:
+        """Commit ``unit`` (its row, the key's cursor, the checkpoint) in one transaction; run
+        it again when it loses to a concurrent one (``WriteConflict``)."""
+        lease = task.lease
+        for tries in range(1, CONFLICT_TRIES + 1):
+            try:
+                with Guarded(engine) as connection:
+                    log.end(connection, row)
+                    pause(paused)
+                    task.save_cursor({"units": done + 1}, connection=connection)
+                    if hold_dir:  # freeze_in_transaction: the job's row and the key's locked
+                        hold_if_asked(hold_dir, lease.job_id, keyed=True)
+                    task.checkpoint({"next": unit + 1}, connection=connection)
+                return
+            except WriteConflict as exc:
+                if tries == CONFLICT_TRIES:
+                    raise
+                logger.warning(
+                    "chaos: write conflict in job %s unit %d (try %d), run again: %s",
+                    lease.job_id,
+                    unit,
+                    tries,
+                    exc,
+                )
+                time.sleep(random.uniform(0.0, 0.05 * tries))
 
     @app.task(name=KEYED_TASK, lease_key=KEY_FORMAT, **options)  # type: ignore[untyped-decorator]
     def keyed(self: Task, account: str, count: int, unit_seconds: float) -> int:
         lease = self.lease
         run = uuid.uuid4().hex
         done = int((lease.cursor or {}).get("units", 0))
+        engine, paused = tx_engine(lease.job_id)
         for unit in range((lease.checkpoint or {}).get("next", 0), count):
             row = start(self, unit, run)
             time.sleep(unit_seconds)
-            with log.engine.begin() as connection:
-                log.end(connection, row)
-                self.save_cursor({"units": done + 1}, connection=connection)
-                if hold_dir:  # freeze_in_transaction: the job's row and the key's are locked
-                    hold_if_asked(hold_dir, lease.job_id, keyed=True)
-                self.checkpoint({"next": unit + 1}, connection=connection)
+            keyed_unit(self, engine, paused, row, unit, done)
             done += 1
             self.stop_point()
         return count
@@ -363,8 +564,9 @@ def cursors_table(jobs_table: str) -> sa.Table:
 def install_cursor_log(engine: Engine, jobs_table: str) -> sa.Table:
     """Create ``<jobs_table>_cursors`` and triggers on the keys table (``<jobs_table>_keys``)
     that add a row (key, the writer's job and token, the cursor, database time) for every
-    cursor write, in the writer's transaction: the log holds exactly the committed writes, in
-    commit order (PostgreSQL and SQLite)."""
+    cursor write (a write sets ``cursor_at``; the triggers waiting on a key, kept on the same
+    row, are not cursor writes), in the writer's transaction: the log holds exactly the
+    committed writes, in commit order (PostgreSQL and SQLite)."""
     log = cursors_table(jobs_table)
     log.create(engine, checkfirst=True)
     keys = f"{jobs_table}_keys"
@@ -378,8 +580,10 @@ def install_cursor_log(engine: Engine, jobs_table: str) -> sa.Table:
             connection.execute(
                 sa.text(
                     f"CREATE OR REPLACE FUNCTION {trigger}() RETURNS trigger AS $$ BEGIN "
+                    f"IF (TG_OP = 'INSERT' AND NEW.cursor_at IS NOT NULL) OR (TG_OP = 'UPDATE' "
+                    f"AND NEW.cursor_at IS DISTINCT FROM OLD.cursor_at) THEN "
                     f"{values}EXTRACT(EPOCH FROM clock_timestamp())); "
-                    f"RETURN NEW; END $$ LANGUAGE plpgsql"
+                    f"END IF; RETURN NEW; END $$ LANGUAGE plpgsql"
                 )
             )
             connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger} ON {keys}"))
@@ -391,11 +595,14 @@ def install_cursor_log(engine: Engine, jobs_table: str) -> sa.Table:
             )
         elif engine.dialect.name == "sqlite":
             now = "(julianday('now') - 2440587.5) * 86400.0"
-            for event, suffix in (("INSERT", "i"), ("UPDATE", "u")):
+            for event, suffix, when in (
+                ("INSERT", "i", "NEW.cursor_at IS NOT NULL"),
+                ("UPDATE", "u", "NEW.cursor_at IS NOT OLD.cursor_at"),
+            ):
                 connection.execute(
                     sa.text(
                         f"CREATE TRIGGER IF NOT EXISTS {trigger}_{suffix} AFTER {event} ON "
-                        f"{keys} FOR EACH ROW BEGIN {values}{now}); END"
+                        f"{keys} FOR EACH ROW WHEN {when} BEGIN {values}{now}); END"
                     )
                 )
         else:
@@ -412,6 +619,42 @@ def remove_cursor_log(engine: Engine, jobs_table: str) -> None:
         elif engine.dialect.name == "sqlite":
             connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger}_i"))
             connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger}_u"))
+
+
+# -- slow statements ---------------------------------------------------------------------------
+
+
+def install_slow_statements(engine: Engine, jobs_table: str) -> bool:
+    """A trigger that makes every update of the row of a job sent with a soft time limit (its
+    id ends with ``SOFT_SUFFIX``) take up to ``SLOW_STATEMENT_SECONDS``: its claims, checkpoints,
+    ends and hand-backs, so the limit often lands inside one of them. PostgreSQL only (False
+    elsewhere: nothing installed)."""
+    if engine.dialect.name != "postgresql":
+        return False
+    trigger = f"{jobs_table}_slow"
+    with engine.begin() as connection:
+        connection.execute(
+            sa.text(
+                f"CREATE OR REPLACE FUNCTION {trigger}() RETURNS trigger AS $$ BEGIN "
+                f"IF NEW.id LIKE '%{SOFT_SUFFIX}' THEN "
+                f"PERFORM pg_sleep(random() * {SLOW_STATEMENT_SECONDS}); "
+                f"END IF; RETURN NEW; END $$ LANGUAGE plpgsql"
+            )
+        )
+        connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger} ON {jobs_table}"))
+        connection.execute(
+            sa.text(
+                f"CREATE TRIGGER {trigger} BEFORE UPDATE ON {jobs_table} "
+                f"FOR EACH ROW EXECUTE FUNCTION {trigger}()"
+            )
+        )
+    return True
+
+
+def remove_slow_statements(engine: Engine, jobs_table: str) -> None:
+    if engine.dialect.name == "postgresql":
+        with engine.begin() as connection:
+            connection.execute(sa.text(f"DROP FUNCTION IF EXISTS {jobs_table}_slow() CASCADE"))
 
 
 # -- state log -------------------------------------------------------------------------------

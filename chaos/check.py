@@ -12,9 +12,17 @@ cancelled it or sent it with ``expires``: it may end ``revoked`` or ``cancelled`
 
 A *keyed* job has a lease key (its row's ``lease_key``): the driver's *triggers* (calls of the
 keyed task, as a webhook receiver makes them, recorded by the client with the database clock
-read just before each call) create keyed jobs or are coalesced into the key's live one; a
-key's *cursor* is written in the transaction of each unit its jobs commit (the cursor log holds
-every committed write, in commit order).
+read just before each call) create keyed jobs, or, while a job holds the key, wait on the key
+(``keys.pending_id``: every waiting trigger's call is answered with the first one's id). When
+the job holding the key ends, the waiting triggers are *served* by a run of the key that
+started after the latest of them (recorded as a row of their own, ``served_by`` naming that
+run, no attempt of its own), or a *follow-up* run is started for them under their id. A keyed
+row is thus a *run* (it was claimed and ran) or a *served* row. A key's *cursor* is written in
+the transaction of each unit its jobs commit (the cursor log holds every committed write, in
+commit order).
+
+A run's *start* is its first claim (the row's ``started_at``, which is also what the library
+compares with a trigger's time), checked against the unit log (its first unit started after).
 """
 
 from __future__ import annotations
@@ -56,6 +64,12 @@ class JobRow:
     finished_at: float | None = None
     #: The lease key of a keyed job, else None.
     key: str | None = None
+    #: When its first attempt claimed it (database clock); None if none ever did.
+    started_at: float | None = None
+    #: The run that served this row's triggers (a served row), else None.
+    served_by: str | None = None
+    #: Its recorded message carries ``expires``.
+    expires: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,8 @@ class Trigger:
     id: str
     served: str | None
     at: float
+    #: The database clock once the call returned (None: not recorded).
+    answered: float | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +155,16 @@ class Kill:
 
     at: float
     pids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Processes the driver stopped (SIGSTOP: a freeze, or a worker that froze itself inside a
+    transaction) from ``start`` to ``end`` (epoch seconds)."""
+
+    pids: tuple[int, ...]
+    start: float
+    end: float
 
 
 @dataclass(frozen=True)
@@ -206,6 +232,41 @@ class Evidence:
     #: the cursor of each key at the end (key -> JSON value), and the cursor log
     cursors: dict[str, Any] = field(default_factory=dict)
     cursor_log: list[CursorRow] = field(default_factory=list)
+    #: the revokes and cancels the driver sent to keyed jobs or to the id triggers wait under
+    key_controls: list[Control] = field(default_factory=list)
+    #: trigger id -> its ``expires`` (epoch seconds), for the triggers sent with one
+    key_expires: dict[str, float] = field(default_factory=dict)
+    #: key -> the id of the triggers still waiting on it at the end
+    pending: dict[str, str] = field(default_factory=dict)
+    #: keyed row id -> what the result backend holds (every trigger's result id)
+    key_backend: dict[str, Outcome] | None = None
+    #: job id -> its soft time limit (seconds), for the jobs sent with one
+    soft_limited: dict[str, float] = field(default_factory=dict)
+    #: counts read from the worker logs (``LOG_COUNTS`` in the driver): where soft limits
+    #: landed, conflicts run again
+    log_counts: dict[str, int] = field(default_factory=dict)
+    #: worker log lines that break an invariant, by kind: ``reuse`` (a connection used again
+    #: after a statement on it was interrupted), ``conflict_as_outage`` (a serialization
+    #: failure reported as the database being unavailable)
+    log_errors: dict[str, list[str]] = field(default_factory=dict)
+    #: the calls of the clients the driver killed: call id -> whether the call returned
+    #: (None: no client killed)
+    client_calls: dict[str, bool] | None = None
+    #: processes the driver stopped, and when PostgreSQL restarted (epoch seconds)
+    pauses: list[Pause] = field(default_factory=list)
+    restarts: list[float] = field(default_factory=list)
+    #: jobs whose worker logged that renewals failed until their lease expired
+    lost_renewals: set[str] = field(default_factory=set)
+    #: (job, token, when: epoch seconds) of each attempt that found at its checkpoint that
+    #: another attempt held its job (its worker's log): it ran while that one did
+    lost_to_another: list[tuple[str, int, float]] = field(default_factory=list)
+    lease_seconds: float = 3.0
+    #: one lock for the whole database (SQLite): a stopped writer blocks every process
+    global_lock: bool = False
+    #: seconds a job may stay claimed after its attempt's last unit when that attempt died or
+    #: gave up: the lease, a reaper pass (which may wait behind a whole job in the queue) and
+    #: a margin; None: not checked
+    hold_slack: float | None = None
     figures: dict[str, Any] = field(default_factory=dict)
 
 
@@ -226,10 +287,15 @@ def check_all(e: Evidence) -> list[Check]:
         _fencing(e, rows_by_job),
         _checkpoints(e),
         _table_rows(e),
+        _one_attempt_at_a_time(e, rows_by_job),
+        _no_lease_outlives_its_attempt(e, rows_by_job),
+        _interrupts(e),
+        _dying_clients(e),
         _keyed_jobs(e, rows_by_job),
         _one_run_per_key(e, rows_by_job),
         _triggers_followed(e, rows_by_job),
         _no_trigger_lost(e),
+        _keyed_controls(e),
         _cursors(e, rows_by_job),
     ]
 
@@ -875,17 +941,265 @@ def _table_rows(e: Evidence) -> Check:
     )
 
 
+# -- attempts, interrupts, dying clients ---------------------------------------------------------
+
+#: Seconds around a PostgreSQL restart within which a lease may be lost to it.
+RESTART_MARGIN = 10.0
+
+
+def claims_by_job(e: Evidence) -> dict[str, list[tuple[int, float]]]:
+    """Each job's claims from the state log: (token, when), the first time each token ran."""
+    found: dict[str, dict[int, float]] = {}
+    for row in e.history or []:
+        if row.state == "running":
+            found.setdefault(row.job_id, {}).setdefault(row.token, row.at)
+    return {job: sorted(tokens.items()) for job, tokens in found.items()}
+
+
+def superseded_excuse(e: Evidence, job_id: str, pid: int | None, at: float) -> str | None:
+    """Why an attempt of ``job_id`` in process ``pid`` could still run at ``at``, after a newer
+    attempt claimed the job, without the library taking a live lease: its process was stopped
+    not long before (its lease expired meanwhile); a stopped process held the whole
+    database's lock (SQLite: every renewal waited); PostgreSQL restarted; its own worker logged
+    that renewals failed until the lease expired. None: no excuse."""
+    window = e.hold_slack or 2 * e.lease_seconds + 10.0
+    for pause in e.pauses:
+        recent = pause.start <= at and pause.end >= at - window
+        if recent and (e.global_lock or pid is None or pid in pause.pids):
+            return (
+                "its process was stopped"
+                if pid is not None and pid in pause.pids
+                else "a stopped process held the database's lock"
+            )
+    if any(at - 2 * e.lease_seconds - RESTART_MARGIN <= r <= at for r in e.restarts):
+        return "the database restarted"
+    if job_id in e.lost_renewals:
+        return "its renewals failed until its lease expired"
+    return None
+
+
+def _one_attempt_at_a_time(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
+    """No attempt of a job ran while a newer attempt held it, unless the older one's lease
+    was taken for a reason outside the library (:func:`superseded_excuse`): no unit of the
+    older run started after the newer claim (the state log), and no attempt found at its
+    checkpoint that another held its job (its worker's log) while its process ran unstopped.
+    A reaper that takes a live holder for dead (another PID namespace, a reused pid) makes
+    two attempts run at once even where fencing keeps their commits apart."""
+    name = "never two attempts at once: no superseded attempt went on unless it was stopped"
+    if e.history is None:
+        return Check(name, True, "no state log recorded")
+    claims = claims_by_job(e)
+    problems: list[str] = []
+    excused: Counter[str] = Counter()
+    superseded = 0
+    for job_id, rows in sorted(rows_by_job.items()):
+        for run in runs_by_token(rows):
+            token = run[0].token or 0
+            later = [at for t, at in claims.get(job_id, []) if t > token]
+            if not later:
+                continue
+            superseded += 1
+            claimed = min(later)
+            late = [r for r in run if r.started_at > claimed]
+            if not late:
+                continue
+            excuse = superseded_excuse(e, job_id, run[0].pid, late[0].started_at)
+            if excuse is not None:
+                excused[excuse] += 1
+                continue
+            problems.append(
+                f"{job_id}: the run of token {token} (pid {run[0].pid}) started unit "
+                f"{late[0].unit} {late[0].started_at - claimed:+.2f}s after a newer token's "
+                f"claim, its process never stopped"
+            )
+    for job_id, token, at in e.lost_to_another:
+        pids = {r.pid for r in rows_by_job.get(job_id, []) if r.token == token}
+        pid = next(iter(pids)) if len(pids) == 1 else None
+        excuse = superseded_excuse(e, job_id, pid, at)
+        if excuse is not None:
+            excused[excuse] += 1
+            continue
+        problems.append(
+            f"{job_id}: its attempt of token {token} (pid {pid if pid else '?'}) was still "
+            f"running when another attempt held the job (its checkpoint found so), its "
+            f"process never stopped"
+        )
+    e.figures.update(
+        superseded_runs=superseded,
+        superseded_went_on=len(problems),
+        superseded_excused=sum(excused.values()),
+    )
+    text = (
+        f"{superseded} runs superseded by a newer claim, {len(e.lost_to_another)} attempts that "
+        f"found another holding their job; {sum(excused.values())} ran beside a newer one for a "
+        f"reason outside the library ("
+        + (", ".join(f"{k} {v}" for k, v in sorted(excused.items())) or "none")
+        + f"), {len(problems)} with no such reason"
+    )
+    for problem in problems[:3]:
+        text += f"\n      {problem}"
+    return Check(name, not problems, text)
+
+
+def paused_within(e: Evidence, pids: set[int], start: float, end: float) -> float:
+    """Seconds of ``start``-``end`` during which one of ``pids`` (any process, when ``pids`` is
+    empty or the database has one lock) was stopped."""
+    spans = sorted(
+        (max(p.start, start), min(p.end, end))
+        for p in e.pauses
+        if (e.global_lock or not pids or pids & set(p.pids)) and p.start < end and p.end > start
+    )
+    total, reached = 0.0, start
+    for low, high in spans:
+        low = max(low, reached)
+        if high > low:
+            total += high - low
+            reached = high
+    return total
+
+
+def _no_lease_outlives_its_attempt(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
+    """No job stayed claimed (``running`` under a token, in the state log) longer than
+    ``hold_slack`` after its attempt's last sign of life (its last unit started or committed, or
+    the claim), time its process was stopped left out, unless PostgreSQL restarted meanwhile:
+    an attempt that died, or gave up its lease "to expire as a crash would", frees its job
+    within a lease and a reaper pass. A lease that its holder keeps renewing for an attempt
+    that no longer runs (its process running other tasks) breaks this."""
+    name = "no lease outlives its attempt: a claimed job is freed soon after its attempt ends"
+    if e.history is None or e.hold_slack is None:
+        return Check(name, True, "not checked (no state log, or no slack given)")
+    by_job: dict[str, list[StateRow]] = {}
+    for row in e.history:
+        by_job.setdefault(row.job_id, []).append(row)
+    problems: list[str] = []
+    longest = 0.0
+    excused = 0
+    for job_id, rows in sorted(by_job.items()):
+        for row, after in itertools.pairwise(rows):
+            if row.state != "running":
+                continue
+            units = [u for u in rows_by_job.get(job_id, []) if u.token == row.token]
+            last = max([row.at, *(u.ended_at or u.started_at for u in units)])
+            if any(last - e.lease_seconds <= r <= after.at for r in e.restarts):
+                excused += 1
+                continue
+            held = after.at - last - paused_within(e, {u.pid for u in units}, last, after.at)
+            longest = max(longest, held)
+            if held > e.hold_slack:
+                problems.append(
+                    f"{job_id}: token {row.token} still claimed {held:.1f} s after its attempt's "
+                    f"last unit (pid {units[-1].pid if units else '?'}), until it went "
+                    f"{after.state} (token {after.token})"
+                )
+    e.figures.update(lease_held_after_attempt_max=round(longest, 1), leases_outlived=len(problems))
+    text = (
+        f"the longest a job stayed claimed after its attempt's last sign of life: {longest:.1f} s "
+        f"(allowed {e.hold_slack:g} s; {excused} claims around a database restart left out); "
+        f"{len(problems)} over it"
+    )
+    for problem in problems[:3]:
+        text += f"\n      {problem}"
+    return Check(name, not problems, text)
+
+
+def _interrupts(e: Evidence) -> Check:
+    """No connection was used again after a statement on it was interrupted (a soft time limit
+    inside a statement: the driver's error, ``another command is already in progress``, in a
+    worker log), and no conflict (a serialization failure) was reported as the database being
+    unavailable. The tasks' own connections are closed after an interrupt (``chaos.app``): a
+    reused one is the library's."""
+    name = "interrupts: no connection used again after one, no conflict reported as an outage"
+    reuse = e.log_errors.get("reuse", [])
+    outage = e.log_errors.get("conflict_as_outage", [])
+    c = e.log_counts
+    sites = {
+        k.removeprefix("soft limit in "): v for k, v in c.items() if k.startswith("soft limit in ")
+    }
+    e.figures.update(
+        soft_limited_jobs=len(e.soft_limited),
+        soft_limits_caught=sum(sites.values()),
+        soft_limits_in_library_statements=sites.get("library statement", 0),
+        connections_reused=len(reuse),
+        conflicts_reported_as_outage=len(outage),
+    )
+    text = (
+        f"{len(e.soft_limited)} jobs sent with a soft time limit: {sum(sites.values())} limits "
+        f"caught by the task ("
+        + (", ".join(f"in {k} {v}" for k, v in sorted(sites.items())) or "none")
+        + f"), {c.get('soft limits escaped', 0)} escaped it; {len(reuse)} errors of a connection "
+        f"used again after an interrupt; write conflicts run again by the task "
+        f"{c.get('conflicts run again by the task', 0)}, by the library "
+        f"{c.get('conflicts run again by the library', 0)}, {len(outage)} reported as an outage"
+    )
+    for line in [*reuse[:3], *outage[:2]]:
+        text += f"\n      {_short(line, 200)}"
+    return Check(name, not reuse and not outage, text)
+
+
+def _dying_clients(e: Evidence) -> Check:
+    """Every job a killed client recorded (a row of its call's id) ran and ended done, or as
+    a control of it allows, none left live: a recorded job its client never published is
+    re-published by the reaper (keyed ones too, with the default settings)."""
+    name = "dying clients: every job a killed client recorded ran, none left queued"
+    if e.client_calls is None:
+        return Check(name, True, "no client killed in this run")
+    by_job = controls_by_job(e)
+    recorded = [i for i in e.client_calls if i in e.jobs]
+    interrupted = [i for i in recorded if not e.client_calls[i]]
+    problems: list[str] = []
+    for job_id in recorded:
+        job = e.jobs[job_id]
+        if job.key is not None:
+            allowed = keyed_allowed_ends(e, job)
+        else:
+            allowed = allowed_ends(e, job_id, by_job.get(job_id, []))
+        if job.state not in allowed:
+            problems.append(
+                f"{job_id}: {job.state} (may end {'/'.join(sorted(allowed))}), attempts "
+                f"{job.attempts}"
+                + (
+                    "; its client was killed before the call returned"
+                    if job_id in interrupted
+                    else ""
+                )
+            )
+    e.figures.update(
+        client_calls=len(e.client_calls),
+        client_recorded=len(recorded),
+        client_interrupted_after_record=len(interrupted),
+    )
+    text = (
+        f"{len(e.client_calls)} calls started by killed clients, {len(recorded)} recorded a "
+        f"row of their id, {len(interrupted)} of those by a call the kill interrupted (recorded, "
+        f"its publish unconfirmed); {len(recorded) - len(problems)}/{len(recorded)} ended as "
+        f"allowed"
+    )
+    for problem in problems[:3]:
+        text += f"\n      {problem}"
+    return Check(name, not problems, text)
+
+
 # -- keyed jobs ------------------------------------------------------------------------------
 
 NO_KEYS = "no keyed jobs in this run"
 
 
 def jobs_by_key(e: Evidence) -> dict[str, list[str]]:
-    """Every keyed job's id, by key, in id order."""
+    """Every keyed row's id (runs and served rows), by key, in id order."""
     found: dict[str, list[str]] = {}
     for job in sorted(e.jobs.values(), key=lambda j: j.id):
         if job.key is not None:
             found.setdefault(job.key, []).append(job.id)
+    return found
+
+
+def runs_by_key(e: Evidence) -> dict[str, list[str]]:
+    """The keyed rows that are runs (not served rows), by key, in id order."""
+    found: dict[str, list[str]] = {}
+    for key, ids in jobs_by_key(e).items():
+        runs = [i for i in ids if e.jobs[i].served_by is None]
+        if runs:
+            found[key] = runs
     return found
 
 
@@ -894,17 +1208,84 @@ def first_start(rows: list[Unit]) -> float | None:
     return min((r.started_at for r in rows), default=None)
 
 
+def run_start(e: Evidence, job_id: str, rows_by_job: dict[str, list[Unit]]) -> float | None:
+    """When run ``job_id`` started: its first claim (the row's ``started_at``), else its first
+    unit; None if it never did."""
+    job = e.jobs.get(job_id)
+    if job is not None and job.started_at is not None:
+        return job.started_at
+    return first_start(rows_by_job.get(job_id, []))
+
+
+def key_controls_by_job(e: Evidence) -> dict[str, list[Control]]:
+    found: dict[str, list[Control]] = {}
+    for control in e.key_controls:
+        found.setdefault(control.job_id, []).append(control)
+    return found
+
+
+def keyed_allowed_ends(e: Evidence, job: JobRow) -> set[str]:
+    """The states keyed row ``job`` may end in: ``done``; ``revoked`` if the driver revoked its
+    id (a revoke only flags the id in the live workers: ``done`` stays allowed) or it is a run
+    recorded with ``expires`` (its own call's); ``cancelled`` if a cancel of its id found it
+    queued (or the cancel call failed). A served row only ``done``: the run that served it
+    started after every trigger it answers for."""
+    allowed = {DONE}
+    if job.served_by is not None:
+        return allowed
+    for control in key_controls_by_job(e).get(job.id, []):
+        if control.kind == "revoke":
+            allowed.add(REVOKED)
+        elif control.kind == "cancel" and control.detail in ("queued", "uncertain"):
+            allowed.add(CANCELLED)
+    if job.expires and job.id in e.key_expires and not followup_after_call(e, job.id):
+        allowed.add(REVOKED)
+    return allowed
+
+
+def followup_after_call(e: Evidence, job_id: str) -> float | None:
+    """Seconds after the call of trigger ``job_id`` returned that its row was inserted: a
+    follow-up run, recorded for triggers that waited, not the row its own call recorded; None
+    when it was inserted before (or either moment is unknown)."""
+    answered = next((t.answered for t in e.triggers or [] if t.id == job_id), None)
+    inserted = next((r.at for r in e.history or [] if r.job_id == job_id), None)
+    if answered is None or inserted is None or inserted <= answered:
+        return None
+    return inserted - answered
+
+
+def stopped_for(e: Evidence, trigger: Trigger, job: JobRow) -> bool:
+    """Whether ``job``, the result id of ``trigger``, may have ended stopped (revoked or
+    cancelled) for that trigger's caller: by its own call's ``expires``, by a cancel of that id
+    sent once the call was under way, or by a revoke of that id whenever it was sent. A revoke
+    is of an id, for good (Celery's): the documented rule (docs/keys.md, "The rules of a
+    trigger") is that revoking the id waiting triggers share revokes their run, for every
+    trigger that shares it, those that join it after the revoke included."""
+    if job.state == DONE or job.state not in keyed_allowed_ends(e, job):
+        return False
+    if job.state == REVOKED and job.expires and job.id == trigger.id:
+        return True
+    controls = key_controls_by_job(e).get(job.id, [])
+    if job.state == REVOKED:
+        return any(c.kind == "revoke" for c in controls)
+    return any(c.kind == "cancel" and c.at >= trigger.at for c in controls)
+
+
 def _keyed_jobs(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
-    """Every keyed job ended done with its full result, and each of its units committed
-    exactly once (the unit, its cursor write and its checkpoint share one transaction)."""
-    name = "keyed jobs: every one done, each unit committed exactly once"
+    """Every keyed run ended done with its full result (or as a control of its own id or its
+    own ``expires`` allows), each of its units committed exactly once (the unit, its cursor
+    write and its checkpoint share one transaction); every served row mirrors the run that
+    served it: a run of its key, no attempt of its own, ``done`` with that run's result."""
+    name = "keyed jobs: every run done, each unit committed exactly once"
     if e.triggers is None:
         return Check(name, True, NO_KEYS)
     keyed = [job for job in e.jobs.values() if job.key is not None]
-    states = Counter(job.state for job in keyed)
+    runs = [job for job in keyed if job.served_by is None]
+    served = [job for job in keyed if job.served_by is not None]
+    states = Counter(job.state for job in runs)
     problems: list[str] = []
     once = duplicated = missing = 0
-    for job in sorted(keyed, key=lambda j: j.id):
+    for job in sorted(runs, key=lambda j: j.id):
         counts = _committed_counts(rows_by_job.get(job.id, []))
         twice = {u: n for u, n in sorted(counts.items()) if n > 1 or not 0 <= u < e.key_units}
         duplicated += sum(n - 1 if 0 <= u < e.key_units else n for u, n in twice.items())
@@ -912,25 +1293,46 @@ def _keyed_jobs(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
         missing += len(absent)
         if job.state == DONE:
             once += sum(1 for u in range(e.key_units) if counts.get(u) == 1)
-        if job.state != DONE or job.result != e.key_units or twice or absent:
+        allowed = keyed_allowed_ends(e, job)
+        wrong_result = job.state == DONE and job.result != e.key_units
+        if job.state not in allowed or wrong_result or twice or absent:
             problems.append(
-                f"{job.id} ({job.key}): {job.state}, attempts {job.attempts}, result "
-                f"{job.result!r}, error {job.error!r}; units committed more than once "
-                f"{twice or 'none'}, missing {absent or 'none'}"
+                f"{job.id} ({job.key}): {job.state} (may end {'/'.join(sorted(allowed))}), "
+                f"attempts {job.attempts}, result {job.result!r}, error {job.error!r}; units "
+                f"committed more than once {twice or 'none'}, missing {absent or 'none'}"
+            )
+    for job in sorted(served, key=lambda j: j.id):
+        run = e.jobs.get(job.served_by or "")
+        if run is None or run.served_by is not None or run.key != job.key:
+            what = "no row" if run is None else f"key {run.key}, served by {run.served_by}"
+            problems.append(
+                f"{job.id} ({job.key}): served by {job.served_by}, not a run of its key ({what})"
+            )
+            continue
+        mirrored = job.state == (DONE if run.state == DONE else FAILED) and (
+            job.state != DONE or job.result == run.result
+        )
+        if not mirrored or job.attempts != 0 or rows_by_job.get(job.id):
+            problems.append(
+                f"{job.id} ({job.key}): served by {run.id} ({run.state}, result "
+                f"{run.result!r}) but {job.state}, result {job.result!r}, attempts "
+                f"{job.attempts}, {len(rows_by_job.get(job.id, []))} units of its own"
             )
     expected = states[DONE] * e.key_units
-    attempts = sum(job.attempts for job in keyed)
+    attempts = sum(job.attempts for job in runs)
+    again = sum(max(job.attempts - 1, 0) for job in runs)
     e.figures.update(
-        keyed_jobs=len(keyed),
+        keyed_jobs=len(runs),
         keyed_done=states[DONE],
+        keyed_served_rows=len(served),
         keyed_duplicated=duplicated,
         keyed_attempts=attempts,
     )
     text = (
-        f"{states[DONE]}/{len(keyed)} keyed jobs done ({dict(sorted(states.items()))}); "
-        f"{once}/{expected} of their units committed exactly once, {missing} missing, "
-        f"{duplicated} committed again; attempts {attempts} ({attempts - len(keyed)} after "
-        f"an interruption)"
+        f"{states[DONE]}/{len(runs)} keyed runs done ({dict(sorted(states.items()))}), "
+        f"{len(served)} served rows; {once}/{expected} of the done runs' units committed exactly "
+        f"once, {missing} missing, {duplicated} committed again; attempts {attempts} "
+        f"({again} after an interruption)"
     )
     for problem in problems[:3]:
         text += f"\n      {problem}"
@@ -941,15 +1343,15 @@ def _one_run_per_key(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
     """Never two runs of one key at once, from the unit log: no committed units of two jobs of
     one key overlap in time, and no run of a key's job started while another job of the key had
     a run that started before it and committed a unit after (its first unit start to its last
-    commit). And from the state log: no two jobs of one key were live (queued or running) at
-    once (from the row's insert to its end)."""
+    commit). And from the state log: no two runs of one key were live (queued or running) at
+    once (from the row's insert to its end). Served rows are no runs: they are left out."""
     name = "one run per key: never two runs of one key at once"
     if e.triggers is None:
         return Check(name, True, NO_KEYS)
     overlaps: list[str] = []
     inside: list[str] = []
     live: list[str] = []
-    keys = jobs_by_key(e)
+    keys = runs_by_key(e)
     for key, job_ids in keys.items():
         committed = sorted(
             (r for j in job_ids for r in rows_by_job.get(j, []) if r.committed),
@@ -989,11 +1391,13 @@ def _one_run_per_key(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
                 continue
             end = next((r.at for r in history if r.state in FINISHED), float("inf"))
             intervals.append((job_id, history[0].at, end))
-        for (a, a_from, a_to), (b, b_from, b_to) in itertools.combinations(intervals, 2):
-            if a_from < b_to and b_from < a_to:
+        for (one, one_from, one_to), (two, two_from, two_to) in itertools.combinations(
+            intervals, 2
+        ):
+            if one_from < two_to and two_from < one_to:
                 live.append(
-                    f"{key}: {a} live {a_from:.3f}-{a_to:.3f} and {b} live "
-                    f"{b_from:.3f}-{b_to:.3f} (state log)"
+                    f"{key}: {one} live {one_from:.3f}-{one_to:.3f} and {two} live "
+                    f"{two_from:.3f}-{two_to:.3f} (state log)"
                 )
     e.figures.update(
         keys=len(keys),
@@ -1002,9 +1406,9 @@ def _one_run_per_key(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
         key_live_overlaps=len(live),
     )
     text = (
-        f"{len(keys)} keys, {sum(len(j) for j in keys.values())} keyed jobs: {len(overlaps)} "
+        f"{len(keys)} keys, {sum(len(j) for j in keys.values())} keyed runs: {len(overlaps)} "
         f"committed units of two jobs of a key overlapping, {len(inside)} runs started while "
-        f"another job of the key had a run that committed later, {len(live)} pairs of jobs of "
+        f"another job of the key had a run that committed later, {len(live)} pairs of runs of "
         f"a key live at once" + ("" if e.history is not None else " (no state log recorded)")
     )
     for problem in [*overlaps[:2], *inside[:2], *live[:2]]:
@@ -1012,37 +1416,67 @@ def _one_run_per_key(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
     return Check(name, not overlaps and not inside and not live, text)
 
 
+def serving_run(e: Evidence, trigger: Trigger) -> JobRow | None:
+    """The run that serves ``trigger``: its result id's job when that is a run, the run that
+    served it when it is a served row; None when the result id has no row of its key."""
+    job = e.jobs.get(trigger.served or "")
+    if job is None or job.key != trigger.key:
+        return None
+    if job.served_by is not None:
+        run = e.jobs.get(job.served_by)
+        return run if run is not None and run.key == trigger.key else None
+    return job
+
+
 def _triggers_followed(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
-    """For every trigger, some job of its key whose first unit started after the trigger (the
-    client's database clock just before its call) ended done: a run that saw everything the
-    trigger announced."""
+    """For every trigger, the run that serves it (its call's result id, or the run its served
+    row names) started after it (its first claim, and its first unit, after the database clock
+    read just before the call) and ended done: a run that saw everything the trigger announced.
+    A trigger whose result id has no row of its key (lost: see the next check) needs some done
+    run of its key that started after it; one whose result id is a run a control of that very
+    id (or its own call's ``expires``) stopped is not to be followed (counted apart)."""
     name = "every trigger followed by a run of its key that started after it and ended done"
     if e.triggers is None:
         return Check(name, True, NO_KEYS)
-    keys = jobs_by_key(e)
-    starts = {j: first_start(rows_by_job.get(j, [])) for js in keys.values() for j in js}
+    keys = runs_by_key(e)
     taken = [t for t in e.triggers if t.served is not None]
     unfollowed: list[str] = []
     waits: list[float] = []
+    stopped = 0
     for t in taken:
-        after = [
-            starts[j]
-            for j in keys.get(t.key, [])
-            if e.jobs[j].state == DONE and (starts[j] or 0.0) > t.at
-        ]
-        if after:
-            waits.append(min(s for s in after if s is not None) - t.at)
+        run = serving_run(e, t)
+        if run is not None and run.id == t.served and stopped_for(e, t, run):
+            stopped += 1
             continue
-        seen = sorted(
-            (j for j in keys.get(t.key, []) if starts[j] is not None),
-            key=lambda j: starts[j] or 0.0,
-        )
+        if run is not None:
+            started = run_start(e, run.id, rows_by_job)
+            unit = first_start(rows_by_job.get(run.id, []))
+            after = started is not None and started > t.at and (unit is None or unit > t.at)
+            if run.state == DONE and after and started is not None:
+                waits.append(started - t.at)
+                continue
+            via = f"{t.served} served by " if run.id != t.served else ""
+            when = "never started" if started is None else f"started {started - t.at:+.2f}s"
+            first = "" if unit is None else f", first unit {unit - t.at:+.2f}s"
+            unfollowed.append(
+                f"trigger {t.id} of {t.key} at {t.at:.3f}: served by {via}{run.id}, "
+                f"{run.state}, {when}{first} after it"
+            )
+            continue
+        starts = {j: run_start(e, j, rows_by_job) for j in keys.get(t.key, [])}
+        after_it = [
+            s for j, s in starts.items() if e.jobs[j].state == DONE and s is not None and s > t.at
+        ]
+        if after_it:
+            waits.append(min(after_it) - t.at)
+            continue
+        seen = sorted((j for j, s in starts.items() if s is not None), key=lambda j: starts[j] or 0)
         last = ", ".join(
-            f"{j} {e.jobs[j].state} first unit {(starts[j] or 0.0) - t.at:+.2f}s" for j in seen[-2:]
+            f"{j} {e.jobs[j].state} started {(starts[j] or 0.0) - t.at:+.2f}s" for j in seen[-2:]
         )
         unfollowed.append(
-            f"trigger {t.id} of {t.key} at {t.at:.3f} (served by {t.served}): no done job of "
-            f"the key started after it; its last jobs: {last or 'none ran'}"
+            f"trigger {t.id} of {t.key} at {t.at:.3f} (served by {t.served}): no done run of "
+            f"the key started after it; its last runs: {last or 'none ran'}"
         )
     e.figures.update(
         triggers=len(taken),
@@ -1051,10 +1485,10 @@ def _triggers_followed(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check
         trigger_to_run_max=round(max(waits, default=0.0), 2),
     )
     text = (
-        f"{len(taken) - len(unfollowed)}/{len(taken)} triggers followed by a done run of their "
-        f"key that started after them (the first such start {max(waits, default=0.0):.1f} s "
-        f"after its trigger at most); {len(e.triggers) - len(taken)} calls raised (sent "
-        f"again as new calls)"
+        f"{len(waits)}/{len(taken) - stopped} triggers followed by a done run of their key that "
+        f"started after them (the longest wait for that start {max(waits, default=0.0):.1f} s), "
+        f"{stopped} stopped by a control of their own id; {len(e.triggers) - len(taken)} calls "
+        f"raised (sent again as new calls)"
     )
     for problem in unfollowed[:3]:
         text += f"\n      {problem}"
@@ -1062,32 +1496,130 @@ def _triggers_followed(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check
 
 
 def _no_trigger_lost(e: Evidence) -> Check:
-    """Every trigger's ``apply_async`` result id (its own job, or the job of its key that
-    served it) is a job of its key that ended done."""
+    """Every trigger's result id (its own job, the id of the triggers it waited with: their
+    follow-up run or their served row) is a row of its key that ended done, or as a control
+    of that very id allows; the result backend says so (SUCCESS with the run's result, or
+    REVOKED); and no trigger is left waiting on a key at the end."""
     name = "no trigger lost: every call's result id is a job of its key that ended done"
     if e.triggers is None:
         return Check(name, True, NO_KEYS)
     taken = [t for t in e.triggers if t.served is not None]
     lost: list[str] = []
+    stopped = 0
     for t in taken:
         job = e.jobs.get(t.served or "")
         if job is None:
             lost.append(f"trigger {t.id} of {t.key}: served by {t.served}, which has no row")
-        elif job.state != DONE or job.key != t.key:
+            continue
+        allowed = keyed_allowed_ends(e, job)
+        if job.key != t.key or job.state not in allowed:
+            why = f", served by {job.served_by}" if job.served_by else ""
             lost.append(
-                f"trigger {t.id} of {t.key}: served by {t.served}, {job.state} (key {job.key})"
+                f"trigger {t.id} of {t.key}: served by {t.served}, {job.state}{why} (key "
+                f"{job.key}; may end {'/'.join(sorted(allowed))}): {job.error or ''}".rstrip(": ")
             )
+        elif job.state != DONE and not stopped_for(e, t, job):
+            lost.append(
+                f"trigger {t.id} of {t.key} at {t.at:.3f}: answered with {t.served}, which a "
+                f"control had stopped ({job.state}) before the call"
+            )
+        elif job.state != DONE:
+            stopped += 1
+    backend_wrong: list[str] = []
+    if e.key_backend is not None:
+        for job_id in sorted({t.served for t in taken if t.served in e.jobs}):
+            job = e.jobs[job_id or ""]
+            want = CELERY_STATE.get(job.state)
+            got = e.key_backend.get(job.id)
+            same = got is not None and got.status == want
+            if same and want == "SUCCESS":
+                same = got is not None and got.result == job.result
+            if not same and not (
+                want == "SUCCESS"
+                and (got is None or got.status == "PENDING")
+                and killed_after_done(e, job.id)
+            ):
+                seen = "nothing" if got is None else f"{got.status} {_short(got.result)}"
+                backend_wrong.append(f"{job.id}: table {job.state}, backend {seen}")
+    waiting = [f"{key}: triggers still waiting as {i}" for key, i in sorted(e.pending.items())]
     own = sum(1 for t in taken if t.served == t.id)
     served_by = len({t.served for t in taken})
-    e.figures.update(triggers_lost=len(lost), trigger_jobs=served_by)
-    text = (
-        f"{len(taken) - len(lost)}/{len(taken)} triggers' result ids ended done; {served_by} "
-        f"jobs served them ({own} calls answered with their own id, {len(taken) - own} with "
-        f"another job's)"
+    e.figures.update(
+        triggers_lost=len(lost),
+        trigger_jobs=served_by,
+        triggers_stopped_by_their_control=stopped,
+        triggers_waiting_at_end=len(waiting),
+        keyed_backend_disagree=len(backend_wrong),
     )
-    for problem in lost[:3]:
+    text = (
+        f"{len(taken) - len(lost)}/{len(taken)} triggers' result ids ended done or as a control "
+        f"of that id allowed ({stopped} of them stopped so); {served_by} ids answered them "
+        f"({own} calls answered with their own id, {len(taken) - own} with another's); "
+        f"{len(waiting)} keys with triggers still waiting at the end"
+        + (
+            ""
+            if e.key_backend is None
+            else f"; {len(backend_wrong)} result ids whose backend state disagrees"
+        )
+    )
+    for problem in [*lost[:3], *waiting[:2], *backend_wrong[:2]]:
         text += f"\n      {problem}"
-    return Check(name, not lost, text)
+    return Check(name, not lost and not waiting and not backend_wrong, text)
+
+
+def _keyed_controls(e: Evidence) -> Check:
+    """Controls of keyed jobs stop only the job they name: a run whose message carries
+    ``expires`` is one its own call recorded with it (sent with ``expires``, inserted before
+    that call returned), never a follow-up (which runs without the trigger's expires or
+    countdown); a run revoked by its ``expires`` alone ended after it. (That the other triggers
+    of a stopped job's key are still served is the previous checks'.)"""
+    name = "keyed controls: follow-ups run without the trigger's expires, expiry only after it"
+    if e.triggers is None:
+        return Check(name, True, NO_KEYS)
+    problems: list[str] = []
+    controls = key_controls_by_job(e)
+    tally: Counter[str] = Counter()
+    for control in e.key_controls:
+        job = e.jobs.get(control.job_id)
+        tally[f"{control.kind}_{control.detail}"] += 1
+        tally[f"{control.kind}_{control.detail}_{job.state if job else 'no row'}"] += 1
+    for job in sorted(e.jobs.values(), key=lambda j: j.id):
+        if job.key is None or job.served_by is not None:
+            continue
+        if job.expires:
+            tally["runs_with_expires"] += 1
+            late = followup_after_call(e, job.id)
+            if job.id not in e.key_expires:
+                problems.append(
+                    f"{job.id}: carries expires, and no call of that id was sent with one"
+                )
+            elif late is not None:
+                problems.append(
+                    f"{job.id}: a follow-up (inserted {late:+.2f}s after its trigger's call "
+                    f"returned) carrying that trigger's expires"
+                )
+        revoke = any(c.kind == "revoke" for c in controls.get(job.id, []))
+        if job.state == REVOKED and job.expires and not revoke:
+            tally["expired"] += 1
+            expires = e.key_expires.get(job.id)
+            if expires is not None and job.finished_at is not None and job.finished_at < expires:
+                problems.append(
+                    f"{job.id}: revoked {expires - job.finished_at:.1f} s before its expires, "
+                    f"with no revoke"
+                )
+    e.figures.update({f"key_controls_{k}": v for k, v in sorted(tally.items())})
+    t = tally
+    text = (
+        f"revoke of a queued job {t['revoke_queued']} ({t['revoke_queued_revoked']} revoked), of "
+        f"the id triggers waited under {t['revoke_pending']} ({t['revoke_pending_revoked']} "
+        f"revoked); cancel of a queued job {t['cancel_queued']} ({t['cancel_queued_cancelled']} "
+        f"cancelled), that found nothing to cancel {t['cancel_none']}; triggers sent with "
+        f"expires {len(e.key_expires)}, runs recorded with it {t['runs_with_expires']} "
+        f"({t['expired']} revoked by it)"
+    )
+    for problem in problems[:3]:
+        text += f"\n      {problem}"
+    return Check(name, not problems, text)
 
 
 def _cursors(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
@@ -1119,14 +1651,19 @@ def _cursors(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
                     f"{row.units} after {previous}"
                 )
             previous = row.units if isinstance(row.units, int) else previous
-        by_writer = Counter((r.job_id, r.token) for r in rows)
-        by_unit = Counter((r.job_id, r.token) for r in units)
-        for (job_id, token), n in sorted((by_writer - by_unit).items()):
+        # A write with no job (an operator's) sorts with the rest: it matches no unit.
+        by_writer: Counter[tuple[str | None, int | None]] = Counter(
+            (r.job_id, r.token) for r in rows
+        )
+        by_unit: Counter[tuple[str | None, int | None]] = Counter(
+            (r.job_id, r.token) for r in units
+        )
+        for (job_id, token), n in sorted((by_writer - by_unit).items(), key=str):
             problems.append(
                 f"{key}: {job_id} (token {token}) wrote the cursor {n} more time(s) than it "
                 f"committed units ({by_unit[(job_id, token)]})"
             )
-        for (job_id, token), n in sorted((by_unit - by_writer).items()):
+        for (job_id, token), n in sorted((by_unit - by_writer).items(), key=str):
             problems.append(
                 f"{key}: {job_id} (token {token}) committed {n} unit(s) with no cursor write"
             )

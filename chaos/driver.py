@@ -18,9 +18,22 @@ running ones (``celery leases cancel``, through the store); ``--no-controls`` le
 cancels and expiring jobs out. Keyed jobs (``--keys``, ``--triggers``): bursts of triggers
 (calls of ``chaos.keyed``, one account each, as a webhook provider sends them) go out during the
 run while the faults happen, from a thread of their own (``chaos/trigger.py``);
-``--keys 0`` leaves them out. The seed is printed first; the same seed replays the same jobs,
-fault plan (kinds, moments by progress, targets, freeze lengths), expiring jobs and trigger
-bursts. Exits 1 if an invariant failed.
+``--keys 0`` leaves them out.
+
+The edges of real deployments (issue 23), each on by default in the long form and selectable:
+``--soft-limits`` (a fraction of the jobs sent with a short ``soft_time_limit``, their row's
+statements slowed on PostgreSQL so the limit lands inside them; ``0``: none);
+``kill_client`` faults (``--no-dying-clients``: none): a client calling jobs and triggers over a
+slow broker, SIGKILLed at a seeded moment, often between recording a job and publishing it;
+``revoke_keyed`` / ``cancel_keyed`` faults and ``--key-expiring`` (``--no-keyed-controls``:
+none): keyed jobs revoked or cancelled while they wait, revokes and cancels of the id triggers
+wait under, triggers sent with ``expires``; ``--isolation`` (``read_committed``,
+``repeatable_read``, ``mixed``: the tasks' transactional checkpoints at repeatable read, for
+every job or half of them; not on SQLite); ``--namespace-reaper`` (SQLite: a second reaper in a
+PID namespace of its own, via ``unshare``; ``--no-namespace-reaper``). The seed is printed
+first; the same seed replays the same jobs, fault plan (kinds, moments by progress, targets,
+freeze lengths), expiring and soft-limited jobs and trigger bursts. Exits 1 if an invariant
+failed.
 """
 
 from __future__ import annotations
@@ -32,8 +45,10 @@ import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
@@ -50,19 +65,28 @@ from celery_leases import LeaseError
 from celery_leases.config import settings_for
 from celery_leases.db import migrations
 from celery_leases.db.store import store_for
+from chaos import client as dying_client
 from chaos import fault as F
+from chaos import reaper as namespaced_reaper
 from chaos import trigger as T
 from chaos.app import (
+    ISOLATION_ENV,
+    ISOLATIONS,
     KEYED_TASK,
+    REUSE_ERRORS,
+    SLOW_STATEMENT_SECONDS,
+    SOFT_SUFFIX,
     TASKS,
     add_chaos_tasks,
     callback_log_for,
     chaos_log_for,
     install_checkpoint_log,
     install_cursor_log,
+    install_slow_statements,
     install_state_log,
     remove_checkpoint_log,
     remove_cursor_log,
+    remove_slow_statements,
     remove_state_log,
     trigger_log_for,
 )
@@ -78,6 +102,7 @@ from chaos.check import (
     JobRow,
     Kill,
     Outcome,
+    Pause,
     StateRow,
     Trigger,
     check_all,
@@ -86,7 +111,7 @@ from tests.support.apps.factory import app_env
 from tests.support.apps.leased_app import make_app as make_leased_app
 from tests.support.scenario import freeze, kill_all, start_all, thaw
 from tests.support.service import close_app, drop_tables, sqlite_result_backend
-from tests.support.worker import Beat, Spawner, Worker
+from tests.support.worker import Beat, CeleryProcess, Spawner, Worker
 
 CHAOS_APP = "chaos.app"
 TASK_OF_MODE = {EXACTLY_ONCE: "chaos.exactly_once", AT_LEAST_ONCE: "chaos.at_least_once"}
@@ -115,7 +140,38 @@ LOG_EVENTS = {
     "cancelled at a checkpoint": r"cancelled at its checkpoint",
     "ends stored in the backend by the reaper": r"celery-leases: job \S+ \([^)]*\) stored as",
     "expired jobs ended by the reaper": r"expired \(its message's expires passed\)",
+    "triggers settled by a run of their own": r"the triggers that waited on it run as job",
+    "soft time limits caught by the task": r"chaos: soft time limit in ",
+    "write conflicts run again (task, library)": (
+        r"chaos: write conflict in job|its transaction lost to a concurrent one"
+    ),
+    "re-published by the namespaced reaper": r"chaos reaper: pass \{[^\n]*'republished'",
 }
+#: Counts read from the logs into the evidence (``Evidence.log_counts``).
+LOG_COUNTS = {
+    "soft limit in library statement": r"chaos: soft time limit in library statement,",
+    "soft limit in own statement": r"chaos: soft time limit in own statement,",
+    "soft limit in library": r"chaos: soft time limit in library,",
+    "soft limit in task": r"chaos: soft time limit in task,",
+    "soft limits escaped": r"raised unexpected: SoftTimeLimitExceeded",
+    "conflicts run again by the task": r"chaos: write conflict in job",
+    "conflicts run again by the library": r"its transaction lost to a concurrent one",
+}
+#: Log lines that break an invariant (``Evidence.log_errors``), by kind.
+LOG_ERRORS = {
+    "reuse": "|".join(REUSE_ERRORS),
+    "conflict_as_outage": (
+        r"(unavailable|unreachable)[^\n]*(could not serialize access|deadlock detected|"
+        r"Deadlock found)"
+    ),
+}
+#: A worker's log line saying a job's renewals failed until its lease expired.
+LOST_RENEWALS = r"lease lost on job (\S+): renewals failed"
+#: A worker's log line saying an attempt found at its checkpoint that another held its job.
+LOST_TO_ANOTHER = (
+    r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}): [^\n]*lease lost on job (\S+) \(token "
+    r"(\d+)\): another attempt holds it"
+)
 
 
 @dataclass(frozen=True)
@@ -153,10 +209,38 @@ class Config:
     burst_gap: float = 1.0
     #: Units of a keyed job (of ``unit_seconds`` each).
     key_units: int = 5
+    #: Fraction of the jobs sent with a ``soft_time_limit`` of ``soft_limit_units`` units (a
+    #: unit and half the slowest statement each); their row's updates are slowed.
+    soft_limits: float = 0.0
+    soft_limit_units: tuple[float, float] = (2.5, 4.5)
+    #: Calls each client of a ``kill_client`` fault starts (it is killed before it makes
+    #: them all, mostly), and the seconds each of its publishes waits.
+    client_calls: int = 6
+    publish_delay: tuple[float, float] = (0.2, 0.6)
+    #: Fraction of the triggers sent with ``expires``, that many keyed-job lengths after.
+    key_expiring: float = 0.0
+    key_expires_after: tuple[float, float] = (0.2, 2.0)
+    #: The isolation level of the tasks' transactions (``chaos.app.ISOLATIONS``; None: the
+    #: database's default).
+    isolation: str | None = None
+    #: A second reaper in a PID namespace of its own (``chaos/reaper.py``, SQLite).
+    namespace_reaper: bool = False
 
     @property
     def keyed(self) -> bool:
         return self.keys > 0 and self.triggers > 0
+
+    @property
+    def soft_limited_jobs(self) -> int:
+        return round(self.jobs * self.soft_limits)
+
+    @property
+    def hold_slack(self) -> float:
+        """Seconds a job may stay claimed after its attempt died or gave up its lease: the
+        lease, two reaper passes, a whole job (a pass waits in the queue behind busy workers)
+        and 5 s."""
+        longest = max(self.job_seconds, self.key_units * self.unit_seconds)
+        return self.lease_seconds + 2 * self.reaper_every + longest + 5.0
 
     @property
     def slots(self) -> int:
@@ -168,6 +252,12 @@ class Config:
 
     def effective_queued_timeout(self) -> float:
         return self.queued_timeout or max(20.0, 4 * self.job_seconds)
+
+    def client_queued_timeout(self) -> float:
+        """``leases_queued_timeout`` of a dying client's (non-keyed) calls: the wait before the
+        reaper re-publishes a job it recorded and never published (its keyed calls use the
+        default, off: a keyed job is re-published after ``leases_reap_grace`` then)."""
+        return max(10.0, 2 * self.job_seconds)
 
     @property
     def expiring_jobs(self) -> int:
@@ -193,6 +283,19 @@ class Config:
                 if self.keyed
                 else "; no keyed jobs"
             )
+            + (
+                f", {self.key_expiring:.0%} of the triggers sent with expires"
+                if self.keyed and self.key_expiring
+                else ""
+            )
+            + (
+                f"; {self.soft_limited_jobs} jobs sent with a soft time limit of "
+                f"{self.soft_limit_units[0]:g}-{self.soft_limit_units[1]:g} units"
+                if self.soft_limited_jobs
+                else ""
+            )
+            + (f"; transactions at {self.isolation}" if self.isolation else "")
+            + ("; a reaper in another PID namespace" if self.namespace_reaper else "")
         )
 
 
@@ -216,6 +319,113 @@ class Report:
 class _Frozen:
     worker: Worker
     until: float
+    #: The processes stopped (the worker and its pool), and since when (epoch seconds).
+    pids: tuple[int, ...] = ()
+    since: float = 0.0
+
+
+class NamespacedReaper(CeleryProcess):
+    """``chaos/reaper.py`` in a PID namespace of its own (``fault.UNSHARE``)."""
+
+    command_name = "nsreaper"
+    ready_pattern = re.compile(namespaced_reaper.READY)
+
+    def command(self) -> list[str]:
+        return [*F.UNSHARE, sys.executable, "-m", "chaos.reaper"]
+
+
+#: Times a keyed control looks for a keyed job waiting (one every ``Config.min_gap`` s).
+KEYED_TARGET_TRIES = 8
+
+
+class NoTarget(RuntimeError):
+    """A keyed control found no keyed job waiting: tried again a little later."""
+
+
+@dataclass(frozen=True)
+class ClientKill:
+    """When a dying client is SIGKILLed: ``delay`` seconds after its call number ``call``
+    recorded its job (``in_window``: its publish waits at least that long, so the kill lands
+    between the record and the publish) or started (otherwise: before the record, in the
+    window, or after the publish). A call that records nothing (a trigger coalesced into its
+    key) moves the kill to the next call."""
+
+    call: int
+    in_window: bool
+    delay: float
+
+
+class DyingClient(CeleryProcess):
+    """``chaos/client.py`` with the plan in ``plan_path``; started without waiting for it
+    (:meth:`launch`), SIGKILLed by a watcher thread as ``kill`` says."""
+
+    command_name = "client"
+    ready_pattern = re.compile(dying_client.READY)
+
+    def __init__(self, plan_path: Path, *, kill: ClientKill, **options: Any) -> None:
+        super().__init__(CHAOS_APP, **options)
+        self.plan_path = plan_path
+        self.kill_plan = kill
+        self.killed = False
+        self.how = ""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "chaos.client", str(self.plan_path)]
+
+    def launch(self) -> None:
+        """Start the process (not waiting for it to be ready)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.command(),
+                cwd=self.cwd,
+                env=self.environment(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def calls(self) -> dict[str, bool]:
+        """The calls it started: call id -> whether the call returned."""
+        text = self.log_text()
+        returned = set(re.findall(rf"{dying_client.PUBLISHED} (\S+) ->", text))
+        return {i: i in returned for i in re.findall(rf"{dying_client.RECORDING} (\S+)", text)}
+
+    def watch(self, deadline: float = 90.0) -> str:
+        """Wait for the moment ``kill_plan`` names (polling the log every 10 ms), then SIGKILL
+        the client's process group; what the kill interrupted."""
+        plan = self.kill_plan
+        target = plan.call
+        limit = time.monotonic() + deadline
+        how = "its calls all made"
+        while time.monotonic() < limit:
+            text = self.log_text()
+            started = re.findall(rf"{dying_client.RECORDING} (\S+)", text)
+            if dying_client.DONE in text or not self.is_alive():
+                break
+            if len(started) > target:
+                call = started[target]
+                if not plan.in_window:
+                    time.sleep(plan.delay)
+                    how = f"{plan.delay:.2f} s after call {call} started"
+                    break
+                if f"{dying_client.RECORDED} {call}," in text:
+                    time.sleep(plan.delay)
+                    how = f"{plan.delay:.2f} s after call {call} recorded its job, publishing"
+                    break
+                returned = f"{dying_client.PUBLISHED} {call} "
+                if returned in text or f"{dying_client.FAILED} {call}:" in text:
+                    target += 1  # coalesced (nothing to publish) or failed: the next call
+            time.sleep(0.01)
+        else:
+            how = f"not at its moment within {deadline:g} s"
+        F.signal_group(self.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            self.wait(timeout=10)
+        self.killed = True
+        self.how = how
+        return how
 
 
 @dataclass
@@ -285,6 +495,20 @@ class Chaos:
         self.store: Any = None
         self.bursts: list[T.Burst] = []
         self.sender: T.Sender | None = None
+        #: Keyed controls, the triggers sent with ``expires`` (epoch seconds), the jobs sent
+        #: with a soft time limit (seconds), the clients started, the processes stopped and
+        #: when PostgreSQL restarted (epoch seconds).
+        self.key_controls: list[Control] = []
+        self.key_expires: dict[str, float] = {}
+        self.soft_limited: dict[str, float] = {}
+        self.clients: list[DyingClient] = []
+        self.pauses: list[Pause] = []
+        self.restarts: list[float] = []
+        self.namespace_reaper: NamespacedReaper | None = None
+        #: Times each fault found no target (keyed controls are tried again).
+        self.no_target: Counter[int] = Counter()
+        if c.isolation:
+            self.env[ISOLATION_ENV] = c.isolation
 
     # -- the run ---------------------------------------------------------------------------
 
@@ -316,10 +540,25 @@ class Chaos:
         log = chaos_log_for(client)
         callbacks = callback_log_for(client)
         triggers = trigger_log_for(client)
+        # Their own generator: the other draws stay as they were for a seed.
+        soft = set(random.Random(f"{c.seed}-soft").sample(range(c.jobs), c.soft_limited_jobs))
         ids = {
-            f"chaos-{c.seed}-{number:05d}-{'eo' if mode == EXACTLY_ONCE else 'alo'}": mode
+            f"chaos-{c.seed}-{number:05d}-{'eo' if mode == EXACTLY_ONCE else 'alo'}"
+            + (SOFT_SUFFIX if number in soft else ""): mode
             for number, mode in enumerate(modes)
         }
+        limits = random.Random(f"{c.seed}-soft-limits")
+        self.soft_limited = {
+            job_id: limits.uniform(*c.soft_limit_units)
+            * (c.unit_seconds + SLOW_STATEMENT_SECONDS / 2)
+            for job_id in sorted(ids)
+            if job_id.endswith(SOFT_SUFFIX)
+        }
+        if self.soft_limited:
+            self.out(
+                "chaos: sent with a soft time limit "
+                + ", ".join(f"{i.split('-')[2]} {s:.1f}s" for i, s in self.soft_limited.items())
+            )
         # Drawn after the plan, so a seed's plan is the same with and without expiring jobs.
         self.expiring = {
             job_id: self.rng.uniform(*c.expires_after) * c.job_seconds
@@ -338,6 +577,8 @@ class Chaos:
             checkpoint_log = install_checkpoint_log(store.engine, self.table)
             state_log = install_state_log(store.engine, self.table)
             cursor_log = install_cursor_log(store.engine, self.table)
+            if self.soft_limited and not install_slow_statements(store.engine, self.table):
+                self.out("chaos: no slow statements on this database (PostgreSQL only)")
             self._start_processes()
             self.started = time.monotonic()
             if self.bursts:
@@ -354,7 +595,12 @@ class Chaos:
             self._thaw_all()
             self._stop_sender()
             kill_all(self.spawner)
-            for remove in (remove_checkpoint_log, remove_state_log, remove_cursor_log):
+            for remove in (
+                remove_checkpoint_log,
+                remove_state_log,
+                remove_cursor_log,
+                remove_slow_statements,
+            ):
                 with contextlib.suppress(Exception):
                     remove(store.engine, self.table)
             close_app(client)
@@ -369,8 +615,17 @@ class Chaos:
         task = client.tasks[KEYED_TASK]
 
         def call(account: str, trigger_id: str) -> str:
+            options: dict[str, Any] = {}
+            draw = random.Random(f"{c.seed}-{trigger_id}")
+            if c.key_expiring and draw.random() < c.key_expiring:
+                after = draw.uniform(*c.key_expires_after) * c.key_units * c.unit_seconds
+                moment = time.time() + after
+                self.key_expires[trigger_id] = moment
+                options["expires"] = datetime.fromtimestamp(moment, tz=timezone.utc)
             return str(
-                task.apply_async((account, c.key_units, c.unit_seconds), task_id=trigger_id).id
+                task.apply_async(
+                    (account, c.key_units, c.unit_seconds), task_id=trigger_id, **options
+                ).id
             )
 
         sender = T.Sender(
@@ -395,7 +650,23 @@ class Chaos:
             # locks and fills it: a process binding at the same moment reads "" and dies
             # (JSONDecodeError). The first worker creates the files alone.
             workers.pop(0).start(timeout=60)
-        start_all([*workers, self._new_beat()], timeout=60)
+        extra: list[CeleryProcess] = []
+        if c.namespace_reaper:
+            extra.append(self._new_namespace_reaper())
+        start_all([*workers, self._new_beat(), *extra], timeout=60)
+        if self.namespace_reaper is not None:
+            found = re.search(r"chaos reaper: ready: ([^\n]*)", self.namespace_reaper.log_text())
+            self.out(
+                f"chaos: namespaced reaper {self.namespace_reaper.name}: "
+                f"{found.group(1) if found else '?'} (this driver: pid {os.getpid()} in "
+                f"{os.readlink('/proc/self/ns/pid')})"
+            )
+
+    def _new_namespace_reaper(self) -> NamespacedReaper:
+        reaper = NamespacedReaper(CHAOS_APP, env=self.env, log_dir=self.spawner.log_dir)
+        self.spawner.processes.append(reaper)
+        self.namespace_reaper = reaper
+        return reaper
 
     def _new_worker(self) -> Worker:
         worker = self.spawner.worker(
@@ -428,7 +699,9 @@ class Chaos:
             self._reap_draining(now)
             self._replace_dead()
             with contextlib.suppress(LeaseError, sa.exc.SQLAlchemyError):
-                new_finished, new_committed = _tally(store.table, log, c.units)
+                new_finished, new_committed = _tally(
+                    store.table, log, c.units, exclude=self._client_prefix()
+                )
                 if (new_finished, new_committed) != (finished, committed):
                     last_change = now
                 finished, committed = new_finished, new_committed
@@ -441,6 +714,7 @@ class Chaos:
                         link=client.signature(CALLBACK_TASK, args=(job_id,)),
                         link_error=client.signature("chaos.errback"),
                         **self._expiry(job_id),
+                        **self._soft_limit(job_id),
                     )
                 except Exception as exc:  # the broker or the database is restarting
                     self.out(f"chaos: [{self._clock()}] submit of {job_id} failed, again: {exc!r}")
@@ -451,7 +725,10 @@ class Chaos:
             while self.bursts and self.bursts[0].at <= progress and self.sender is not None:
                 self.sender.schedule(self.bursts.pop(0))
             if faults and faults[0].at <= progress and now - last_fault >= c.min_gap:
-                self._inject(faults.pop(0), progress)
+                fault = faults.pop(0)
+                if not self._inject(fault, progress):
+                    # No keyed job waits now: again a little later (a few times).
+                    faults.insert(0, fault)
                 last_fault = time.monotonic()
             if now >= next_report:
                 self.out(
@@ -476,7 +753,15 @@ class Chaos:
             self.out(f"chaos: {len(faults)} planned faults not done (the jobs ended first)")
 
     def _sent_all(self) -> bool:
-        return self.sender is None or self.sender.idle or not self.sender.is_alive()
+        sender = self.sender is None or self.sender.idle or not self.sender.is_alive()
+        return sender and all(client.killed for client in self.clients)
+
+    def _soft_limit(self, job_id: str) -> dict[str, Any]:
+        limit = self.soft_limited.get(job_id)
+        return {} if limit is None else {"soft_time_limit": limit}
+
+    def _client_prefix(self) -> str:
+        return f"chaos-{self.config.seed}-c"
 
     def _expiry(self, job_id: str) -> dict[str, Any]:
         """``expires`` for a job chosen to expire (the moment is recorded), else nothing."""
@@ -495,6 +780,7 @@ class Chaos:
         t = self.store.table
         deadline = time.monotonic() + 2 * c.effective_queued_timeout() + 10
         time.sleep(1.0)
+        k = self.store.keys
         waiting = (
             sa.select(sa.func.count())
             .select_from(t)
@@ -506,11 +792,13 @@ class Chaos:
                 )
             )
         )
+        pending = sa.select(sa.func.count()).select_from(k).where(k.c.pending_id.is_not(None))
         left = None
         while time.monotonic() < deadline:
             with contextlib.suppress(sa.exc.SQLAlchemyError):
                 with log.engine.connect() as connection:
                     left = int(connection.execute(waiting).scalar_one())
+                    left += int(connection.execute(pending).scalar_one())
                 if left == 0:
                     break
             time.sleep(0.5)
@@ -526,22 +814,32 @@ class Chaos:
         frozen = {id(f.worker) for f in self.frozen}
         return [w for w in self.workers if w.is_alive() and id(w) not in frozen]
 
-    def _inject(self, fault: F.Fault, progress: float) -> None:
+    def _inject(self, fault: F.Fault, progress: float) -> bool:
+        """Do ``fault``; False when it is to be tried again later (a keyed control that found
+        no keyed job waiting, ``KEYED_TARGET_TRIES`` times at most)."""
         head = f"chaos: [{self._clock()}] fault {fault.number} {fault.kind}"
         targets = self._targets()
         if fault.kind in F.WORKER_KINDS and not targets:
             self.skipped_faults += 1
             self.out(f"{head}: skipped, no worker to target")
-            return
+            return True
         worker = targets[int(fault.pick * len(targets))] if targets else None
         try:
             detail = getattr(self, f"_fault_{fault.kind}")(fault, worker)
+        except NoTarget as exc:
+            self.no_target[fault.number] += 1
+            if self.no_target[fault.number] < KEYED_TARGET_TRIES:
+                return False
+            self.skipped_faults += 1
+            self.out(f"{head}: failed to inject: {exc!r} ({KEYED_TARGET_TRIES} tries)")
+            return True
         except Exception as exc:
             self.skipped_faults += 1
             self.out(f"{head}: failed to inject: {exc!r}")
-            return
+            return True
         self.done_faults[fault.kind] += 1
         self.out(f"{head} at {progress:.0%}: {detail}")
+        return True
 
     def _fault_kill_child(self, fault: F.Fault, worker: Worker) -> str:
         children = worker.children()
@@ -561,8 +859,10 @@ class Chaos:
         return f"SIGKILL {worker.name} (pid {worker.pid}), replaced by {replacement}"
 
     def _fault_freeze(self, fault: F.Fault, worker: Worker) -> str:
+        pids = (worker.pid, *worker.children())
+        since = time.time()
         freeze(worker)
-        self.frozen.append(_Frozen(worker, time.monotonic() + fault.seconds))
+        self.frozen.append(_Frozen(worker, time.monotonic() + fault.seconds, pids, since))
         return f"SIGSTOP {worker.name} for {fault.seconds:.1f} s"
 
     def _fault_freeze_in_transaction(self, fault: F.Fault, worker: Worker | None) -> str:
@@ -576,11 +876,12 @@ class Chaos:
 
     def _take_holds(self, now: float) -> None:
         """Workers that froze themselves inside a transactional checkpoint: thaw them later."""
-        for pid, job_id, seconds in F.taken_holds(self.hold_dir):
+        for pid, job_id, seconds, since in F.taken_holds(self.hold_dir):
             worker = next((w for w in self.spawner.processes if w.pid == pid), None)
             if not isinstance(worker, Worker):
                 continue
-            self.frozen.append(_Frozen(worker, now + seconds))
+            pids = (worker.pid, *worker.children())
+            self.frozen.append(_Frozen(worker, now + seconds, pids, since))
             self.holds.append((time.time(), worker.name, job_id))
             self.out(
                 f"chaos: [{self._clock()}] {worker.name} froze inside the transaction of "
@@ -603,6 +904,7 @@ class Chaos:
             if worker.is_alive() and now < draining.until:
                 continue
             if worker.is_alive():
+                self.kills.append(Kill(time.time(), (worker.pid, *worker.children())))
                 F.signal_group(worker.pid, signal.SIGKILL)
                 with contextlib.suppress(Exception):
                     worker.wait(timeout=10)
@@ -613,7 +915,11 @@ class Chaos:
             self.out(f"chaos: [{self._clock()}] {worker.name} {how}")
 
     def _fault_restart_database(self, fault: F.Fault, worker: Worker | None) -> str:
-        return f"PostgreSQL restarted in {F.restart_postgres():.1f} s"
+        self.restarts.append(time.time())
+        try:
+            return f"PostgreSQL restarted in {F.restart_postgres():.1f} s"
+        finally:
+            self.restarts.append(time.time())
 
     def _fault_restart_broker(self, fault: F.Fault, worker: Worker | None) -> str:
         keep = _redis_db(self.result_backend)
@@ -670,7 +976,9 @@ class Chaos:
         c = self.config
 
         def cancellable(job: Any) -> bool:
-            return job.state == "queued" or (job.checkpoint or {}).get("next", 0) <= c.units - 2
+            return bool(
+                job.state == "queued" or (job.checkpoint or {}).get("next", 0) <= c.units - 2
+            )
 
         job = self._pick_job(fault, ("queued", "running"), cancellable)
         at = self.store.now()
@@ -690,6 +998,115 @@ class Chaos:
         self.controls.append(Control(job.id, "cancel", self.store.now(), how))
         where = f" on {job.owner}, checkpoint {job.checkpoint}" if how == "running" else ""
         return f"cancel of {job.id} ({how}{where})"
+
+    def _keyed_targets(self) -> list[tuple[str, str]]:
+        """(id, ``queued`` or ``pending``) of the keyed runs queued and the ids triggers wait
+        under on busy keys, that no keyed control targeted yet, in id order."""
+        t, k = self.store.table, self.store.keys
+        with self.store.engine.connect() as connection:
+            queued = connection.execute(
+                sa.select(t.c.id).where(
+                    t.c.lease_key.is_not(None),
+                    t.c.state == "queued",
+                    t.c.served_by.is_(None),
+                )
+            ).scalars()
+            found = [(str(i), "queued") for i in queued]
+            pending = connection.execute(
+                sa.select(k.c.pending_id).where(k.c.pending_id.is_not(None))
+            ).scalars()
+            found += [(str(i), "pending") for i in pending]
+        targeted = {control.job_id for control in self.key_controls}
+        return sorted((i, how) for i, how in found if i not in targeted)
+
+    def _fault_revoke_keyed(self, fault: F.Fault, worker: Worker | None) -> str:
+        """``revoke(id)`` of a queued keyed job, or of the id triggers wait under (no job of
+        that id yet: the revoke flags it in the live workers)."""
+        found = self._keyed_targets()
+        if not found:
+            raise NoTarget("no queued keyed job and no waiting trigger to revoke")
+        job_id, how = found[int(fault.pick * len(found))]
+        at = self.store.now()
+        self.key_controls.append(Control(job_id, "revoke", at, how))
+        with self.client.connection_for_write() as connection:
+            self.client.control.revoke(job_id, connection=connection)
+        return f"revoke of {job_id} ({'queued' if how == 'queued' else 'triggers waiting'})"
+
+    def _fault_cancel_keyed(self, fault: F.Fault, worker: Worker | None) -> str:
+        """``Store.cancel_queued`` of a queued keyed job, or of the id triggers wait under
+        (nothing to cancel: no job of that id yet)."""
+        found = self._keyed_targets()
+        if not found:
+            raise NoTarget("no queued keyed job and no waiting trigger to cancel")
+        job_id, how = found[int(fault.pick * len(found))]
+        at = self.store.now()
+        try:
+            cancelled = self.store.cancel_queued(job_id)
+        except LeaseError:
+            self.key_controls.append(Control(job_id, "cancel", at, "uncertain"))
+            raise
+        self.key_controls.append(Control(job_id, "cancel", at, "queued" if cancelled else "none"))
+        what = "queued" if how == "queued" else "triggers waiting"
+        return f"cancel of {job_id} ({what}): {'cancelled' if cancelled else 'nothing to cancel'}"
+
+    def _fault_kill_client(self, fault: F.Fault, worker: Worker | None) -> str:
+        """Start a client that calls jobs and triggers over a slow broker; it is SIGKILLed a
+        seeded moment (:class:`ClientKill`) by a thread of its own (:meth:`DyingClient.watch`)."""
+        c = self.config
+        rng = random.Random(f"{c.seed}-client-{fault.number}")
+        calls = []
+        for index in range(c.client_calls):
+            if c.keyed and index % 2 == 1:
+                call_id = f"{self._client_prefix()}{fault.number:03d}k{index}"
+                calls.append({"kind": "trigger", "id": call_id, "account": rng.randrange(c.keys)})
+            else:
+                mode = rng.choice((EXACTLY_ONCE, AT_LEAST_ONCE))
+                suffix = "eo" if mode == EXACTLY_ONCE else "alo"
+                call_id = f"{self._client_prefix()}{fault.number:03d}{index}-{suffix}"
+                calls.append({"kind": "job", "id": call_id, "mode": mode})
+        plan = {
+            "seed": f"{c.seed}-client-{fault.number}",
+            "calls": calls,
+            "units": c.units,
+            "unit_seconds": c.unit_seconds,
+            "key_units": c.key_units,
+            "publish_delay": list(c.publish_delay),
+        }
+        path = Path(self.spawner.log_dir) / f"client-{fault.number:03d}.json"
+        path.write_text(json.dumps(plan))
+        low, high = c.publish_delay
+        in_window = rng.random() < 0.7
+        kill = ClientKill(
+            call=rng.randrange(c.client_calls),
+            in_window=in_window,
+            delay=rng.uniform(0.0, 0.8 * low) if in_window else rng.uniform(0.0, high + 0.1),
+        )
+        settings = json.loads(self.env.get("TEST_CELERY_CONFIG") or "{}")
+        settings["leases_queued_timeout"] = c.client_queued_timeout()
+        env = {**self.env, "TEST_CELERY_CONFIG": json.dumps(settings)}
+        client = DyingClient(path, kill=kill, env=env, log_dir=self.spawner.log_dir)
+        self.spawner.processes.append(client)
+        self.clients.append(client)
+        client.launch()
+        threading.Thread(
+            target=self._kill_client, args=(client,), name=f"kill-{client.name}", daemon=True
+        ).start()
+        moment = "recorded its job" if kill.in_window else "started"
+        return (
+            f"client {client.name} (pid {client.pid}) calls {len(calls)} jobs and triggers, "
+            f"SIGKILLed {kill.delay:.2f} s after its call #{kill.call} {moment}"
+        )
+
+    def _kill_client(self, client: DyingClient) -> None:
+        how = client.watch()
+        self.kills.append(Kill(time.time(), (client.pid,)))
+        calls = client.calls()
+        cut = [i for i, returned in calls.items() if not returned]
+        self.out(
+            f"chaos: [{self._clock()}] {client.name} SIGKILLed {how}; "
+            f"{len(calls) - len(cut)} of its calls returned"
+            + (f", {cut[0]} did not" if cut else "")
+        )
 
     def _pick_job(
         self, fault: F.Fault, states: tuple[str, ...], fits: Callable[[Any], bool]
@@ -712,7 +1129,7 @@ class Chaos:
         replacement = self._new_worker()
         for attempt in (1, 2):
             try:
-                replacement.start(timeout=60)
+                self._start_tending(replacement)
                 break
             except RuntimeError:
                 if attempt == 2:
@@ -720,6 +1137,29 @@ class Chaos:
                 self.workers.remove(replacement)
                 replacement = self._new_worker()
         return replacement.name
+
+    def _start_tending(self, process: CeleryProcess, timeout: float = 60) -> None:
+        """Start ``process`` and wait until it is ready, thawing the frozen workers whose time
+        has come meanwhile: a worker frozen inside a write transaction (on SQLite, any frozen
+        writer) would otherwise keep the new process from getting ready, and the run would
+        wait for both."""
+        failure: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                process.start(timeout=timeout)
+            except BaseException as exc:
+                failure.append(exc)
+
+        starting = threading.Thread(target=start, name=f"start-{process.name}", daemon=True)
+        starting.start()
+        while starting.is_alive():
+            now = time.monotonic()
+            self._take_holds(now)
+            self._thaw_due(now)
+            starting.join(0.1)
+        if failure:
+            raise failure[0]
 
     def _replace_dead(self) -> None:
         for worker in list(self.workers):
@@ -736,18 +1176,30 @@ class Chaos:
                 f"chaos: [{self._clock()}] beat exited (status {self.beat.returncode}); "
                 "restarting it"
             )
-            self._new_beat().start(timeout=60)
+            self._start_tending(self._new_beat())
+        reaper = self.namespace_reaper
+        if reaper is not None and not reaper.is_alive():
+            self.unexpected_exits += 1
+            self.out(
+                f"chaos: [{self._clock()}] the namespaced reaper exited (status "
+                f"{reaper.returncode}); restarting it"
+            )
+            self._start_tending(self._new_namespace_reaper())
 
     def _thaw_due(self, now: float) -> None:
         for frozen in [f for f in self.frozen if f.until <= now]:
-            thaw(frozen.worker)
+            self._thaw(frozen)
             self.frozen.remove(frozen)
 
     def _thaw_all(self) -> None:
         self._take_holds(time.monotonic())
         for frozen in self.frozen:
-            thaw(frozen.worker)
+            self._thaw(frozen)
         self.frozen.clear()
+
+    def _thaw(self, frozen: _Frozen) -> None:
+        thaw(frozen.worker)
+        self.pauses.append(Pause(frozen.pids, frozen.since, time.time()))
 
     # -- evidence and report ---------------------------------------------------------------
 
@@ -776,6 +1228,9 @@ class Chaos:
                     t.c.error,
                     t.c.finished_at,
                     t.c.lease_key,
+                    t.c.started_at,
+                    t.c.served_by,
+                    t.c.message,
                 )
             ).all()
             cl = checkpoint_log
@@ -806,6 +1261,12 @@ class Chaos:
                 r.lease_key: _json(r.cursor_state)
                 for r in connection.execute(sa.select(k.c.lease_key, k.c.cursor_state))
             }
+            pending = {
+                r.lease_key: r.pending_id
+                for r in connection.execute(
+                    sa.select(k.c.lease_key, k.c.pending_id).where(k.c.pending_id.is_not(None))
+                )
+            }
         jobs = {
             r.id: JobRow(
                 r.id,
@@ -817,11 +1278,31 @@ class Chaos:
                 r.error,
                 r.finished_at,
                 r.lease_key,
+                r.started_at,
+                r.served_by,
+                _carries_expires(r.message),
             )
             for r in rows
         }
         callbacks = callback_log_for(self.client)
         c = self.config
+        client_calls: dict[str, bool] | None = None
+        if self.clients:
+            client_calls = {}
+            for dying in self.clients:
+                client_calls.update(dying.calls())
+            # Its recorded jobs are jobs of the run: every check of a job applies to them.
+            ids = {
+                **ids,
+                **{
+                    i: EXACTLY_ONCE if i.endswith("-eo") else AT_LEAST_ONCE
+                    for i in client_calls
+                    if i in jobs and jobs[i].key is None
+                },
+            }
+        logs = {p.name: p.log_text() for p in self.spawner.processes}
+        text = "\n".join(logs.values())
+        triggers = self._trigger_rows() if c.keyed or self.clients else []
         return Evidence(
             units=c.units,
             modes=ids,
@@ -838,13 +1319,48 @@ class Chaos:
             callbacks=[Callback(*row) for row in callbacks.rows()],
             callback_jobs=[r.id for r in rows if r.task == CALLBACK_TASK],
             triggers=(
-                [Trigger(key, i, served, at) for key, i, served, at, *_ in self._trigger_rows()]
+                [
+                    Trigger(key, i, served, at, answered)
+                    for key, i, served, at, answered, _ in triggers
+                ]
                 if c.keyed
                 else None
             ),
             key_units=c.key_units,
             cursors=saved,
             cursor_log=cursors,
+            key_controls=list(self.key_controls),
+            key_expires=dict(self.key_expires),
+            pending=pending,
+            key_backend=(
+                self._backend_outcomes(
+                    sorted({served for _, _, served, *_ in triggers if served is not None})
+                )
+                if self.result_backend and c.keyed
+                else None
+            ),
+            soft_limited=dict(self.soft_limited),
+            log_counts={name: len(re.findall(p, text)) for name, p in LOG_COUNTS.items()},
+            log_errors={
+                kind: [
+                    f"{name}: {line.strip()}"
+                    for name, log in logs.items()
+                    for line in log.splitlines()
+                    if re.search(pattern, line)
+                ]
+                for kind, pattern in LOG_ERRORS.items()
+            },
+            client_calls=client_calls,
+            pauses=list(self.pauses),
+            restarts=list(self.restarts),
+            lost_renewals=set(re.findall(LOST_RENEWALS, text)),
+            lost_to_another=[
+                (job, int(token), _log_time(stamp, ms))
+                for stamp, ms, job, token in re.findall(LOST_TO_ANOTHER, text, re.MULTILINE)
+            ],
+            lease_seconds=c.lease_seconds,
+            global_lock=self.database_url.startswith("sqlite"),
+            hold_slack=c.hold_slack,
         )
 
     def _trigger_rows(self) -> list[tuple[Any, ...]]:
@@ -891,7 +1407,15 @@ class Chaos:
             f"terminated a running job), cancel {len(cancels)} "
             f"({sum(1 for k in cancels if k.detail == 'queued')} queued); jobs sent with "
             f"expires {len(self.expires)} (ended revoked {f.get('controls_expires_revoked', 0)}, "
-            f"done {f.get('controls_expires_done', 0)})",
+            f"done {f.get('controls_expires_done', 0)}); keyed: revoke "
+            f"{sum(1 for k in self.key_controls if k.kind == 'revoke')}, cancel "
+            f"{sum(1 for k in self.key_controls if k.kind == 'cancel')}, triggers sent with "
+            f"expires {len(self.key_expires)}",
+            f"  dying clients {len(self.clients)}: {f.get('client_calls', 0)} calls started, "
+            f"{f.get('client_recorded', 0)} recorded a job, "
+            f"{f.get('client_interrupted_after_record', 0)} killed after recording (publish "
+            f"unconfirmed); soft-limited jobs {len(self.soft_limited)}; pauses recorded "
+            f"{len(self.pauses)}",
             keyed,
             "  events in the worker logs: "
             + ", ".join(f"{name} {count}" for name, count in events.items()),
@@ -921,19 +1445,21 @@ class Chaos:
         return f"{time.monotonic() - self.started:7.1f}s"
 
 
-def _tally(jobs: sa.Table, log: Any, units: int) -> tuple[int, int]:
+def _tally(jobs: sa.Table, log: Any, units: int, *, exclude: str = "") -> tuple[int, int]:
     """(chaos jobs finished, units done): committed units, plus the units a job that stopped
-    early (revoked, cancelled, failed) will never commit; keyed jobs left out."""
+    early (revoked, cancelled, failed) will never commit; keyed jobs, and jobs whose id starts
+    with ``exclude`` (the dying clients'), left out."""
     u = log.table
-    ours = sa.select(jobs.c.id).where(jobs.c.task.in_(TASKS))
+    chaos: sa.ColumnElement[bool] = jobs.c.task.in_(TASKS)
+    if exclude:
+        chaos = sa.and_(chaos, ~jobs.c.id.startswith(exclude, autoescape=True))
+    ours = sa.select(jobs.c.id).where(chaos)
     committed = sa.and_(u.c.ended_at.is_not(None), u.c.job_id.in_(ours))
-    stopped = sa.select(jobs.c.id).where(jobs.c.task.in_(TASKS), jobs.c.state.in_(STOPPED))
+    stopped = sa.select(jobs.c.id).where(chaos, jobs.c.state.in_(STOPPED))
     with log.engine.connect() as connection:
         states = dict(
             connection.execute(
-                sa.select(jobs.c.state, sa.func.count())
-                .where(jobs.c.task.in_(TASKS))
-                .group_by(jobs.c.state)
+                sa.select(jobs.c.state, sa.func.count()).where(chaos).group_by(jobs.c.state)
             ).all()
         )
         units_done = connection.execute(
@@ -956,6 +1482,23 @@ def _redis_db(url: str | None) -> tuple[int, ...]:
 
 def _json(text: str | None) -> Any:
     return None if text is None else json.loads(text)
+
+
+def _log_time(stamp: str, milliseconds: str) -> float:
+    """Epoch seconds of a Celery log line's time (this machine's local time)."""
+    moment = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S")  # local time, as Celery logs it
+    return moment.timestamp() + int(milliseconds) / 1000
+
+
+def _carries_expires(message: str | None) -> bool:
+    """Whether a job's recorded message (Celery's JSON) carries ``expires``."""
+    if not message:
+        return False
+    try:
+        headers = json.loads(message).get("headers") or {}
+    except (ValueError, AttributeError):
+        return False
+    return headers.get("expires") is not None
 
 
 def _safe(url: str) -> str:
@@ -1007,6 +1550,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--burst", type=int, default=d.burst, help="triggers of a burst, at most")
     parser.add_argument("--key-units", type=int, default=12, help="units of a keyed job")
+    parser.add_argument(
+        "--soft-limits",
+        type=float,
+        default=0.1,
+        help="fraction of the jobs sent with a short soft_time_limit (landing inside "
+        "statements: their row's statements are slowed on PostgreSQL); 0: none",
+    )
+    parser.add_argument(
+        "--no-dying-clients",
+        action="store_true",
+        help="no kill_client faults (a client SIGKILLed between recording and publishing)",
+    )
+    parser.add_argument(
+        "--no-keyed-controls",
+        action="store_true",
+        help="no revoke_keyed / cancel_keyed faults and no triggers sent with expires",
+    )
+    parser.add_argument(
+        "--key-expiring",
+        type=float,
+        default=0.1,
+        help="fraction of the triggers sent with expires (0.2-2 keyed-job lengths after)",
+    )
+    parser.add_argument(
+        "--isolation",
+        choices=ISOLATIONS,
+        default="mixed",
+        help="isolation level of the tasks' transactional checkpoints (mixed: repeatable read "
+        "for half the jobs); not on SQLite",
+    )
+    parser.add_argument(
+        "--namespace-reaper",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a second reaper in a PID namespace of its own via unshare (default: on SQLite, "
+        "where unshare works; asked for and not possible: an error)",
+    )
     parser.add_argument(
         "--only",
         default=None,
@@ -1066,13 +1646,35 @@ def config_of(args: argparse.Namespace) -> Config:
         triggers=args.triggers,
         burst=args.burst,
         key_units=args.key_units,
+        soft_limits=args.soft_limits,
+        key_expiring=0.0 if args.no_keyed_controls or args.no_controls else args.key_expiring,
+        isolation=None if args.database.startswith("sqlite") else args.isolation,
+        namespace_reaper=namespace_reaper(args),
     )
+
+
+def namespace_reaper(args: argparse.Namespace) -> bool:
+    """Whether the run has a reaper in another PID namespace: asked for (``--namespace-reaper``:
+    SQLite only), or by default on SQLite where ``unshare`` works."""
+    sqlite = args.database.startswith("sqlite")
+    if args.namespace_reaper is False:
+        return False
+    if args.namespace_reaper is None:
+        return sqlite and F.unshare_error() is None
+    if not sqlite:
+        raise SystemExit("--namespace-reaper: SQLite only (its holders' liveness is the machine's)")
+    error = F.unshare_error()
+    if error is not None:
+        raise SystemExit(f"--namespace-reaper: unshare cannot run here: {error}")
+    return True
 
 
 def fault_kinds(args: argparse.Namespace) -> tuple[str, ...]:
     """The fault kinds of a run with the command line ``args``: the worker faults, the
     frozen-in-transaction one where the database bounds an idle transaction (not SQLite), the
-    service restarts asked for, and the controls unless ``--no-controls``."""
+    service restarts asked for, the controls unless ``--no-controls`` (with keyed jobs, the
+    keyed controls too unless ``--no-keyed-controls``), and the dying clients unless
+    ``--no-dying-clients``."""
     kinds = list(F.WORKER_KINDS)
     if not args.database.startswith("sqlite"):
         kinds += F.TRANSACTION_KINDS
@@ -1082,6 +1684,15 @@ def fault_kinds(args: argparse.Namespace) -> tuple[str, ...]:
         kinds.append("restart_broker")
     if not args.no_controls:
         kinds += F.CONTROL_KINDS
+        if args.keys and args.triggers and not args.no_keyed_controls:
+            # No revoke on the filesystem broker: its broadcast rarely reaches a worker.
+            kinds += [
+                k
+                for k in F.KEYED_CONTROL_KINDS
+                if k != "revoke_keyed" or args.broker != "filesystem"
+            ]
+    if not args.no_dying_clients:
+        kinds += F.CLIENT_KINDS
     if args.only:
         only = set(args.only.split(","))
         unknown = only - set(kinds)

@@ -20,7 +20,14 @@ the whole file's write lock.
 Control kinds act on a job, not on a process: ``revoke`` (``app.control.revoke(id,
 terminate=True)`` of a job running under a live lease on a live worker) and ``cancel``
 (``celery leases cancel`` through the store: ``Store.cancel_queued`` of a queued job,
-``Store.request_stop(..., "cancel")`` of a running one).
+``Store.request_stop(..., "cancel")`` of a running one). Their keyed kinds act on a keyed job
+while it waits: ``revoke_keyed`` (``revoke(id)`` of a queued keyed job, or of the id triggers
+wait under on a busy key, before their run exists) and ``cancel_keyed`` (``Store.cancel_queued``
+of either: nothing to cancel for the id of waiting triggers).
+
+``kill_client`` starts a client (``chaos/client.py``) that calls chaos jobs and keyed triggers
+over a slow broker, and SIGKILLs it a seeded moment after it is ready: often between recording
+a job and publishing it.
 """
 
 from __future__ import annotations
@@ -41,7 +48,16 @@ WORKER_KINDS = ("kill_child", "kill_worker", "freeze", "sigterm")
 TRANSACTION_KINDS = ("freeze_in_transaction",)
 SERVICE_KINDS = ("restart_database", "restart_broker")
 CONTROL_KINDS = ("revoke", "cancel")
-KINDS = WORKER_KINDS + TRANSACTION_KINDS + SERVICE_KINDS + CONTROL_KINDS
+KEYED_CONTROL_KINDS = ("revoke_keyed", "cancel_keyed")
+CLIENT_KINDS = ("kill_client",)
+KINDS = (
+    WORKER_KINDS
+    + TRANSACTION_KINDS
+    + SERVICE_KINDS
+    + CONTROL_KINDS
+    + KEYED_CONTROL_KINDS
+    + CLIENT_KINDS
+)
 FREEZE_KINDS = ("freeze", "freeze_in_transaction")
 
 #: Relative frequency of each kind in a plan.
@@ -55,6 +71,9 @@ WEIGHTS = {
     "restart_broker": 1.0,
     "revoke": 1.5,
     "cancel": 1.5,
+    "revoke_keyed": 1.0,
+    "cancel_keyed": 1.0,
+    "kill_client": 1.5,
 }
 
 #: A service restart disturbs every client of the server: at most one per this many faults.
@@ -165,12 +184,13 @@ def hold_if_asked(hold_dir: str, job_id: str, *, keyed: bool = False) -> None:
         return
 
 
-def taken_holds(hold_dir: Path) -> list[tuple[int, str, float]]:
-    """The requests taken since the last call, as (worker pid, job id, seconds); removed."""
+def taken_holds(hold_dir: Path) -> list[tuple[int, str, float, float]]:
+    """The requests taken since the last call, as (worker pid, job id, seconds, when it was
+    taken: the rename's ctime, epoch seconds, just before the worker stopped); removed."""
     taken = []
     for path in sorted(hold_dir.glob("held.*")):
         _, group, job_id = path.name.split(".", 2)
-        taken.append((int(group), job_id, float(path.read_text())))
+        taken.append((int(group), job_id, float(path.read_text()), path.stat().st_ctime))
         path.unlink()
     return taken
 
@@ -192,6 +212,26 @@ def signal_group(pid: int, sig: int) -> None:
 def kill_process(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+#: A PID namespace of its own (and a user namespace, so no privilege is needed where they are
+#: allowed), with its own /proc: the command after it sees none of the machine's other pids.
+UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+
+
+def unshare_error() -> str | None:
+    """Why ``UNSHARE`` cannot run a command here (its own error output), or None if it can."""
+    if shutil.which("unshare") is None:
+        return "no unshare command (util-linux) on this machine"
+    try:
+        done = subprocess.run(
+            [*UNSHARE, "sh", "-c", "test $$ -eq 1"], capture_output=True, text=True, timeout=20
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return repr(exc)
+    if done.returncode != 0:
+        return (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
+    return None
 
 
 # -- services ------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from .dialects import Dialect
+from .errors import cancel_statement, interrupted
 
 T = TypeVar("T")
 
@@ -153,6 +154,8 @@ class Driver:
         self._dbapi_connection = dbapi_connection
         self._compiled = compiled
         self.broken = False
+        #: Called (no arguments) when a statement's interruption discards the connection.
+        self.on_discard: Callable[[], None] | None = None
 
     def execute(self, statement: Any, params: dict[str, Any] | None = None) -> Result:
         compiled = self._compiled.get(statement)
@@ -163,26 +166,42 @@ class Driver:
         sql, parameters = compiled.parameters(params or {})
         cursor = self._dbapi_connection.cursor()
         try:
-            cursor.execute(sql, parameters, **compiled.execute_options)
-            if cursor.description is None:
-                return Result([], cursor.rowcount)
-            rows = [tuple(r) for r in cursor.fetchall()]
-            return Result(rows, cursor.rowcount, compiled.keys)
+            with interrupted(self.discard, (self.dialect.loaded_dbapi.Error,)):
+                self.family.check_size(sql, parameters, self.dialect)
+                cursor.execute(sql, parameters, **compiled.execute_options)
+                if cursor.description is None:
+                    return Result([], cursor.rowcount)
+                rows = [tuple(r) for r in cursor.fetchall()]
+                return Result(rows, cursor.rowcount, compiled.keys)
         except self.dialect.loaded_dbapi.Error as exc:
             raise self._wrapped(exc, sql, parameters, cursor) from exc
         finally:
-            cursor.close()
+            with contextlib.suppress(Exception):
+                cursor.close()
 
     def query(self, sql: str, parameters: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         """Rows of ``sql`` (the driver's SQL and parameters), for statements of no table."""
         cursor = self._dbapi_connection.cursor()
         try:
-            cursor.execute(sql, parameters)
-            return [tuple(r) for r in cursor.fetchall()] if cursor.description else []
+            with interrupted(self.discard, (self.dialect.loaded_dbapi.Error,)):
+                cursor.execute(sql, parameters)
+                return [tuple(r) for r in cursor.fetchall()] if cursor.description else []
         except self.dialect.loaded_dbapi.Error as exc:
             raise self._wrapped(exc, sql, parameters, cursor) from exc
         finally:
-            cursor.close()
+            with contextlib.suppress(Exception):
+                cursor.close()
+
+    def discard(self) -> None:
+        """A statement was interrupted (``errors.interrupted``): the connection is in an
+        unknown state (a command may still be in progress on it), so it is closed and never
+        used again. A connection of another library's (``Foreign``) is closed too: its owner
+        sees a closed connection and drops it."""
+        self.broken = True
+        cancel_statement(self._dbapi_connection)
+        self._dbapi_connection.close()
+        if self.on_discard is not None:
+            self.on_discard()
 
     def exec_driver_sql(self, sql: str) -> Result:
         """Run one SQL string as it is (no parameters)."""

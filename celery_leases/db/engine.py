@@ -1,11 +1,14 @@
 """The connection to the leases database: one engine per process, and the one retry.
 
-Driver errors are wrapped at this boundary, once (``errors.wrapped``): an unreachable or
-restarting server becomes :class:`StoreUnavailable`, anything else a :class:`LeaseError`.
+Driver errors are wrapped at this boundary, once (``errors.Wrapped``, which classifies them by
+kind): an unreachable or restarting server becomes :class:`StoreUnavailable`, a conflict
+:class:`WriteConflict`, a value the database refuses the caller's error, anything else a
+:class:`LeaseError`; a connection interrupted mid-statement is closed (``errors.interrupted``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -15,11 +18,11 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, LeaseError
 from ..settings import redact
 from .dbapi import Connections
 from .dialects import Dialect, dialect_for
-from .errors import Wrapped
+from .errors import Kind, Wrapped, cancel_statement, interrupted, kind_of
 from .session import Session
 
 T = TypeVar("T")
@@ -47,9 +50,11 @@ class Database:
         """The database family (``db/dialects``): everything that differs between databases.
         :class:`ConfigurationError` for one celery-leases does not support (at first use)."""
         try:
-            return dialect_for(self.url.get_backend_name())
+            dialect = dialect_for(self.url.get_backend_name())
         except ValueError as exc:
             raise ConfigurationError(f"cannot use leases database {self.safe_url}: {exc}") from None
+        dialect.url = self.url
+        return dialect
 
     @functools.cached_property
     def direct(self) -> Connections:
@@ -97,31 +102,39 @@ class Database:
             pool.dispose()
 
     def run(
-        self, operation: Callable[[Any], T], *, single: bool = False, direct: bool = False
+        self,
+        operation: Callable[[Any], T],
+        *,
+        single: bool = False,
+        direct: bool = False,
+        refused: type[LeaseError] = LeaseError,
     ) -> T:
         """Run ``operation`` in one transaction, retrying once on a connection the server had
         closed. ``single``: its outcome rests on one statement, so where the dialect allows it
         runs in autocommit. ``direct``: ``operation`` only executes statements and reads their
         rows (``dbapi.Direct``), so it runs on this process's direct connection, in
-        autocommit if ``single``, else in a transaction."""
+        autocommit if ``single``, else in a transaction. ``refused``: the error raised when
+        the database refuses the write for good (``errors.Kind``)."""
         execute = self.direct.run if direct else self._execute
-        with self.wrapped_errors():
+        with self.wrapped_errors(refused=refused):
             try:
                 return execute(operation, single=single)
             except sa.exc.DBAPIError as exc:
-                if not exc.connection_invalidated:
+                if kind_of(exc, self.dialect) not in (Kind.GONE, Kind.CONFLICT):
                     raise
-            # A connection the server had closed (a restart, an idle timeout): it is gone,
-            # so run once more on a fresh connection.
+            # A connection the server had closed (a restart, an idle timeout) is gone, and a
+            # transaction a concurrent one won was rolled back: run once more, on a fresh
+            # connection. Each operation is fenced (its statements test what they change),
+            # so running it again is safe.
             return execute(operation, single=single)
 
-    def _execute(self, operation: Callable[[Connection], T], *, single: bool) -> T:
+    def _execute(self, operation: Callable[[Any], T], *, single: bool) -> T:
         if single and self.dialect.autocommit:
             with self.engine.connect() as connection:
                 connection.execution_options(isolation_level="AUTOCOMMIT")
-                return operation(connection)
+                return operation(Guarded(connection))
         with self.engine.begin() as connection:
-            return operation(connection)
+            return operation(Guarded(connection))
 
     def session(self, *, shared: bool = False) -> Session:
         """A connection of this process's own, kept open for as long as the process lives:
@@ -129,9 +142,37 @@ class Database:
         time, whose statements take turns on that connection (``Session``)."""
         return Session(self, shared=shared)
 
-    def wrapped_errors(self, what: str = "") -> Wrapped:
-        """A context manager that turns driver errors into LeaseError / StoreUnavailable."""
-        return Wrapped(self.safe_url, what)
+    def wrapped_errors(self, what: str = "", *, refused: type[LeaseError] = LeaseError) -> Wrapped:
+        """A context manager that turns driver errors into celery-leases' (``errors.Kind``);
+        ``refused``: the error of a write the database refuses for good."""
+        return Wrapped(self.safe_url, what, self.dialect, refused)
 
 
-__all__ = ["Database"]
+class Guarded:
+    """An SQLAlchemy connection whose statements, if interrupted by anything but a database
+    error (a soft time limit, ``KeyboardInterrupt``), invalidate it: it is never used again
+    (``errors.interrupted``). Everything else is the connection's own."""
+
+    def __init__(self, connection: Connection) -> None:
+        #: The SQLAlchemy connection itself (to inspect it, say).
+        self.wrapped = connection
+
+    def execute(self, statement: Any, *args: Any, **kwargs: Any) -> Any:
+        with interrupted(self.discard):
+            return self.wrapped.execute(statement, *args, **kwargs)
+
+    def exec_driver_sql(self, statement: str, *args: Any, **kwargs: Any) -> Any:
+        with interrupted(self.discard):
+            return self.wrapped.exec_driver_sql(statement, *args, **kwargs)
+
+    def discard(self) -> None:
+        """Stop the interrupted statement on the server, and invalidate the connection."""
+        with contextlib.suppress(Exception):
+            cancel_statement(self.wrapped.connection.dbapi_connection)
+        self.wrapped.invalidate()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.wrapped, name)
+
+
+__all__ = ["Database", "Guarded"]

@@ -1,38 +1,129 @@
-"""Database errors, wrapped once at the storage wing's boundary, and told apart.
+"""Database errors: the one place that tells them apart, and wraps them once at the storage
+wing's boundary.
 
-An unreachable or restarting server becomes :class:`StoreUnavailable`, any other driver error
-a :class:`LeaseError`, each ``from`` the driver's error.
+Every driver error is one of four kinds (:class:`Kind`), each handled one way:
+
+- ``gone``: the connection is lost (a restart, a failover, an idle timeout, a cut network):
+  the operation runs once more on a fresh connection (``Database.run``); raised as
+  :class:`~celery_leases.StoreUnavailable` if that fails too;
+- ``conflict``: a concurrent transaction won (a serialization failure under snapshot
+  isolation, a deadlock, a lock timeout): the store's own one-statement operations run again
+  (each is fenced, so running it again is safe); in a caller's transaction it is raised as
+  :class:`~celery_leases.WriteConflict` (run the transaction again), never as an outage;
+- ``refused``: the database refuses this write for good (too large for its packet, a value
+  too long, a constraint): raised at once with the database's own message, as the error of
+  the operation (``ArgumentsError`` for a message, ``CheckpointError`` for a checkpoint);
+- ``unavailable``: anything else operational (cannot connect, out of resources):
+  :class:`~celery_leases.StoreUnavailable`; other errors are :class:`LeaseError`.
+
+A connection on which a statement was interrupted by something that is not a database error
+(a soft time limit, ``KeyboardInterrupt``, a gevent timeout, ``SystemExit``) is in an unknown
+state: it is closed, never used again (``interrupted``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
+from collections.abc import Iterator
 from typing import Any
 
 import sqlalchemy as sa
 
-from ..errors import LeaseError, StoreUnavailable
-from .dialects import all_dialects
+from ..errors import LeaseError, StoreUnavailable, WriteConflict
+from .dialects import Dialect, all_dialects
+
+
+class Kind(enum.Enum):
+    """What a database error means for the operation that met it."""
+
+    GONE = "gone"
+    CONFLICT = "conflict"
+    REFUSED = "refused"
+    UNAVAILABLE = "unavailable"
+    OTHER = "other"
+
+
+def kind_of(exc: BaseException, dialect: Dialect | None = None) -> Kind:
+    """The kind of ``exc`` (SQLAlchemy's error, or the driver's), as ``dialect`` tells it
+    (any dialect when None)."""
+    if isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated:
+        return Kind.GONE
+    orig = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+    for family in [dialect] if dialect is not None else all_dialects():
+        found = family.error_kind(orig)
+        if found is not None:
+            return Kind(found)
+    if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError | sa.exc.TimeoutError):
+        return Kind.UNAVAILABLE
+    return Kind.OTHER
 
 
 class Wrapped:
-    """A context manager that turns driver errors into LeaseError / StoreUnavailable."""
+    """A context manager that turns driver errors into celery-leases' errors (``Kind``).
+    ``refused``: the error a refused write raises (the operation's own)."""
 
-    def __init__(self, safe_url: str, what: str) -> None:
+    def __init__(
+        self,
+        safe_url: str,
+        what: str,
+        dialect: Dialect | None = None,
+        refused: type[LeaseError] = LeaseError,
+    ) -> None:
         self.prefix = f"{what}, " if what else ""
         self.safe_url = safe_url
+        self.dialect = dialect
+        self.refused = refused
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
-        if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError | sa.exc.TimeoutError):
+        if not isinstance(exc, sa.exc.SQLAlchemyError):
+            return
+        found = kind_of(exc, self.dialect)
+        where = f"leases database {self.safe_url}"
+        if found in (Kind.GONE, Kind.UNAVAILABLE):
             raise StoreUnavailable(
-                f"{self.prefix}leases database {self.safe_url} is unavailable: {first_line(exc)}"
+                f"{self.prefix}{where} is unavailable: {first_line(exc)}"
             ) from exc
-        if isinstance(exc, sa.exc.SQLAlchemyError):
-            raise LeaseError(
-                f"{self.prefix}leases database {self.safe_url} error: {first_line(exc)}"
+        if found is Kind.CONFLICT:
+            raise WriteConflict(
+                f"{self.prefix}a concurrent transaction won in {where} ({first_line(exc)}); "
+                f"run the transaction again"
             ) from exc
+        if found is Kind.REFUSED:
+            raise self.refused(f"{self.prefix}{where} refuses it: {first_line(exc)}") from exc
+        raise LeaseError(f"{self.prefix}{where} error: {first_line(exc)}") from exc
+
+
+@contextlib.contextmanager
+def interrupted(discard: Any, driver_errors: Any = ()) -> Iterator[None]:
+    """Run a statement; if anything but a database error (SQLAlchemy's, or the driver's
+    ``driver_errors``) interrupts it (a soft time limit, a ``KeyboardInterrupt``, a gevent
+    timeout), call ``discard()`` (the connection is in an unknown state: closed, never used
+    again) and let the interruption go on."""
+    try:
+        yield
+    except (sa.exc.SQLAlchemyError, LeaseError, *driver_errors):
+        raise
+    except BaseException:
+        with contextlib.suppress(Exception):
+            discard()
+        raise
+
+
+def cancel_statement(dbapi_connection: Any) -> None:
+    """Ask the server to stop the statement running on ``dbapi_connection`` (psycopg's
+    ``cancel()``, sqlite3's ``interrupt()``), before the connection is closed: closing alone
+    leaves a statement waiting on a lock to run, and commit, once it gets it. Best effort:
+    PyMySQL has no such call (the statement ends when the server sees the socket gone)."""
+    cancel = getattr(dbapi_connection, "cancel", None) or getattr(
+        dbapi_connection, "interrupt", None
+    )
+    if callable(cancel):
+        with contextlib.suppress(Exception):
+            cancel()
 
 
 def first_line(exc: BaseException) -> str:
@@ -47,17 +138,38 @@ def ended_idle_transaction(exc: BaseException) -> bool:
     is the database ending a transaction that sat idle too long (``Dialect.
     ended_idle_transaction``: PostgreSQL's idle-in-transaction timeout, a MariaDB connection
     the server closed)."""
+    dialects = all_dialects()
+    return any(any(d.ended_idle_transaction(orig) for d in dialects) for orig in _chain(exc))
+
+
+def conflict_in(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) is a ``conflict`` (:class:`Kind`): a
+    serialization failure, a deadlock or a lock timeout, whichever library raised it."""
+    if isinstance(exc, WriteConflict):
+        return True
+    dialects = all_dialects()
+    return any(any(d.error_kind(orig) == "conflict" for d in dialects) for orig in _chain(exc))
+
+
+def _chain(exc: BaseException) -> Iterator[Any]:
+    """``exc``'s driver errors: its own, and those of the errors it was raised from
+    (SQLAlchemy's error wraps the driver's; another library's, Django's, is raised from it)."""
     seen: set[int] = set()
     error: BaseException | None = exc
-    dialects = all_dialects()
-    while error is not None and id(error) not in seen:  # the error and what raised it
+    while error is not None and id(error) not in seen:
         seen.add(id(error))
-        # SQLAlchemy's error wraps the driver's; another library's (Django's) is raised from it.
         orig = error.orig if isinstance(error, sa.exc.DBAPIError) else error
-        if orig is not None and any(d.ended_idle_transaction(orig) for d in dialects):
-            return True
+        if orig is not None:
+            yield orig
         error = error.__cause__
-    return False
 
 
-__all__ = ["Wrapped", "ended_idle_transaction", "first_line"]
+__all__ = [
+    "Kind",
+    "Wrapped",
+    "conflict_in",
+    "ended_idle_transaction",
+    "first_line",
+    "interrupted",
+    "kind_of",
+]

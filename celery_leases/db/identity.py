@@ -26,6 +26,7 @@ class Facts(NamedTuple):
     generation: int
     version: str | None
     token: int
+    attempts: int = 0
 
 
 def same_job(message: Message, facts: Facts) -> bool:

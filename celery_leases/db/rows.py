@@ -25,6 +25,9 @@ class Claimed:
     checkpoint: Any
     checkpoint_age: float | None
     created: bool
+    #: A holder (the claimant's keeper) keeps the lease; False: its own expiry does, until
+    #: the keeper binds it (``Store.bind``).
+    bound: bool = True
 
 
 @dataclass(frozen=True)
@@ -38,14 +41,6 @@ class Refused:
     expires_in: float | None
     #: ``coalesced``: the job of the delivery's lease key that serves it instead.
     serving: str | None = None
-
-
-@dataclass(frozen=True)
-class Renewal:
-    """Outcome of one renew tick: the jobs still held, and stop requests seen on them."""
-
-    held: frozenset[str]
-    stops: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -83,9 +78,14 @@ class Job:
     session: int | None = None
     #: The resource it works on (``lease_key``); at most one live job per key.
     lease_key: str | None = None
-    #: The id of the follow-up run a trigger of its key asked for while it ran (started when
-    #: it ends), or None.
+    #: The id of a follow-up kept on this job by a celery-leases before revision 0003.
     followup_id: str | None = None
+    #: The keeper whose renewals keep its lease (``<table>_holders``), or None.
+    holder: str | None = None
+    #: When its first attempt claimed it (database clock), or None.
+    started_at: float | None = None
+    #: For the triggers of a key that a run of the key served: that run's id.
+    served_by: str | None = None
 
     @property
     def args(self) -> list[Any]:
@@ -117,12 +117,10 @@ def dumps(value: Any) -> str:
 
 
 def dumps_result(value: Any) -> str | None:
-    """Celery's JSON of a task's result (datetimes, UUIDs, Decimals as Celery stores them), or
-    None when even that cannot hold it (the result backend keeps it then, the row does not)."""
+    """Celery's JSON of a task's result (datetimes, UUIDs, Decimals, NaN as Celery stores them),
+    or None when even that cannot hold it (the result backend keeps it then, the row does not)."""
     try:
-        return str(
-            kombu_json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
-        )
+        return str(kombu_json.dumps(value, separators=(",", ":"), ensure_ascii=False))
     except (TypeError, ValueError):
         return None
 
@@ -186,4 +184,7 @@ def job(m: Any) -> Job:
         session=m["session"],
         lease_key=m["lease_key"],
         followup_id=m["followup_id"],
+        holder=m["holder"],
+        started_at=m["started_at"],
+        served_by=m["served_by"],
     )

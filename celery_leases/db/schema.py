@@ -1,7 +1,7 @@
 """The tables and the facts every part of the storage wing shares: states, limits, names.
 
 Every time in the table is a float of epoch seconds read from the database clock
-(``clock.db_now``), so lease arithmetic never compares a worker's clock with a stored time and
+(``functions.db_now``), so lease arithmetic never compares a worker's clock with a stored time and
 keeps sub-second resolution on every backend. The table is created and changed by the
 migrations (``migrations/``), never at first use; this is the shape the code reads and writes,
 which the migrations' head must match (a test compares them).
@@ -14,7 +14,7 @@ from sqlalchemy.dialects import mysql
 
 from .dialects import Dialect
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 #: Job states. ``queued`` and ``running`` are live; the others are finished. A ``replaced``
 #: job handed its id to the signature it was replaced with (``Task.replace``); a ``revoked``
@@ -29,6 +29,8 @@ FINISHED_STATES = (DONE, FAILED, CANCELLED, REVOKED, REPLACED)
 MAX_ID_LENGTH = 155
 #: Longest lease key (``lease_key``: the resource a job works on) the table holds.
 MAX_KEY_LENGTH = 255
+#: Length of a holder's id (a keeper's: 32 hex digits).
+MAX_HOLDER_LENGTH = 64
 #: SQL true for a job that holds its lease key: a live one, or one that ended with a trigger
 #: waiting for its follow-up (it hands the key to that follow-up, in one transaction). At
 #: most one job per key holds it (a unique index).
@@ -96,14 +98,37 @@ def jobs_table(
         sa.Column("schema_version", sa.Integer, nullable=False, default=SCHEMA_VERSION),
         # The resource the job works on (the task's lease_key): at most one live job per key.
         sa.Column("lease_key", sa.String(MAX_KEY_LENGTH)),
-        # The first trigger of the key that arrived while this job ran (its whole message, as
-        # ``message``), and its id: the follow-up run started when this job ends.
+        # Written by a celery-leases before revision 0003 only (a trigger kept on the job that
+        # ran: now the key's ``pending``); read until none is left.
         sa.Column("followup", text),
         sa.Column("followup_id", sa.String(MAX_ID_LENGTH)),
+        # The keeper (``<table>_holders``) whose renewals keep a running job's lease; NULL: the
+        # job's own ``expires_at`` is its lease's end.
+        sa.Column("holder", sa.String(MAX_HOLDER_LENGTH)),
+        # When the job's first attempt claimed it (a trigger of its key that came before this
+        # is served by it).
+        sa.Column("started_at", sa.Double),
+        # A trigger that a run of its key served (one that started after the trigger): that
+        # run's id; this row holds what the trigger's caller is told.
+        sa.Column("served_by", sa.String(MAX_ID_LENGTH)),
         *one_live_job_per_key,
         sa.Index(f"ix_{name}_expiry", "state", "expires_at"),
         sa.Index(f"ix_{name}_finished", "finished_at"),
         sa.Index(f"ix_{name}_followup", "followup_id"),
+        sa.Index(
+            f"ix_{name}_holder",
+            "holder",
+            postgresql_where=sa.text("holder IS NOT NULL"),
+            sqlite_where=sa.text("holder IS NOT NULL"),
+        ),
+        # The runs of a key, by start: did one start after a trigger (``Keys.started_since``)?
+        sa.Index(
+            f"ix_{name}_key_started",
+            "lease_key",
+            "started_at",
+            postgresql_where=sa.text("lease_key IS NOT NULL"),
+            sqlite_where=sa.text("lease_key IS NOT NULL"),
+        ),
         # The few jobs whose end the result backend has not been told (each reaper pass).
         sa.Index(
             f"ix_{name}_notify",
@@ -132,6 +157,47 @@ def keys_table(metadata: sa.MetaData, jobs: str = "celery_leases_jobs") -> sa.Ta
         sa.Column("job_id", sa.String(MAX_ID_LENGTH)),
         sa.Column("token", sa.BigInteger),
         sa.Column("cursor_at", sa.Double),
+        # The key's triggers not served yet (they came while a job held the key): the id their
+        # callers were given (the first one's), its message, and when the latest came. A run
+        # of the key that starts after ``pending_at`` serves them; else one runs for them.
+        sa.Column("pending_id", sa.String(MAX_ID_LENGTH)),
+        sa.Column("pending", text),
+        sa.Column("pending_at", sa.Double),
+        sa.Index(
+            f"ix_{name}_pending",
+            "pending_at",
+            postgresql_where=sa.text("pending_id IS NOT NULL"),
+            sqlite_where=sa.text("pending_id IS NOT NULL"),
+        ),
+    )
+
+
+def holders_table(metadata: sa.MetaData, jobs: str = "celery_leases_jobs") -> sa.Table:
+    """Define ``<jobs>_holders``: one row per keeper (a worker process's thread that renews
+    its leases). A keeper renews its one row, not the rows of the jobs it holds: a running
+    job bound to it (``holder``) lasts while its keeper renews, whatever its number, and a
+    transaction of the task's on a job's row never meets a renewal."""
+    name = f"{jobs}_holders"
+    if name in metadata.tables:
+        return metadata.tables[name]
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("id", sa.String(MAX_HOLDER_LENGTH), primary_key=True),
+        # The worker process it runs in ("node/instance/pid"), for people.
+        sa.Column("owner", sa.String(255), nullable=False),
+        # The database session it renews on (PostgreSQL: its backend pid; MariaDB: its
+        # connection id, while it holds its named lock; SQLite: its process id), NULL when
+        # unbound: behind a pooler, or leases_bind_session off.
+        sa.Column("session", sa.BigInteger),
+        sa.Column("renewed_at", sa.Double, nullable=False),
+        # When its shortest lease ends without a renewal: a job of a holder past it may be over.
+        sa.Column("expires_at", sa.Double, nullable=False),
+        sa.Column("created_at", sa.Double, nullable=False),
+        # When the database server it last renewed on started (epoch seconds; NULL where the
+        # database cannot say): its session gone under another start is a restart or a
+        # failover, which ended every session, not a death.
+        sa.Column("server", sa.Double),
     )
 
 
@@ -147,3 +213,4 @@ def version_table(metadata: sa.MetaData, name: str) -> sa.Table:
 metadata = sa.MetaData()
 jobs_table(metadata)
 keys_table(metadata)
+holders_table(metadata)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 
 from .dbapi import Direct
+from .errors import Kind, kind_of
 
 if TYPE_CHECKING:
     from .engine import Database
@@ -37,6 +38,9 @@ class Session:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._warned = False
+        #: Called (no arguments) when an interrupted statement ended the session (the keeper
+        #: renews its holder on a new one at once, so the reaper never finds it gone).
+        self.on_lost: Callable[[], None] | None = None
 
     def ident(self) -> int | None:
         """The session's id as the reaper sees it (``Dialect.session_ident``), connecting
@@ -63,22 +67,24 @@ class Session:
                 )
             return None
 
-    def run(self, operation: Callable[[Any], T]) -> T:
+    def run(self, operation: Callable[[Any], T], *, single: bool = False) -> T:
         """Run ``operation`` on the session's connection (``dbapi.Direct``): in autocommit
-        where one statement tells its outcome, else in a transaction; reconnecting once if the
-        server had closed it."""
+        where one statement tells its outcome (``single``: it is one statement, as a renew
+        tick's upsert), else in a transaction; reconnecting once if the server had closed
+        it."""
         with self._lock, self.db.wrapped_errors():
             try:
-                return self._execute(operation)
+                return self._execute(operation, single)
             except sa.exc.DBAPIError as exc:
-                if not exc.connection_invalidated:
-                    raise  # a lock or statement timeout, say: the session lives on
-                self._close()
-            return self._execute(operation)
+                if kind_of(exc, self.db.dialect) not in (Kind.GONE, Kind.CONFLICT):
+                    raise  # a statement timeout, say: the session lives on
+                if exc.connection_invalidated:
+                    self._close()
+            return self._execute(operation, single)
 
-    def _execute(self, operation: Callable[[Any], T]) -> T:
+    def _execute(self, operation: Callable[[Any], T], single: bool) -> T:
         direct = self._open()
-        if self.db.dialect.autocommit:
+        if single or self.db.dialect.autocommit:
             return operation(direct)
         direct.begin()
         try:
@@ -90,6 +96,8 @@ class Session:
             raise
 
     def _open(self) -> Direct:
+        if self._direct is not None and self._direct.broken:
+            self._close()  # a statement on it failed or was interrupted: a new session
         if self._direct is not None and self._pid == os.getpid():
             return self._direct
         self._pid = os.getpid()
@@ -100,9 +108,16 @@ class Session:
             direct.close()
             raise
         self._direct = direct
+        direct.on_discard = self._discarded
         if self.shared:
             self.db.direct.share(direct, self._lock)
         return direct
+
+    def _discarded(self) -> None:
+        """A statement on the session's connection was interrupted, and the connection closed
+        (``dbapi.Direct.discard``): the session is gone; tell ``on_lost``."""
+        if self.on_lost is not None:
+            self.on_lost()
 
     def close(self) -> None:
         """Give the connection up (the session, and anything it holds, end with it)."""

@@ -1,4 +1,8 @@
-"""The keeper: one thread per worker process that renews every lease the process holds."""
+"""The keeper: one thread per worker process that keeps every lease the process holds.
+
+It renews one row, its holder's (``<table>_holders``), never the rows of the jobs it holds:
+each running job bound to it lasts while it renews, whatever their number.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 
 from ..db import Store
 from ..db.session import Session
@@ -17,15 +22,27 @@ from ..log import lease_fields
 logger = logging.getLogger("celery_leases.keeper")
 
 
+#: Seconds a keeper holding nothing lets pass between two renewals of its holder row: the
+#: reaper deletes holders idle for a day (``reaper.HOLDER_IDLE``), never a live keeper's.
+IDLE_RENEWAL = 3600.0
+
+
 class Keeper(threading.Thread):
-    """Renews all leases of one store held by this process, in one statement per tick."""
+    """Keeps all leases of one store held by this process: one statement per tick, the
+    renewal of its holder row."""
 
     def __init__(self, store: Store) -> None:
         super().__init__(name="celery-leases-keeper", daemon=True)
         self.store = store
-        #: The connection this process's leases are bound to (``Store.expire_orphaned``).
+        #: The connection this process's holder is bound to (``Store.expire_orphaned``).
         self.session = store.db.session(shared=one_task_at_a_time())
         self.pid = os.getpid()
+        #: This keeper's holder row (``<table>_holders``).
+        self.holder = uuid.uuid4().hex
+        self.owner = ""
+        #: Monotonic time of the holder's last renewal (None: not made yet).
+        self._renewed: float | None = None
+        self._shortest: float | None = None
         self._leases: dict[int, Lease] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -38,6 +55,15 @@ class Keeper(threading.Thread):
         #: Seconds an idle keeper sleeps: the shortest renew interval seen, so that a lease
         #: added later is due no sooner than the keeper wakes anyway.
         self._idle_seconds: float | None = None
+        #: Leases whose attempt ended without recording its end, still bound to the holder:
+        #: job id -> token, to detach (else they would last as long as the holder renews).
+        self._orphans: dict[str, int] = {}
+        #: Monotonic time of the next sweep for jobs bound to the holder that it does not
+        #: hold (:meth:`sweep`; None: at the first tick's lease from now).
+        self._next_sweep: float | None = None
+        #: The session was lost to an interrupted statement: renew on a new one at once.
+        self._session_lost = False
+        self.session.on_lost = self._lost_session
 
     def add(self, lease: Lease) -> None:
         """Hold ``lease`` from now on: its first renewal is one renew interval away (the claim
@@ -57,9 +83,39 @@ class Keeper(threading.Thread):
         if wake:
             self._wake.set()
 
+    def _lost_session(self) -> None:
+        """The holder's session ended under an interrupted statement (a soft time limit in a
+        checkpoint of a prefork process, whose statements share it): until the holder is
+        bound to a new one, the reaper would take it for dead. Wake the keeper to do it now."""
+        self._session_lost = True
+        self._wake.set()
+
+    def rebind(self) -> None:
+        """Renew the holder on a new session, and bind again any held lease a reaper pass
+        let go meanwhile (it found the old session gone)."""
+        if self._renewed is None:
+            self._session_lost = False
+            return  # no holder yet: the first claim makes it, on the new session
+        held = [lease for lease in self.held() if not (lease.lost or lease.released)]
+        shortest = min((lease.duration for lease in held), default=self._shortest or 30.0)
+        if not self._renew_quietly(shortest):
+            return  # tried again when the keeper next wakes
+        self._session_lost = False
+        for lease in held:
+            self._bind(lease)
+
     def remove(self, lease: Lease) -> None:
+        """Hold ``lease`` no more. An attempt that ended without recording its end (the
+        database failed it, its lease was lost to failed renewals, an interrupt) leaves its
+        job bound to the holder: the keeper detaches it at once, in its own thread, so that
+        its lease runs out and the reaper sends the job again."""
+        orphaned = not (lease.released or lease.fenced_out) and self._renewed is not None
         with self._lock:
             self._leases.pop(id(lease), None)
+            if orphaned:
+                self._orphans[lease.job_id] = lease.token
+        if orphaned:
+            self._wake.set()
 
     def held(self) -> list[Lease]:
         with self._lock:
@@ -88,20 +144,41 @@ class Keeper(threading.Thread):
                 self._stalled(lease)
         return renewable
 
+    def holder_for(self, owner: str, duration: float) -> str | None:
+        """The holder a claim of this process binds its lease to, its row made or renewed
+        first when needed (the first claim of the process, or one after an hour of rest: one
+        statement then, none usually). None when it cannot be made (the database is down): the
+        claim then binds nothing, and the next tick binds the lease."""
+        self.owner = self.owner or owner
+        now = time.monotonic()
+        if self._renewed is not None and now - self._renewed < IDLE_RENEWAL / 2:
+            return self.holder
+        try:
+            self._renew(duration)
+        except LeaseError as exc:
+            logger.warning("celery-leases: cannot record this process's holder: %s", exc)
+            return None
+        return self.holder
+
+    def _renew(self, shortest: float) -> None:
+        """Renew (make) the holder row: its leases last ``shortest`` seconds past it."""
+        if self._renewed is None:
+            self.store.dialect.mark_alive(self.holder)
+        self._shortest = shortest
+        self.store.renew_holder(
+            self.holder, owner=self.owner or "?", shortest=shortest, session=self._bound()
+        )
+        self._renewed = time.monotonic()
+
     def tick(self) -> None:
-        """Renew every held lease once; mark the ones lost, stalled or asked to stop."""
+        """Renew the holder once (all held leases with it); bind the leases a claim could not;
+        mark the ones stalled."""
         renewable = self.check_stalls()
         if not renewable:
+            self._renew_idle()
             return
         sent = time.monotonic()
-        try:
-            renewal = self.store.renew(
-                [(lease.job_id, lease.token) for lease in renewable], session=self._bound()
-            )
-        except LeaseError as exc:
-            if not self._failing:
-                logger.error("celery-leases: cannot renew leases: %s", exc)
-            self._failing = True
+        if not self._renew_quietly(min(lease.duration for lease in renewable)):
             now = time.monotonic()
             for lease in renewable:
                 if now > lease.deadline and not lease.lost:
@@ -112,21 +189,91 @@ class Keeper(threading.Thread):
                         extra=lease_fields(lease),
                     )
             return
+        for lease in renewable:
+            lease.deadline = max(lease.deadline, sent + lease.duration)
+            if not lease.bound:
+                self._bind(lease)
+        now = time.monotonic()
+        if self._next_sweep is None:
+            self._next_sweep = now + min(lease.duration for lease in renewable)
+        elif now >= self._next_sweep:
+            self._next_sweep = now + min(lease.duration for lease in renewable)
+            self.sweep(margin=max(lease.renew_interval for lease in renewable))
+
+    def sweep(self, *, margin: float) -> None:
+        """Detach the jobs bound to the holder that this keeper does not hold (an attempt
+        whose end and whose detach were both lost, a claim whose reply was lost): one read
+        per lease's length while leases are held, besides the ticks. ``margin``: a job claimed
+        since is left alone (its lease may not be added yet)."""
+        try:
+            bound = self.store.bound_to(self.holder, margin=margin)
+        except LeaseError as exc:
+            logger.warning("celery-leases: cannot check this process's bound jobs: %s", exc)
+            return
+        held = {(lease.job_id, lease.token) for lease in self.held()}
+        with self._lock:
+            for job_id, token in bound:
+                if (job_id, token) not in held:
+                    self._orphans.setdefault(job_id, token)
+        self._detach_orphans()
+
+    def _detach_orphans(self) -> None:
+        """Detach the leases :meth:`remove` and :meth:`sweep` found ended but still bound:
+        each ends when the holder's last renewal runs out, and the reaper sends its job
+        again. One that cannot be detached now (the database is down) is tried again."""
+        with self._lock:
+            orphans = list(self._orphans.items())
+        for job_id, token in orphans:
+            try:
+                detached = self.store.detach(job_id, token)
+            except LeaseError as exc:
+                logger.warning(
+                    "celery-leases: job %s: cannot let its ended attempt's lease go yet: %s",
+                    job_id,
+                    exc,
+                )
+                return
+            with self._lock:
+                self._orphans.pop(job_id, None)
+            if detached:
+                logger.warning(
+                    "celery-leases: job %s: its attempt (token %d) ended without recording "
+                    "its end; its lease is left to run out, and the reaper sends it again",
+                    job_id,
+                    token,
+                )
+
+    def _renew_idle(self) -> None:
+        """Renew the holder of a keeper holding nothing, if an hour has passed."""
+        if self._renewed is not None and time.monotonic() - self._renewed >= IDLE_RENEWAL:
+            self._renew_quietly(self._shortest or 30.0)
+
+    def _renew_quietly(self, shortest: float) -> bool:
+        """:meth:`_renew`, logging a failure once (until a renewal works again)."""
+        try:
+            self._renew(shortest)
+        except LeaseError as exc:
+            if not self._failing:
+                logger.error("celery-leases: cannot renew leases: %s", exc)
+            self._failing = True
+            return False
         if self._failing:
             logger.info("celery-leases: renewals work again")
             self._failing = False
-        for lease in renewable:
-            if lease.job_id in renewal.held:
-                lease.deadline = sent + lease.duration
-                lease.stop_requested = renewal.stops.get(lease.job_id) or lease.stop_requested
-            elif not (lease.released or lease.lost):
-                lease.lost = True
-                logger.warning(
-                    "celery-leases: lease lost on job %s (token %s): another attempt holds it",
-                    lease.job_id,
-                    lease.token,
-                    extra=lease_fields(lease),
-                )
+        return True
+
+    def _bind(self, lease: Lease) -> None:
+        """Bind a lease a claim could not bind (the holder row was missing, or its session
+        was cut): until then, its own expiry, which the claim set, is its end."""
+        try:
+            lease.bound = self.store.bind(lease.job_id, lease.token, self.holder)
+        except LeaseError as exc:
+            logger.warning(
+                "celery-leases: job %s: cannot bind its lease to this process: %s",
+                lease.job_id,
+                exc,
+                extra=lease_fields(lease),
+            )
 
     def _bound(self) -> Session | None:
         """The session to renew on, binding the leases to it; None: renew unbound, through
@@ -136,7 +283,18 @@ class Keeper(threading.Thread):
         return None
 
     def _stalled(self, lease: Lease) -> None:
-        """Stop renewing a stalled attempt's lease; with kill_stalled, end its process."""
+        """Stop keeping a stalled attempt's lease; with kill_stalled, end its process."""
+        try:
+            self.store.detach(lease.job_id, lease.token)
+        except LeaseError as exc:  # its holder's renewals keep it: the stall is reported again
+            lease.stall_reported = False
+            logger.warning(
+                "celery-leases: could not let stalled job %s go: %s",
+                lease.job_id,
+                exc,
+                extra=lease_fields(lease),
+            )
+            return
         logger.warning(
             "celery-leases: job %s made no checkpoint for %.0f s: stalled, no longer renewing "
             "its lease so the job moves to another worker",
@@ -185,11 +343,18 @@ class Keeper(threading.Thread):
             if self._stopped.is_set():
                 return
             try:
+                if self._session_lost:
+                    self.rebind()
+                if self._orphans:
+                    self._detach_orphans()
                 if due is None or time.monotonic() < due:
                     # Idle, woken by add() or for a stall: a claim has just renewed its
                     # lease, so only the next tick renews it; renewing now would cost one
-                    # more committed write per task.
+                    # more committed write per task. A keeper holding nothing renews its
+                    # holder hourly, so no reaper takes it for abandoned.
                     self.check_stalls()
+                    if due is None:
+                        self._renew_idle()
                     continue
                 self._next_tick()
                 self.tick()
@@ -203,9 +368,21 @@ class Keeper(threading.Thread):
             self._due = time.monotonic() + min(intervals) if intervals else None
 
     def stop(self) -> None:
-        """Stop renewing, and end the session (after a renewal under way, if any)."""
+        """Stop renewing (after a renewal under way, if any)."""
         self._stopped.set()
         self._wake.set()
+
+    def retire(self) -> None:
+        """The process is going away, its leases handed back: delete its holder row, take its
+        mark away, and end its session."""
+        self.stop()
+        if self._renewed is not None:
+            self._detach_orphans()
+            try:
+                self.store.drop_holder(self.holder)
+            except LeaseError as exc:  # the reaper deletes it once its session is gone
+                logger.warning("celery-leases: could not delete this process's holder: %s", exc)
+            self.store.dialect.forget_alive(self.holder)
         self.session.close()
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
@@ -35,6 +36,7 @@ from ..db.schema import DONE, FINISHED_STATES, LIVE_STATES, QUEUED, REVOKED
 from ..errors import LeaseError
 from ..log import job_fields
 from ..message import Message
+from ..process import owner_name
 from .deaths import deaths
 from .signals import SHUTTING_DOWN, end_job
 
@@ -99,7 +101,7 @@ class LeasedRequest(Request):  # type: ignore[misc]
             )
 
     def _dead_owner(self) -> str:
-        return f"{self.hostname}/{self.worker_pid}"
+        return owner_name(self.hostname, self.worker_pid)
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
@@ -216,12 +218,19 @@ class LeasedRequest(Request):  # type: ignore[misc]
     def _finish_done(self, job: Job) -> bool:
         """The process died after its attempt marked the job done and before Celery stored
         the result: store it and send the callbacks and the chain's next step, as the trace
-        would have. False (Celery decides) if the job was done long ago, or its result was
-        stored (the trace got that far, so it sent the callbacks too)."""
+        would have. False (Celery decides) if the job was done before the pool process took
+        this delivery (by another attempt), or its result was stored (the trace got that far,
+        so it sent the callbacks too)."""
         if job.finished_at is None:
             return False
-        if job.created_at + job.age - job.finished_at > self.task.lease_settings.duration:
-            return False  # done long ago, by another attempt
+        finished_ago = job.created_at + job.age - job.finished_at  # database clock
+        started = getattr(self, "time_start", None)
+        # How long ago the pool process took this delivery: a duration on this host's clock
+        # (not a time), compared with one on the database's. Billiard may report the death
+        # long after it happened, so "long ago" cannot be the test.
+        running_for = time.time() - started if started is not None else 0.0
+        if finished_ago > running_for + 1.0:
+            return False  # done before this delivery ran: by another attempt
         stored = getattr(self, "_success_was_stored", None)  # Celery >= 5.7
         if self.ignore_result or stored is None or stored():
             return False

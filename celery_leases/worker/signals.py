@@ -9,7 +9,7 @@ import threading
 import traceback
 from typing import Any
 
-from celery import current_app, states
+from celery import current_app
 from celery.signals import (
     task_failure,
     task_revoked,
@@ -17,6 +17,7 @@ from celery.signals import (
     worker_init,
     worker_process_shutdown,
     worker_ready,
+    worker_shutdown,
     worker_shutting_down,
 )
 
@@ -26,6 +27,7 @@ from ..db.migrations import upgrade
 from ..db.schema import FAILED, REVOKED
 from ..errors import LeaseError
 from ..log import job_fields, lease_fields
+from ..process import owner_prefix
 from .deaths import deaths
 from .keeper import all_keepers
 
@@ -97,6 +99,7 @@ def release_on_process_shutdown(**_: Any) -> None:
                     exc,
                     extra=lease_fields(lease),
                 )
+        keeper.retire()
 
 
 def preempt_on_shutdown(sender: Any = None, **_: Any) -> None:
@@ -110,7 +113,7 @@ def preempt_on_shutdown(sender: Any = None, **_: Any) -> None:
         settings = settings_for(app)
         if not settings.preempt_on_shutdown:
             return
-        count = store_for(settings).request_stop_owned_by(f"{sender}/", "preempt")
+        count = store_for(settings).request_stop_owned_by(owner_prefix(sender), "preempt")
     except LeaseError as exc:
         logger.warning("celery-leases: could not preempt running jobs: %s", exc)
         return
@@ -120,34 +123,33 @@ def preempt_on_shutdown(sender: Any = None, **_: Any) -> None:
         )
 
 
-def fail_unknown_task(sender: Any = None, name: str = "", id: str = "", **_: Any) -> None:
-    """A message for a task this worker does not know: Celery discards it, so fail the job
-    with the reason instead of leaving the reaper to re-publish it forever."""
+def wait_for_a_worker_that_knows(
+    sender: Any = None, name: str = "", id: str = "", **_: Any
+) -> None:
+    """A message for a task this worker does not know (an older worker of a rolling deploy):
+    Celery discards it. A leased job waits for a worker that knows the task: the reaper sends
+    it again after ``leases_reap_grace``, then with doubling waits (up to 64 times it),
+    never failing it for a worker that lacks its code. A running job is left alone (its
+    message was a copy)."""
     app = getattr(sender, "app", None) or current_app
     if not uses_leases(app) or not id:
         return
     hostname = getattr(sender, "hostname", None) or "this worker"
+    reason = f"waiting for a worker that knows task {name!r} ({hostname} does not)"
     try:
-        store = store_for(settings_for(app))
-        failed = store.give_up(
-            id,
-            error=f"{hostname} does not know task {name!r} (not registered); message discarded",
-            notify=states.FAILURE,
-        )
+        settings = settings_for(app)
+        waits = store_for(settings).wait_for_worker(id, wait=settings.reap_grace, error=reason)
     except LeaseError as exc:
         logger.warning(
-            "celery-leases: could not fail job %s of unknown task %r: %s",
-            id,
-            name,
-            exc,
-            extra=job_fields(id),
+            "celery-leases: job %s of unknown task %r: %s", id, name, exc, extra=job_fields(id)
         )
         return
-    if failed:
-        logger.error(
-            "celery-leases: job %s failed: task %r is not registered here",
+    if waits:
+        logger.warning(
+            "celery-leases: job %s: %s; it is sent again in %.0f s",
             id,
-            name,
+            reason,
+            settings.reap_grace,
             extra=job_fields(id),
         )
 
@@ -218,8 +220,11 @@ RECEIVERS = (
     (worker_init, migrate_on_start),
     (worker_ready, replace_dead_processes_at_once),
     (worker_process_shutdown, release_on_process_shutdown),
+    # A threads, solo or gevent pool runs its tasks (and its keeper) in the main process,
+    # which has no worker_process_shutdown: its holder row and mark go at the worker's end.
+    (worker_shutdown, release_on_process_shutdown),
     (worker_shutting_down, preempt_on_shutdown),
-    (task_unknown, fail_unknown_task),
+    (task_unknown, wait_for_a_worker_that_knows),
     (task_revoked, record_revoke),
     (task_failure, record_failure_in_main_process),
 )

@@ -30,6 +30,7 @@ from ..db import store_for
 from ..db.dialects import dialect_for
 from ..db.schema import RUNNING
 from ..errors import ConfigurationError, LeaseError
+from ..process import owner_host
 from ..settings import DEFAULTS, Settings, redact
 
 logger = logging.getLogger("celery_leases")
@@ -162,7 +163,11 @@ def shared_file_warnings(store: Any, place: str) -> list[str]:
         return []
     here = _short(socket.gethostname())
     others = sorted(
-        {host for host in (_owner_host(job.owner) for job in running) if host and host != here}
+        {
+            _short(host)
+            for host in (owner_host(job.owner) for job in running)
+            if host and _short(host) != here
+        }
     )
     if not others:
         return []
@@ -171,14 +176,6 @@ def shared_file_warnings(store: Any, place: str) -> list[str]:
         f"locking does not hold over a network filesystem, so leases there are not safe; "
         f"use PostgreSQL or MariaDB when several hosts run workers"
     ]
-
-
-def _owner_host(owner: str | None) -> str | None:
-    """The host of an owner name ``node@host/pid`` (``host/pid`` without a node name)."""
-    if not owner:
-        return None
-    node = owner.rsplit("/", 1)[0]
-    return _short(node.rpartition("@")[2])
 
 
 def _short(host: str) -> str:

@@ -20,6 +20,7 @@ from chaos.check import (
     JobRow,
     Kill,
     Outcome,
+    Pause,
     StateRow,
     Trigger,
     check_all,
@@ -569,7 +570,7 @@ def test_a_trigger_no_run_of_its_key_started_after_is_caught() -> None:
 
     assert failed_checks(e) == [FOLLOWED]
     (check,) = [c for c in check_all(e) if c.name == FOLLOWED]
-    assert "trigger t4 of account:a at 6.000 (served by y)" in check.text
+    assert "trigger t4 of account:a at 6.000: served by y, done, started -1.00s" in check.text
 
 
 def test_a_trigger_followed_only_by_a_run_that_did_not_end_done_is_caught() -> None:
@@ -641,9 +642,342 @@ def test_a_stale_repeated_or_missing_cursor_write_is_caught() -> None:
 
     # Or by a token that committed no unit, with the next value
     ghost = [*log[:3], CursorRow(KEY, "x", 2, json.dumps({"units": 4}), 3.2)]
-    ghost += [replace(r, cursor=json.dumps({"units": r.units + 1})) for r in log[3:]]
+    ghost += [replace(r, cursor=json.dumps({"units": (r.units or 0) + 1})) for r in log[3:]]
     failed = replace(e, cursor_log=ghost, cursors={KEY: {"units": 7}})
     assert failed_checks(failed) == [CURSORS]
 
     # Or a committed unit whose write is missing (the log skips from 2 to 4)
     assert failed_checks(replace(e, cursor_log=[*log[:2], *log[3:]])) == [CURSORS]
+
+
+# -- keyed jobs under the triggers-on-the-key model (issue 23) -----------------------------------
+#
+# x runs from 0 to 3 (its own trigger at -1); the triggers at 1 and 2 wait on the key under the
+# first one's id, y; when x ends, y runs for them (a follow-up) or, when a run of the key started
+# after both, y is a served row naming that run.
+
+CONTROLS_KEYED = "keyed controls"
+ONE_AT_A_TIME = "never two attempts at once"
+INTERRUPTS = "interrupts"
+CLIENTS = "dying clients"
+
+
+def served_row(job_id: str, by: JobRow, *, at: float, state: str = "done") -> JobRow:
+    """A row recording the triggers of ``job_id`` as served by run ``by``."""
+    result = by.result if state == "done" else None
+    return JobRow(job_id, state, 0, 0, result, None, None, at, by.key, None, by.id)
+
+
+def with_served(e: Evidence, job_id: str, by: str, *, at: float, state: str = "done") -> Evidence:
+    """``e`` with the triggers answered ``job_id`` served by run ``by`` (a row of their own,
+    inserted done at ``at``), and what the backend holds for every result id."""
+    jobs = {**e.jobs, job_id: served_row(job_id, e.jobs[by], at=at, state=state)}
+    history = [*(e.history or []), StateRow(job_id, 0, state, at)]
+    return replace(e, jobs=jobs, history=history, key_backend=key_backend(jobs))
+
+
+def key_backend(jobs: dict[str, JobRow]) -> dict[str, Outcome]:
+    status = {"done": "SUCCESS", "failed": "FAILURE", "revoked": "REVOKED", "cancelled": "REVOKED"}
+    return {
+        i: Outcome(status[j.state], j.result if j.state == "done" else "x")
+        for i, j in jobs.items()
+        if j.state in status
+    }
+
+
+def test_triggers_served_by_a_run_that_started_after_them_keep_every_invariant() -> None:
+    # Given x holding the key from -1 (queued) and starting at 4, after the triggers at 1 and 2
+    # (they waited under y), so x served them: y is a served row, no run of its own
+    runs = {"x": run_of("x", 1, range(KEY_UNITS), 4)}
+    e = keyed_evidence(runs, TRIGGERS, inserted={"x": -1.0})
+    e = with_served(e, "y", "x", at=7.6)
+
+    assert failed_checks(e) == []
+    assert (e.figures["keyed_served_rows"], e.figures["keyed_jobs"]) == (1, 1)
+
+
+def test_triggers_served_by_a_run_that_started_before_one_of_them_are_caught() -> None:
+    # Given x started at 0, before the triggers at 1 and 2, and yet recorded as serving them
+    e = keyed_evidence({"x": run_of("x", 1, range(KEY_UNITS), 0)}, TRIGGERS, inserted={"x": -1.0})
+    e = with_served(e, "y", "x", at=3.6)
+
+    assert failed_checks(e) == [FOLLOWED]
+    (check,) = [c for c in check_all(e) if c.name == FOLLOWED]
+    assert "trigger y of account:a at 1.000: served by y served by x, done, started -1.00s" in (
+        check.text
+    )
+
+
+def test_a_run_claimed_before_a_trigger_does_not_follow_it_even_if_its_first_unit_came_after() -> (
+    None
+):
+    # Given y, the follow-up of the triggers at 1 and 2, claimed at 1.5 (its started_at) but
+    # its first unit only at 5: its claim read the key's cursor before the trigger at 2
+    e = keyed_evidence(a_run_and_its_followup(), TRIGGERS, inserted=INSERTED)
+    e = replace(e, jobs={**e.jobs, "y": replace(e.jobs["y"], started_at=1.5)})
+
+    assert failed_checks(e) == [FOLLOWED]
+
+
+def test_triggers_served_by_a_run_that_was_revoked_or_cancelled_are_caught_as_lost() -> None:
+    # Given x, which started after the triggers, revoked by the driver (a revoke of x, not of
+    # y): the triggers answered y never got a run that ended done
+    runs = {"x": run_of("x", 1, range(2), 4)}
+    e = keyed_evidence(runs, TRIGGERS, inserted={"x": -1.0}, states={"x": "revoked"})
+    e = replace(
+        e,
+        jobs={**e.jobs, "x": replace(e.jobs["x"], finished_at=6.5)},
+        history=[*(e.history or []), StateRow("x", 1, "revoked", 6.5)],
+        key_controls=[Control("x", "revoke", 3.0, "queued")],
+    )
+    e = with_served(e, "y", "x", at=6.6, state="failed")
+
+    failed = failed_checks(e)
+
+    assert failed == [FOLLOWED, LOST]
+    (check,) = [c for c in check_all(e) if c.name.startswith(LOST)]
+    assert "trigger y of account:a: served by y, failed, served by x" in check.text
+
+
+def test_a_served_row_that_does_not_mirror_its_run_is_caught() -> None:
+    runs = {"x": run_of("x", 1, range(KEY_UNITS), 4)}
+    e = with_served(keyed_evidence(runs, TRIGGERS, inserted={"x": -1.0}), "y", "x", at=7.6)
+
+    wrong = replace(e, jobs={**e.jobs, "y": replace(e.jobs["y"], result=KEY_UNITS + 1)})
+    assert KEYED in failed_checks(wrong)
+    # nor names a run of another key, nor had attempts of its own
+    other = replace(e, jobs={**e.jobs, "x": replace(e.jobs["x"], key="account:b")})
+    assert KEYED in failed_checks(other)
+    attempted = replace(e, jobs={**e.jobs, "y": replace(e.jobs["y"], attempts=1)})
+    assert KEYED in failed_checks(attempted)
+
+
+def test_triggers_still_waiting_on_a_key_at_the_end_are_caught_as_lost() -> None:
+    e = keyed_evidence(a_run_and_its_followup(), TRIGGERS, inserted=INSERTED)
+
+    assert failed_checks(replace(e, pending={KEY: "t9"})) == [LOST]
+
+
+def test_a_result_backend_that_disagrees_with_a_triggers_result_id_is_caught() -> None:
+    e = keyed_evidence(a_run_and_its_followup(), TRIGGERS, inserted=INSERTED)
+    e = replace(e, key_backend=key_backend(e.jobs))
+    assert failed_checks(e) == []
+
+    for outcome in (Outcome("PENDING", None), Outcome("SUCCESS", 99), Outcome("REVOKED", "x")):
+        wrong = replace(e, key_backend={**(e.key_backend or {}), "y": outcome})
+        assert failed_checks(wrong) == [LOST], outcome
+
+
+def test_a_keyed_job_revoked_or_cancelled_while_queued_loses_no_other_trigger() -> None:
+    # Given x's own trigger at -1, x cancelled while queued (at 0.5, before it ran), and the
+    # triggers at 1 and 2 that waited on the key under y run by y from 5
+    runs = {"x": [], "y": run_of("y", 1, range(KEY_UNITS), 5)}
+    e = keyed_evidence(runs, TRIGGERS, inserted=INSERTED, states={"x": "cancelled"})
+    x = replace(e.jobs["x"], finished_at=0.5)
+    e = replace(
+        e,
+        jobs={**e.jobs, "x": x},
+        history=[*(e.history or []), StateRow("x", 0, "cancelled", 0.5)],
+        key_controls=[Control("x", "cancel", 0.4, "queued")],
+    )
+    assert failed_checks(e) == []
+    assert e.figures["triggers_stopped_by_their_control"] == 1
+
+    # But not when the cancel found nothing to cancel (the id of waiting triggers, no row yet)
+    nothing = replace(e, key_controls=[Control("x", "cancel", 0.4, "none")])
+    assert failed_checks(nothing) == [KEYED, FOLLOWED, LOST]
+    # Nor when y, which no control named, ended cancelled with x: its triggers are lost
+    y = replace(e.jobs["y"], state="cancelled", result=None)
+    history = [
+        replace(r, state="cancelled") if r.job_id == "y" and r.state == "done" else r
+        for r in e.history or []
+    ]
+    both = replace(e, jobs={**e.jobs, "y": y}, history=history)
+    assert failed_checks(both) == [KEYED, FOLLOWED, LOST]
+
+
+def test_a_keyed_job_that_expired_is_allowed_only_its_own_expires_and_only_after_it() -> None:
+    # Given x's own call sent with expires at 0.8: x expired (revoked at 1.0) before it ran
+    runs = {"x": [], "y": run_of("y", 1, range(KEY_UNITS), 5)}
+    triggers = [Trigger(KEY, "x", "x", -1.0, -0.9), *TRIGGERS[1:]]
+    e = keyed_evidence(runs, triggers, inserted=INSERTED, states={"x": "revoked"})
+    x = replace(e.jobs["x"], finished_at=1.0, expires=True)
+    e = replace(
+        e,
+        jobs={**e.jobs, "x": x},
+        history=[*(e.history or []), StateRow("x", 0, "revoked", 1.0)],
+        key_expires={"x": 0.8},
+    )
+    assert failed_checks(e) == []
+
+    # Revoked before its expires passed: caught
+    early = replace(e, key_expires={"x": 1.5})
+    assert failed_checks(early) == [CONTROLS_KEYED]
+    # A run carrying expires no call of its id was sent with: caught (and it may not end
+    # revoked either)
+    assert CONTROLS_KEYED in failed_checks(replace(e, key_expires={}))
+
+
+def test_a_followup_that_inherits_its_triggers_expires_is_caught() -> None:
+    # Given y's trigger sent with expires, y recorded at 3.6 as the follow-up of the triggers
+    # that waited (after that call returned at 1.1), carrying the expires, and expiring
+    triggers = [TRIGGERS[0], Trigger(KEY, "y", "y", 1.0, 1.1), TRIGGERS[2]]
+    runs = {"x": run_of("x", 1, range(KEY_UNITS), 0), "y": []}
+    e = keyed_evidence(runs, triggers, inserted=INSERTED, states={"y": "revoked"})
+    y = replace(e.jobs["y"], finished_at=4.0, expires=True)
+    e = replace(
+        e,
+        jobs={**e.jobs, "y": y},
+        history=[*(e.history or []), StateRow("y", 0, "revoked", 4.0)],
+        key_expires={"y": 3.9},
+    )
+
+    assert failed_checks(e) == [KEYED, FOLLOWED, LOST, CONTROLS_KEYED]
+    (check,) = [c for c in check_all(e) if c.name.startswith(CONTROLS_KEYED)]
+    assert "y: a follow-up (inserted +2.50s after its trigger's call returned)" in check.text
+
+
+# -- two attempts at once -------------------------------------------------------------------------
+
+
+def superseded_evidence(**changes: object) -> Evidence:
+    """Attempt 1 (pid 101) of j runs units 0-1 from 0; attempt 2 claims j at 2.99 and runs
+    units 2-3 from 3; attempt 1 starts unit 2 at 3.5 (never committed: fenced)."""
+    rows = [
+        *run_of("j", 1, range(2), 0),
+        unit("j", 2, 1, 3.5, None),
+        *run_of("j", 2, range(2, 4), 3),
+    ]
+    return replace(evidence(AT_LEAST_ONCE, rows), **changes)  # type: ignore[arg-type]
+
+
+def test_a_superseded_attempt_that_went_on_while_its_process_ran_is_caught() -> None:
+    e = superseded_evidence()
+
+    assert failed_checks(e) == [ONE_AT_A_TIME]
+    (check,) = [c for c in check_all(e) if c.name.startswith(ONE_AT_A_TIME)]
+    assert "j: the run of token 1 (pid 101) started unit 2 +0.51s after" in check.text
+
+
+def test_a_superseded_attempt_that_went_on_after_being_stopped_is_excused() -> None:
+    # Its own process frozen past its lease
+    assert failed_checks(superseded_evidence(pauses=[Pause((101,), 1.0, 3.2)])) == []
+    # Another process frozen: not an excuse, unless it held the whole database's lock
+    other = [Pause((202,), 1.0, 3.2)]
+    assert failed_checks(superseded_evidence(pauses=other)) == [ONE_AT_A_TIME]
+    assert failed_checks(superseded_evidence(pauses=other, global_lock=True)) == []
+    # PostgreSQL restarting just before, or its worker saying its renewals failed
+    assert failed_checks(superseded_evidence(restarts=[0.5])) == []
+    assert failed_checks(superseded_evidence(lost_renewals={"j"})) == []
+
+
+# -- interrupts and dying clients -----------------------------------------------------------------
+
+
+def test_a_connection_used_after_an_interrupt_or_a_conflict_told_as_an_outage_is_caught() -> None:
+    e = evidence(EXACTLY_ONCE, run_of("j", 1, range(4), 0), attempts=1)
+    reuse = ["worker1: ... OperationalError: another command is already in progress"]
+    outage = ["worker2: leases database unreachable: could not serialize access"]
+
+    assert failed_checks(replace(e, log_errors={"reuse": reuse})) == [INTERRUPTS]
+    assert failed_checks(replace(e, log_errors={"conflict_as_outage": outage})) == [INTERRUPTS]
+    counts = {"soft limit in library statement": 3, "conflicts run again by the library": 2}
+    fine = replace(e, soft_limited={"j": 2.0}, log_counts=counts)
+    assert failed_checks(fine) == []
+    assert fine.figures["soft_limits_in_library_statements"] == 3
+
+
+def test_a_job_a_killed_client_recorded_and_nobody_ran_is_caught() -> None:
+    # Given j recorded by a client killed before it published j (the call never returned)
+    ran = evidence(EXACTLY_ONCE, run_of("j", 1, range(4), 0), attempts=1)
+    assert failed_checks(replace(ran, client_calls={"j": False, "gone": False})) == []
+    assert ran.figures["client_interrupted_after_record"] == 1
+
+    stuck = JobRow("j", "queued", 0, 0, None, None, None)
+    e = evidence(EXACTLY_ONCE, [], jobs={"j": stuck}, attempts=0)
+    assert CLIENTS in failed_checks(replace(e, client_calls={"j": False}))
+
+
+# -- a lease that outlives its attempt ------------------------------------------------------------
+
+OUTLIVES = "no lease outlives its attempt"
+
+
+def outliving(rows: list[Unit]) -> Evidence:
+    """The evidence of one exactly-once job j that ended done half a second after its last
+    unit, checked with a slack of 15 s."""
+    end = max(r.ended_at or r.started_at for r in rows) + 0.5
+    job = replace(done("j", max(r.token or 0 for r in rows)), finished_at=end)
+    return replace(evidence(EXACTLY_ONCE, rows, jobs={"j": job}), hold_slack=15.0)
+
+
+def test_a_job_left_claimed_long_after_its_attempt_ended_is_caught() -> None:
+    # Given attempt 1 (pid 101) whose last unit started at 2 and never committed (it gave up:
+    # the database ended its transaction), and the job claimed again only at 30.99
+    rows = [
+        *run_of("j", 1, range(2), 0),
+        unit("j", 2, 1, 2, None),
+        *run_of("j", 2, range(2, 4), 31),
+    ]
+    e = outliving(rows)
+
+    assert failed_checks(e) == [OUTLIVES]
+    (check,) = [c for c in check_all(e) if c.name.startswith(OUTLIVES)]
+    assert "j: token 1 still claimed 29.0 s after its attempt's last unit (pid 101)" in check.text
+
+    # Freed within the slack: fine
+    soon = [*rows[:3], *run_of("j", 2, range(2, 4), 12)]
+    assert failed_checks(outliving(soon)) == []
+
+
+def test_a_job_held_while_its_process_was_stopped_or_the_database_restarted_is_excused() -> None:
+    rows = [
+        *run_of("j", 1, range(2), 0),
+        unit("j", 2, 1, 2, None),
+        *run_of("j", 2, range(2, 4), 31),
+    ]
+    e = outliving(rows)
+
+    # Its process stopped from 3 to 25: 7 s left, under the slack
+    assert failed_checks(replace(e, pauses=[Pause((101,), 3.0, 25.0)])) == []
+    # Another process stopped: no excuse (unless one lock holds the whole database)
+    assert failed_checks(replace(e, pauses=[Pause((202,), 3.0, 25.0)])) == [OUTLIVES]
+    assert failed_checks(replace(e, pauses=[Pause((202,), 3.0, 25.0)], global_lock=True)) == []
+    assert failed_checks(replace(e, restarts=[10.0])) == []
+
+
+def test_an_attempt_that_found_another_holding_its_job_while_it_ran_unstopped_is_caught() -> None:
+    # Given attempt 1 (pid 101) told at its checkpoint (at 3.4) that attempt 2 held the job: no
+    # unit of it started after the newer claim, yet it ran while attempt 2 did
+    rows = [*run_of("j", 1, range(2), 0), unit("j", 2, 1, 2, None), *run_of("j", 2, range(2, 4), 3)]
+    e = replace(evidence(EXACTLY_ONCE, rows), lost_to_another=[("j", 1, 3.4)])
+
+    assert failed_checks(e) == [ONE_AT_A_TIME]
+    (check,) = [c for c in check_all(e) if c.name.startswith(ONE_AT_A_TIME)]
+    assert "j: its attempt of token 1 (pid 101) was still running when another" in check.text
+    # Its process stopped not long before, or killed first: excused
+    assert failed_checks(replace(e, pauses=[Pause((101,), 0.5, 3.3)])) == []
+    assert failed_checks(replace(e, lost_renewals={"j"})) == []
+    # A pause long before does not excuse it
+    long_ago = replace(e, pauses=[Pause((101,), -60.0, -50.0)])
+    assert failed_checks(long_ago) == [ONE_AT_A_TIME]
+
+
+def test_a_revoke_of_the_id_waiting_triggers_share_stops_every_trigger_that_shares_it() -> None:
+    # Given the triggers at 1 and 2 waiting under y, and y revoked at 1.5 (before it existed:
+    # the revoke flagged the id): y's run was discarded, its callers told REVOKED
+    runs = {"x": run_of("x", 1, range(KEY_UNITS), 0), "y": []}
+    e = keyed_evidence(runs, TRIGGERS, inserted=INSERTED, states={"y": "revoked"})
+    y = replace(e.jobs["y"], finished_at=3.7)
+    e = replace(
+        e,
+        jobs={**e.jobs, "y": y},
+        history=[*(e.history or []), StateRow("y", 0, "revoked", 3.7)],
+        key_controls=[Control("y", "revoke", 1.5, "pending")],
+    )
+
+    # Then both are stopped as the documented rule says (a revoke is of an id, for good), the
+    # one that joined the id after the revoke included
+    assert failed_checks(e) == []
+    # But a run nobody revoked that ended revoked loses them
+    assert {FOLLOWED, LOST} <= set(failed_checks(replace(e, key_controls=[])))

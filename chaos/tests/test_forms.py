@@ -9,9 +9,12 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
+
+from chaos import fault as F
 from chaos import trigger as T
 from chaos.driver import build_parser, config_of
-from tests.chaos.test_chaos import POSTGRES_KINDS, SHORT
+from tests.chaos.test_chaos import POSTGRES_ISOLATION, POSTGRES_KINDS, SHORT, SQLITE_KINDS
 
 MAKEFILE = Path(__file__).resolve().parents[2] / "Makefile"
 
@@ -57,3 +60,55 @@ def test_a_trigger_plan_sends_every_trigger_asked_for_in_bursts_no_larger_than_a
     assert all(0.03 <= b.at <= 0.92 for b in bursts)
     # and a seed replays the same plan
     assert T.plan(random.Random(7), triggers=40, keys=3, largest=5, gap=0.5) == bursts
+
+
+def test_the_long_form_has_every_edge_of_issue_23() -> None:
+    # Soft time limits inside statements, dying clients, keyed controls and expiring triggers,
+    # transactional checkpoints at repeatable read (the long form runs on PostgreSQL)
+    config = config_of(build_parser().parse_args(long_form_arguments()))
+
+    assert config.soft_limited_jobs >= 20
+    assert {"kill_client", "revoke_keyed", "cancel_keyed"} <= set(config.kinds)
+    assert config.key_expiring > 0
+    assert config.isolation in ("repeatable_read", "mixed")
+    assert not config.namespace_reaper  # SQLite only
+
+
+def test_each_edge_can_be_left_out() -> None:
+    arguments = [
+        *long_form_arguments(),
+        "--soft-limits",
+        "0",
+        "--no-dying-clients",
+        "--no-keyed-controls",
+        "--isolation",
+        "read_committed",
+    ]
+    config = config_of(build_parser().parse_args(arguments))
+
+    assert config.soft_limited_jobs == 0 and config.key_expiring == 0
+    assert not {"kill_client", "revoke_keyed", "cancel_keyed"} & set(config.kinds)
+    assert config.isolation == "read_committed"
+
+
+def test_the_long_form_on_sqlite_runs_a_reaper_in_another_pid_namespace_where_it_can() -> None:
+    arguments = ["--database", "sqlite", "--broker", "filesystem"]
+    config = config_of(build_parser().parse_args(arguments))
+
+    assert config.isolation is None  # SQLite: no isolation levels
+    assert "revoke_keyed" not in config.kinds and "cancel_keyed" in config.kinds
+    if F.unshare_error() is not None:
+        pytest.skip(f"unshare cannot run here: {F.unshare_error()}")
+    assert config.namespace_reaper
+    assert not config_of(
+        build_parser().parse_args([*arguments, "--no-namespace-reaper"])
+    ).namespace_reaper
+    with pytest.raises(SystemExit, match="SQLite only"):
+        config_of(build_parser().parse_args(["--namespace-reaper"]))
+
+
+def test_the_short_forms_have_the_cheap_edges_of_issue_23() -> None:
+    assert SHORT.soft_limited_jobs >= 1 and SHORT.key_expiring > 0
+    assert {"kill_client", "revoke_keyed", "cancel_keyed"} <= set(POSTGRES_KINDS)
+    assert {"kill_client", "cancel_keyed"} <= set(SQLITE_KINDS)
+    assert POSTGRES_ISOLATION in ("repeatable_read", "mixed")

@@ -15,8 +15,10 @@ The provider calls it when an account has new events, with a JSON body naming th
 
 It answers at once: the sync runs on a worker. ``delay()`` records the job in the leases table
 before it publishes, so a lost message is still a recorded job that the reaper publishes again.
-A delivery for an account whose sync is queued is served by that job; one while it runs starts
-one follow-up run when it ends (``lease_key``): the 202 names that job.
+A delivery for an account whose sync is queued or running waits on the account's lease key
+(``lease_key``) as one trigger with every other delivery meanwhile: the job that starts after
+the latest of them serves them (the queued sync, when it had not started yet), or one
+follow-up run when the sync ends; the 202 names the id they wait under.
 
 Run it alone: ``WEBHOOK_SYNC_SECRET=... python -m examples.webhook_sync.receiver --port 8766``.
 """

@@ -1,7 +1,12 @@
-"""The short chaos form (issue 7): 40 jobs x 10 units on 3 prefork workers, ~15 faults, among
+"""The short chaos form (issue 7): 40 jobs x 10 units on 3 prefork workers, ~18 faults, among
 them cancels (and revokes on Redis), and 4 jobs sent with an ``expires`` that passes for some
 of them; and keyed jobs (issue 17): 16 triggers of 2 accounts in bursts, sent while the faults
-happen, coalesced into one run per account at a time.
+happen, coalesced into one run per account at a time. And the edges of issue 23 that cost no
+time: 4 jobs sent with a short soft time limit (on PostgreSQL their statements are slowed so it
+lands inside them), clients killed between recording and publishing a job (``kill_client``),
+keyed jobs revoked or cancelled while they wait and triggers sent with ``expires``, on
+PostgreSQL the transactional checkpoints of half the jobs at repeatable read, and on SQLite a
+second reaper in a PID namespace of its own when ``unshare`` works here.
 
 Each test runs the chaos driver (``chaos/driver.py``) against real services, with a result backend
 (a Redis database of its own; an SQLite file with the embedded broker), and fails when an
@@ -34,20 +39,43 @@ SHORT = Config(
     unit_seconds=0.6,
     workers=3,
     concurrency=2,
-    faults=15,
+    faults=18,
     expiring=0.1,
     keys=2,
     triggers=16,
     key_units=5,
+    soft_limits=0.1,
+    key_expiring=0.1,
 )
 #: The fault kinds of the PostgreSQL short form, before the service restarts this machine
-#: allows: every worker fault, the freeze inside a transaction, and the controls.
-POSTGRES_KINDS = faults.WORKER_KINDS + faults.TRANSACTION_KINDS + faults.CONTROL_KINDS
+#: allows: every worker fault, the freeze inside a transaction, the controls (keyed ones
+#: too), and the dying clients.
+POSTGRES_KINDS = (
+    faults.WORKER_KINDS
+    + faults.TRANSACTION_KINDS
+    + faults.CONTROL_KINDS
+    + faults.KEYED_CONTROL_KINDS
+    + faults.CLIENT_KINDS
+)
+#: The SQLite form's: no freeze inside a transaction (it would hold the whole file), no revokes
+#: (see its test).
+SQLITE_KINDS = (*faults.WORKER_KINDS, "cancel", "cancel_keyed", *faults.CLIENT_KINDS)
+#: The PostgreSQL form's isolation level of the transactional checkpoints.
+POSTGRES_ISOLATION = "mixed"
 
 
-def short_config(kinds: tuple[str, ...]) -> Config:
+def short_config(kinds: tuple[str, ...], **changes: Any) -> Config:
     seed = int(os.environ["CHAOS_SEED"]) if os.environ.get("CHAOS_SEED") else new_seed()
-    return replace(SHORT, seed=seed, kinds=kinds)
+    return replace(SHORT, seed=seed, kinds=kinds, **changes)
+
+
+def namespace_reaper() -> bool:
+    """Whether this machine lets the SQLite form run its second reaper in a PID namespace of
+    its own (``unshare``); if not, it says why and runs without it."""
+    error = faults.unshare_error()
+    if error is not None:
+        print(f"chaos: no reaper in another PID namespace here: unshare: {error}")
+    return error is None
 
 
 def service_restarts(database_url: str, broker_url: str) -> tuple[str, ...]:
@@ -84,11 +112,13 @@ def test_on_postgresql_and_redis_kills_freezes_and_restarts_lose_nothing_and_run
     # 4 of them sent with expires), a Redis result backend
     # and 16 triggers of 2 accounts sent in bursts during the run (keyed jobs)
     restarts = service_restarts(database_url, celery_settings["broker_url"])
-    config = short_config(POSTGRES_KINDS + restarts)
+    config = short_config(POSTGRES_KINDS + restarts, isolation=POSTGRES_ISOLATION)
 
     # When pool processes and workers are SIGKILLed, frozen past their lease (some inside the
     # transaction of a checkpoint, the job's row locked), SIGTERMed, PostgreSQL and Redis
-    # (losing its queue) restart, and jobs are revoked and cancelled while the jobs run
+    # (losing its queue) restart, jobs are revoked and cancelled while the jobs run (keyed ones
+    # while they wait), soft time limits land inside statements, clients die between recording
+    # a job and publishing it, and half the checkpoints commit at repeatable read
     with private_redis_url() as backend:
         chaos = Chaos(config, spawn, celery_settings, database_url, table_name, backend)
         report = chaos.run()
@@ -122,13 +152,17 @@ def test_on_sqlite_and_the_embedded_broker_kills_and_freezes_lose_nothing_and_ru
     }
     backend = sqlite_result_backend(tmp_path / "results.sqlite3")
     # No revoke: the filesystem transport's broadcast rarely reaches a worker started mid-run
-    # (every revoke would only flag the id); cancels go through the table.
-    config = short_config((*faults.WORKER_KINDS, "cancel"))
+    # (every revoke would only flag the id); cancels go through the table. A second reaper in
+    # a PID namespace of its own, as a second container of one pod sharing the volume runs it.
+    config = short_config(SQLITE_KINDS, namespace_reaper=namespace_reaper())
 
     # When pool processes and workers are SIGKILLed, frozen past their lease and SIGTERMed,
-    # jobs are cancelled or expire, and bursts of triggers of keyed jobs arrive
+    # jobs are cancelled or expire, bursts of triggers of keyed jobs arrive (some cancelled
+    # while they wait), soft time limits pass and clients die between record and publish
     report = Chaos(config, spawn, broker, database_url, table_name, backend).run()
 
-    # Then the invariants hold: the reaper recovered every message the kills destroyed, every
-    # control held, and the keyed jobs ran one at a time per key, each trigger served
+    # Then the invariants hold: the reaper recovered every message the kills destroyed (and
+    # the jobs the dying clients never published), every control held, the keyed jobs ran one
+    # at a time per key, each trigger served, and no attempt ran beside another (the reaper
+    # in the other namespace took no live holder for dead)
     assert_chaos_survived(report, config)

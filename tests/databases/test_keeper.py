@@ -36,13 +36,27 @@ def keeper(store: Store) -> Iterator[Keeper]:
     keeper.join(timeout=10)
 
 
-def held_lease(store: Store, job_id: str, renew: float = RENEW) -> Lease:
-    """A new job claimed by this process, as an attempt holds it (a 30 s lease)."""
+def held_lease(store: Store, keeper: Keeper, job_id: str, renew: float = RENEW) -> Lease:
+    """A new job claimed by this process, kept by ``keeper``'s holder, as an attempt holds it
+    (a 30 s lease)."""
+    owner = f"w/{os.getpid()}"
     outcome = store.claim(
-        job_message(job_id, "tests.job", recorded=False), owner=f"w/{os.getpid()}", duration=30.0
+        job_message(job_id, "tests.job", recorded=False),
+        owner=owner,
+        duration=30.0,
+        holder=keeper.holder_for(owner, 30.0),
     )
     assert isinstance(outcome, Claimed), outcome
-    return Lease(job_id, outcome.token, outcome.attempt, None, f"w/{os.getpid()}", 30.0, renew)
+    lease = Lease(job_id, outcome.token, outcome.attempt, None, owner, 30.0, renew)
+    lease.bound = outcome.bound
+    return lease
+
+
+def ended(store: Store, keeper: Keeper, lease: Lease) -> None:
+    """The attempt of ``lease`` ends done, as an attempt ends: its end recorded, then let go."""
+    assert store.finish(lease.job_id, lease.token, result="null")
+    lease.released = True
+    keeper.remove(lease)
 
 
 def asleep(keeper: Keeper) -> bool:
@@ -60,25 +74,25 @@ def test_short_tasks_back_to_back_do_not_wake_the_keeper_and_a_long_one_is_renew
     store: Store, keeper: Keeper
 ) -> None:
     # Given a keeper that has held one lease and let it go (it now sleeps a renew interval)
-    first = held_lease(store, "first")
+    first = held_lease(store, keeper, "first")
     keeper.add(first)
-    keeper.remove(first)
+    ended(store, keeper, first)
     wait_for(lambda: asleep(keeper), timeout=5, what="the keeper asleep")
 
     # When 20 short tasks are held and let go one after another
     woken = 0
     for n in range(20):
-        lease = held_lease(store, f"short-{n}")
+        lease = held_lease(store, keeper, f"short-{n}")
         keeper.add(lease)
         woken += keeper._wake.is_set()
-        keeper.remove(lease)
+        ended(store, keeper, lease)
 
     # Then none of them woke it
     assert woken == 0
 
     # And when a task holds its lease past a renew interval, the keeper renews it: its
     # expiry moves on, a renew interval or two after the claim
-    long = held_lease(store, "long")
+    long = held_lease(store, keeper, "long")
     claimed = expiry(store, "long")
     keeper.add(long)
     wait_for(lambda: expiry(store, "long") > claimed, timeout=3 * RENEW + 2, what="a renewal")
@@ -89,15 +103,61 @@ def test_a_lease_with_a_stall_deadline_before_the_next_tick_wakes_the_keeper(
     store: Store, keeper: Keeper
 ) -> None:
     # Given a keeper asleep until its next tick, a renew interval (10 s) away
-    first = held_lease(store, "first", renew=10.0)
+    first = held_lease(store, keeper, "first", renew=10.0)
     keeper.add(first)
-    keeper.remove(first)
+    ended(store, keeper, first)
     wait_for(lambda: asleep(keeper), timeout=5, what="the keeper asleep")
 
     # When a lease whose stall timeout (0.1 s) ends long before that is added
-    lease = held_lease(store, "stalls", renew=10.0)
+    lease = held_lease(store, keeper, "stalls", renew=10.0)
     lease.stall_timeout = 0.1
     keeper.add(lease)
 
     # Then the keeper wakes for it and sees the stall when it happens, not at its next tick
     wait_for(lambda: lease.stall_reported, timeout=5, what="the stall seen")
+
+
+def holder_of(store: Store, job_id: str) -> str | None:
+    """The holder whose renewals keep the running job's lease (None: it ends by itself)."""
+    job = store.get(job_id)
+    assert job is not None and job.state == "running"
+    return job.holder
+
+
+def test_an_attempt_that_ends_without_recording_its_end_is_let_go_by_the_keeper(
+    store: Store, keeper: Keeper
+) -> None:
+    # Given two leases of this process, bound to its holder, and a keeper renewing them
+    kept = held_lease(store, keeper, "kept")
+    lost = held_lease(store, keeper, "lost")
+    keeper.add(kept)
+    keeper.add(lost)
+    assert holder_of(store, "lost") == keeper.holder
+
+    # When one attempt ends and its end cannot be recorded (the database failed it, say)
+    keeper.remove(lost)
+
+    # Then the keeper lets its job go: its lease runs out (within one lease, not while the
+    # holder renews) and the reaper sends it again; the other lease is still kept
+    wait_for(lambda: holder_of(store, "lost") is None, timeout=5, what="the job let go")
+    job = store.get("lost")
+    assert job is not None and job.expires_in is not None and job.expires_in <= 31.0
+    assert holder_of(store, "kept") == keeper.holder
+
+
+def test_a_job_bound_to_the_holder_that_no_attempt_holds_is_let_go_by_the_sweep(
+    store: Store, keeper: Keeper
+) -> None:
+    # Given a lease the keeper renews, and a job bound to its holder that no attempt of
+    # this process holds (a claim whose reply was lost), claimed a while ago
+    kept = held_lease(store, keeper, "kept")
+    keeper.add(kept)
+    held_lease(store, keeper, "unheld")
+    time.sleep(0.2)
+
+    # When the keeper sweeps its holder's jobs
+    keeper.sweep(margin=0.1)
+
+    # Then the unheld job is let go; the held one is still kept
+    assert holder_of(store, "unheld") is None
+    assert holder_of(store, "kept") == keeper.holder

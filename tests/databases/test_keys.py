@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -51,19 +52,49 @@ def live_jobs(store: Store, key: str = KEY) -> list[str]:
     return [j.id for j in store.list_jobs(states=("queued", "running")) if j.lease_key == key]
 
 
-def test_a_trigger_while_the_keys_job_waits_unstarted_is_absorbed_by_it(store: Store) -> None:
-    assert store.register(trigger("t1")).outcome == "new"
+def in_seconds(seconds: float) -> str:
+    """A message's ``expires`` or ``eta`` header ``seconds`` from now."""
+    return (datetime.now(timezone.utc) + timedelta(seconds=seconds)).isoformat()
+
+
+def pending(store: Store, key: str = KEY) -> str | None:
+    """The id the triggers waiting on ``key`` were given (None: none waits)."""
+    k = store.keys
+    with store.engine.connect() as connection:
+        found = connection.execute(sa.select(k.c.pending_id).where(k.c.lease_key == key)).scalar()
+    return str(found) if found is not None else None
+
+
+def test_a_trigger_while_the_keys_job_waits_unstarted_is_served_by_its_start(
+    store: Store,
+) -> None:
+    first = trigger("t1")
+    assert store.register(first).outcome == "new"
 
     second = store.register(trigger("t2"))
 
-    # The queued job has not started: it starts after the trigger, so it serves it
-    assert (second.outcome, second.job_id) == ("coalesced", "t1")
+    # The trigger waits on the key (not on the job, which may never run), under its own id
+    assert (second.outcome, second.job_id) == ("coalesced", "t2")
     assert live_jobs(store) == ["t1"]
-    assert store.get("t2") is None
-    assert store.get("t1").followup_id is None  # type: ignore[union-attr]
+    assert store.get("t2") is None and pending(store) == "t2"
+    # When the job starts after it and ends, its run served the trigger: the trigger's
+    # caller is told that run's end
+    lease = claimed(store, first)
+    assert store.finish("t1", lease.token, result='{"pages":3}')
+    settled = store.settle(KEY)
+    assert settled.served and settled.followup is None
+    served = store.get("t2")
+    assert served is not None
+    assert (served.state, served.served_by, served.result, served.notify) == (
+        "done",
+        "t1",
+        {"pages": 3},
+        "SUCCESS",
+    )
+    assert live_jobs(store) == [] and pending(store) is None
 
 
-def test_triggers_during_a_run_leave_one_followup_the_first_of_them(store: Store) -> None:
+def test_triggers_during_a_run_wait_on_the_key_under_the_first_ones_id(store: Store) -> None:
     first = trigger("t1")
     store.register(first)
     claimed(store, first)
@@ -71,15 +102,14 @@ def test_triggers_during_a_run_leave_one_followup_the_first_of_them(store: Store
     served = [store.register(trigger(f"t{n}")) for n in range(2, 7)]
 
     assert {(r.outcome, r.job_id) for r in served} == {("coalesced", "t2")}
-    job = store.get("t1")
-    assert job is not None and job.followup_id == "t2"
+    assert pending(store) == "t2"
     assert live_jobs(store) == ["t1"]
 
 
-def test_a_trigger_of_a_busy_key_is_coalesced_by_reads_only_with_no_refused_insert(
+def test_a_trigger_of_a_busy_key_inserts_no_job_the_keys_index_would_refuse(
     store: Store,
 ) -> None:
-    # Given a key whose run has started and already has its follow-up
+    # Given a key whose run has started, with a trigger already waiting
     first = trigger("t1")
     store.register(first)
     claimed(store, first)
@@ -89,11 +119,13 @@ def test_a_trigger_of_a_busy_key_is_coalesced_by_reads_only_with_no_refused_inse
     with sent(store) as statements:
         outcome = store.register(trigger("t3"))
 
-    # Then it is served by the follow-up after one read: no INSERT that the key's unique
-    # index would refuse (an ERROR line in PostgreSQL's log for each trigger)
+    # Then it waits with the first after one read and one write of the key's row: no INSERT
+    # into the jobs that the key's unique index would refuse (an ERROR line in PostgreSQL's
+    # log for each trigger)
     assert (outcome.outcome, outcome.job_id) == ("coalesced", "t2")
-    assert len(statements) == 1, statements
-    assert "INSERT" not in statements[0].upper(), statements
+    jobs = f"INSERT INTO {store.table.name} "
+    assert not any(s.upper().startswith(jobs.upper()) for s in statements), statements
+    assert 2 <= len(statements) <= 3, statements
 
 
 def test_a_second_message_of_the_keys_own_job_is_a_copy_not_a_trigger(store: Store) -> None:
@@ -105,9 +137,9 @@ def test_a_second_message_of_the_keys_own_job_is_a_copy_not_a_trigger(store: Sto
     # When a message with its own id (and key) is recorded again
     again = store.register(trigger("t1"))
 
-    # Then it is a copy of that job (dropped at its claim), not a trigger for a follow-up
+    # Then it is a copy of that job (dropped at its claim), not a trigger
     assert (again.outcome, again.job_id) == ("running", "t1")
-    assert store.get("t1").followup_id is None  # type: ignore[union-attr]
+    assert pending(store) is None
 
 
 def test_a_trigger_of_another_key_or_none_is_a_job_of_its_own(store: Store) -> None:
@@ -117,26 +149,29 @@ def test_a_trigger_of_another_key_or_none_is_a_job_of_its_own(store: Store) -> N
     assert store.register(job_message("t4", "tests.sync")).outcome == "new"
 
 
-def test_the_followup_starts_when_the_run_ends_and_only_once(store: Store) -> None:
+def test_the_run_for_waiting_triggers_starts_when_the_run_ends_and_only_once(
+    store: Store,
+) -> None:
     first = trigger("t1")
     store.register(first)
     lease = claimed(store, first)
     store.register(trigger("t2"))
-    assert store.start_followup("t1") is None  # still running: nothing starts
+    assert store.settle(KEY).followup is None  # still running: nothing starts
 
     assert store.finish("t1", lease.token, result=None)
-    followup = store.start_followup("t1")
+    followup = store.settle(KEY).followup
 
     assert followup is not None and followup.id == "t2" and followup.key == KEY
-    assert live_jobs(store) == ["t2"]
-    assert store.get("t1").followup_id is None  # type: ignore[union-attr]
-    assert store.start_followup("t1") is None
-    # The follow-up is claimed like any recorded job: its message is the recorded one
+    assert live_jobs(store) == ["t2"] and pending(store) is None
+    assert store.settle(KEY).followup is None
+    # The run is claimed like any recorded job: its message is the recorded one
     assert isinstance(store.claim(followup, owner=OWNER, duration=30.0), Claimed)
 
 
 @pytest.mark.parametrize("end", ["fail", "cancel", "give_up"])
-def test_a_run_that_ends_any_other_way_starts_its_followup_too(store: Store, end: str) -> None:
+def test_a_run_that_ends_any_other_way_leaves_its_triggers_a_run_too(
+    store: Store, end: str
+) -> None:
     first = trigger("t1")
     store.register(first)
     lease = claimed(store, first)
@@ -150,38 +185,101 @@ def test_a_run_that_ends_any_other_way_starts_its_followup_too(store: Store, end
         store.release("t1")
         assert store.give_up("t1", error="gave up")
 
-    assert store.followups_pending(batch=10) == ["t1"]
-    followup = store.start_followup("t1")
+    assert store.pending_keys(batch=10) == [KEY]
+    followup = store.settle(KEY).followup
     assert followup is not None and followup.id == "t2"
-    assert store.followups_pending(batch=10) == []
+    assert store.pending_keys(batch=10) == []
 
 
-def test_a_trigger_after_the_end_before_the_followup_is_recorded_is_served_by_it(
+@pytest.mark.parametrize("end", ["fail", "revoke"])
+def test_a_run_that_started_after_a_trigger_serves_it_only_by_ending_done(
+    store: Store, end: str
+) -> None:
+    # Given a trigger that came while the key's job waited, and that job then started
+    first = trigger("t1")
+    store.register(first)
+    store.register(trigger("t2"))
+    lease = claimed(store, first)
+
+    # When it ends failed or revoked (the work the trigger asked for was not done)
+    if end == "fail":
+        assert store.fail("t1", lease.token, error="boom")
+    else:
+        assert store.end_live("t1", state="revoked", error="revoked")
+
+    # Then the trigger is not served by it: it runs under its own id
+    settled = store.settle(KEY)
+    assert not settled.served
+    assert settled.followup is not None and settled.followup.id == "t2"
+    assert live_jobs(store) == ["t2"]
+
+
+@pytest.mark.parametrize("end", ["revoked", "cancelled", "expired"])
+def test_triggers_waiting_behind_a_job_that_never_runs_get_a_run_of_their_own(
+    store: Store, end: str
+) -> None:
+    # Given a keyed job queued with an expiry, and a trigger that came while it waited
+    store.register(trigger("t1", expires=in_seconds(60)))
+    store.register(trigger("t2"))
+
+    # When that job ends without ever running (revoked, cancelled or expired while queued)
+    if end == "cancelled":
+        assert store.cancel_queued("t1")
+    else:
+        assert store.end_live("t1", state="revoked", error=end)
+
+    # Then the trigger runs under its own id, without the first job's expiry
+    followup = store.settle(KEY).followup
+    assert followup is not None and followup.id == "t2"
+    assert "expires" not in followup.headers and "eta" not in followup.headers
+    assert live_jobs(store) == ["t2"]
+
+
+def test_a_run_for_waiting_triggers_inherits_neither_expiry_nor_countdown(
     store: Store,
 ) -> None:
-    # Given a run that ended with a follow-up waiting, not yet recorded (its ender is slow,
-    # or died and the reaper has not passed yet)
+    first = trigger("t1")
+    store.register(first)
+    lease = claimed(store, first)
+    store.register(trigger("t2", expires=in_seconds(1), eta=in_seconds(3600)))
+    store.finish("t1", lease.token, result=None)
+
+    followup = store.settle(KEY).followup
+
+    assert followup is not None
+    assert "expires" not in followup.headers and "eta" not in followup.headers
+    job = store.get("t2")
+    assert job is not None and job.state == "queued"
+    assert isinstance(store.claim(followup, owner=OWNER, duration=30.0), Claimed)
+
+
+def test_a_trigger_after_the_end_before_the_run_is_recorded_starts_one_that_serves_both(
+    store: Store,
+) -> None:
+    # Given a run that ended with a trigger waiting, not yet settled (its ender is slow, or
+    # died and the reaper has not passed yet)
     first = trigger("t1")
     store.register(first)
     lease = claimed(store, first)
     store.register(trigger("t2"))
     store.finish("t1", lease.token, result=None)
 
-    # When another trigger comes, then the ended job still holds the key: the follow-up
-    # serves it, and every id handed out becomes a job that runs
-    third = store.register(trigger("t3"))
-    assert (third.outcome, third.job_id) == ("coalesced", "t2")
-    assert store.get("t3") is None
-    followup = store.start_followup("t1")
-    assert followup is not None and followup.id == "t2"
-    assert live_jobs(store) == ["t2"]
-    assert store.followups_pending(batch=10) == []
+    # When another trigger comes: no job holds the key, so it is a job of its own
+    message = trigger("t3")
+    third = store.register(message)
+    assert (third.outcome, third.job_id) == ("new", "t3")
+    # The waiting trigger waits for it (it holds the key), and is served by its start
+    assert store.settle(KEY).followup is None
+    done = claimed(store, message)
+    store.finish("t3", done.token, result='"ok"')
+    assert store.settle(KEY).served
+    served = store.get("t2")
+    assert served is not None and (served.served_by, served.result) == ("t3", "ok")
+    assert live_jobs(store) == [] and store.pending_keys(batch=10) == []
 
 
-def test_a_trigger_racing_the_hand_over_to_the_followup_is_served_by_one_job(
-    store: Store,
-) -> None:
-    # Given ended runs of many keys, each with a follow-up waiting
+def test_a_trigger_racing_the_settling_of_its_key_is_never_lost(store: Store) -> None:
+    # Given ended runs of many keys, each with a trigger waiting
     keys = [f"account:{n}" for n in range(8)]
     for key in keys:
         first = trigger(f"{key}/1", key=key)
@@ -190,27 +288,38 @@ def test_a_trigger_racing_the_hand_over_to_the_followup_is_served_by_one_job(
         store.register(trigger(f"{key}/2", key=key))
         store.finish(f"{key}/1", lease.token, result=None)
 
-    # When each follow-up is recorded while a trigger of its key comes at the same moment
+    # When each key is settled while a trigger of it comes at the same moment
     barrier = threading.Barrier(2 * len(keys))
 
-    def hand_over(key: str) -> str | None:
+    def settle(key: str) -> None:
         barrier.wait()
-        followup = store.start_followup(f"{key}/1")
-        return None if followup is None else followup.id
+        store.settle(key)
 
     def trigger_now(key: str) -> str:
         barrier.wait()
         return store.register(trigger(f"{key}/3", key=key)).job_id
 
     with ThreadPoolExecutor(2 * len(keys)) as pool:
-        started = [pool.submit(hand_over, key) for key in keys]
+        settled = [pool.submit(settle, key) for key in keys]
         served = [pool.submit(trigger_now, key) for key in keys]
+    for future in settled + served:
+        future.result()
 
-    # Then each key has one live job, its follow-up, and it serves the racing trigger too
-    for key, recorded, serving in zip(keys, started, served, strict=True):
-        assert recorded.result() == f"{key}/2"
-        assert serving.result() == f"{key}/2"
-        assert live_jobs(store, key) == [f"{key}/2"]
+    # Then each key has one live job, and once the runs of each key end, every trigger had
+    # a run that started after it: none waits, each has a job of its own or was served
+    for key in keys:
+        assert len(live_jobs(store, key)) == 1
+        for _ in range(3):
+            for job_id in live_jobs(store, key):
+                job = store.get(job_id)
+                assert job is not None
+                lease = claimed(store, job.message)
+                store.finish(job_id, lease.token, result=None)
+            store.settle(key)
+        assert live_jobs(store, key) == [] and pending(store, key) is None
+        for n in (2, 3):
+            job = store.get(f"{key}/{n}")
+            assert job is not None and job.state == "done", (key, n, job)
 
 
 def test_concurrent_triggers_of_one_key_record_one_job(store: Store) -> None:
@@ -227,11 +336,12 @@ def test_concurrent_triggers_of_one_key_record_one_job(store: Store) -> None:
 
     new = [job for outcome, job in outcomes if outcome == "new"]
     assert len(new) == 1, outcomes
-    assert {job for outcome, job in outcomes if outcome == "coalesced"} <= set(new)
+    waiting = {job for outcome, job in outcomes if outcome == "coalesced"}
+    assert waiting == ({pending(store)} if len(new) < len(ids) else set()), outcomes
     assert live_jobs(store) == new
 
 
-def test_a_delivery_sent_by_name_while_the_key_is_busy_is_coalesced(store: Store) -> None:
+def test_a_delivery_sent_by_name_while_the_key_is_busy_waits_on_the_key(store: Store) -> None:
     first = trigger("t1")
     store.register(first)
     claimed(store, first)
@@ -240,7 +350,7 @@ def test_a_delivery_sent_by_name_while_the_key_is_busy_is_coalesced(store: Store
 
     assert isinstance(refused, Refused) and refused.reason == "coalesced"
     assert refused.serving == "t9"
-    assert store.get("t1").followup_id == "t9"  # type: ignore[union-attr]
+    assert pending(store) == "t9"
     assert store.get("t9") is None
 
 
@@ -254,7 +364,7 @@ def test_a_failed_keyed_job_is_not_retried_while_its_key_has_a_live_job(store: S
         store.requeue("t1")
 
 
-def test_a_purge_keeps_an_ended_job_whose_followup_is_not_recorded_yet(store: Store) -> None:
+def test_a_purge_of_the_ended_job_keeps_the_triggers_waiting_on_its_key(store: Store) -> None:
     first = trigger("t1")
     store.register(first)
     lease = claimed(store, first)
@@ -263,8 +373,9 @@ def test_a_purge_keeps_an_ended_job_whose_followup_is_not_recorded_yet(store: St
     with store.engine.begin() as connection:
         connection.execute(sa.update(store.table).values(finished_at=time.time() - 3600))
 
-    assert store.purge(older_than=60.0, batch=10) == 0
-    assert store.start_followup("t1") is not None
+    assert store.purge(older_than=60.0, batch=10) == 1
+    followup = store.settle(KEY).followup
+    assert followup is not None and followup.id == "t2"
 
 
 def test_a_key_the_table_cannot_hold_whole_is_refused(store: Store) -> None:
@@ -350,17 +461,17 @@ def test_a_keys_cursor_is_set_or_cleared_only_while_no_job_holds_the_key(store: 
     first = trigger("t1")
     store.register(first)
 
-    # Queued, running, or ended with a follow-up to start: the key is held, nothing written
+    # Queued, running, or with triggers waiting on it: the key is held, nothing written
     assert not store.set_cursor(KEY, '{"since":0}')
     lease = claimed(store, first)
     assert store.save_cursor(KEY, "t1", lease.token, '{"since":10}')
     assert not store.set_cursor(KEY, None)
     store.register(trigger("t2"))
     store.finish("t1", lease.token, result=None)
-    assert not store.set_cursor(KEY, None)  # t1 ended, its follow-up not recorded yet
+    assert not store.set_cursor(KEY, None)  # t1 ended, a trigger waits for its run
     assert store.cursor(KEY) == {"since": 10}
 
-    followup = store.start_followup("t1")
+    followup = store.settle(KEY).followup
     assert followup is not None
     store.finish("t2", claimed(store, followup).token, result=None)
     assert store.set_cursor(KEY, '{"since":3}')  # rewound
@@ -541,13 +652,17 @@ def test_a_keyed_call_records_its_key_from_the_tasks_arguments(app: Celery) -> N
     assert store.get(first.id).message.key == "acct:42"  # type: ignore[union-attr]
 
 
-def test_a_call_of_a_busy_key_publishes_nothing_and_returns_the_serving_job(app: Celery) -> None:
+def test_a_call_of_a_busy_key_publishes_nothing_and_returns_the_id_its_run_answers_to(
+    app: Celery,
+) -> None:
     sync = app.tasks["tests.sync"]
     first = sync.delay("42")
 
     again = [sync.delay("42") for _ in range(3)]
 
-    assert {r.id for r in again} == {first.id}
+    # They wait on the key under the first waiting one's id: the run that serves them
+    # answers to it
+    assert {r.id for r in again} == {again[0].id} and again[0].id != first.id
     assert published(app) == [first.id]
 
 
@@ -580,23 +695,23 @@ def test_a_task_without_a_lease_key_has_no_cursor(app: Celery) -> None:
     assert "no lease key" in str(result.result)
 
 
-def test_a_keeper_tick_while_an_ended_run_starts_its_followup_reports_no_lost_lease(
+def test_a_keeper_tick_while_an_ended_run_settles_its_key_reports_no_lost_lease(
     app: Celery, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Given a keyed run whose follow-up start (after its finish, before the attempt lets go of
-    # the lease) meets a tick of this process's keeper
+    # Given a keyed run whose settling of its key (after its finish, before the attempt lets
+    # go of the lease) meets a tick of this process's keeper
     sync = app.tasks["tests.sync"]
     store = store_for(settings_for(app))
     keeper = keeper_for(store)
-    start_followup = store.start_followup
+    settle = store.settle
     held: list[list[tuple[str, bool]]] = []
 
-    def tick_first(job_id: str) -> Any:
+    def tick_first(key: str, **options: Any) -> Any:
         held.append([(lease.job_id, lease.lost) for lease in keeper.held()])
         keeper.tick()
-        return start_followup(job_id)
+        return settle(key, **options)
 
-    store.start_followup = tick_first  # type: ignore[method-assign]
+    store.settle = tick_first  # type: ignore[method-assign]
 
     # When it ends
     with caplog.at_level(logging.WARNING, logger="celery_leases"):

@@ -1,20 +1,28 @@
-"""Leases bound to their holder's database session: a holder whose session ended (its process
-died) loses its lease at the next reaper pass, not at its expiry; a live one keeps it.
+"""Leases kept by their holder (a keeper's row, bound to its database session): a holder whose
+session ended (its process died) loses its jobs at the next reaper pass, not at their leases'
+end; a live one keeps them. On SQLite, where there are no sessions, a holder's lock file tells.
 
 Real databases; the holder is a real forked process that claims, renews and exits.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import shutil
 import socket
+import subprocess
+import sys
+import uuid
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 import pytest
+import sqlalchemy as sa
 
 from celery_leases.db.rows import Claimed
+from celery_leases.db.session import Session
 from celery_leases.db.store import Store
 from celery_leases.errors import LeaseError
 from celery_leases.settings import DEFAULTS, Settings, validate
@@ -37,52 +45,57 @@ def store(settings: Settings) -> Iterator[Store]:
 
 
 def owner_here(pid: int) -> str:
-    return f"worker@{socket.gethostname()}/{pid}"
+    return f"worker@{socket.gethostname()}/test/{pid}"
 
 
-def claim_here(store: Store, job_id: str, session: int | None = None) -> Claimed:
-    """Claim a new job ``job_id`` as this process, bound to ``session`` (a ``Session.ident``)."""
-    outcome = store.claim(
-        job_message(job_id, "tests.job", recorded=False),
-        owner=owner_here(os.getpid()),
-        duration=LEASE,
-        session=session,
-    )
+def hold(store: Store, session: Session | None) -> str:
+    """A holder of this process, as a keeper makes it: marked alive, then renewed (on
+    ``session``, bound to it; or on none)."""
+    holder = uuid.uuid4().hex
+    store.dialect.mark_alive(holder)
+    store.renew_holder(holder, owner=owner_here(os.getpid()), shortest=LEASE, session=session)
+    return holder
+
+
+def claim_here(store: Store, job_id: str, holder: str | None = None) -> Claimed:
+    """Claim a new job ``job_id`` as this process, kept by ``holder``."""
+    message = job_message(job_id, "tests.job")
+    store.register(message)
+    outcome = store.claim(message, owner=owner_here(os.getpid()), duration=LEASE, holder=holder)
     assert isinstance(outcome, Claimed), outcome
     return outcome
 
 
 def _hold_and_exit(settings: Settings, job_id: str, done: Connection) -> None:
-    """A holder process: claim the job bound to its own session, renew it once on that
-    session, report, and exit without releasing anything."""
+    """A holder process: make its holder on its own session, claim the job with it, report,
+    and exit without releasing anything."""
     try:
         store = Store(settings)
         session = store.db.session()
-        outcome = claim_here(store, job_id, session.ident())
-        held = store.renew([(job_id, outcome.token)], session=session)
-        done.send((session.ident(), job_id in held.held))
+        holder = hold(store, session)
+        outcome = claim_here(store, job_id, holder)
+        done.send((holder, outcome.bound))
     except BaseException as exc:
         done.send((None, repr(exc)))
     os._exit(0)
 
 
-def test_a_holder_whose_process_died_loses_its_lease_at_the_next_reaper_pass(
+def test_a_holder_whose_process_died_loses_its_jobs_at_the_next_reaper_pass(
     store: Store, settings: Settings
 ) -> None:
-    # Given a job claimed and renewed by another process, bound to that process's session,
-    # and this process's own session (the reaper's worker has a keeper too), older than that
-    witness = store.db.session()
-    witness.ident()
+    # Given a job claimed by another process, kept by its holder, bound to that process's
+    # session; and no other session of anyone's (a deployment of one worker)
     context = multiprocessing.get_context("fork")
     reports, done = context.Pipe(duplex=False)
     holder = context.Process(target=_hold_and_exit, args=(settings, "orphan-1", done))
     store.engine.dispose()  # the child must not share the parent's pooled connections
     holder.start()
     assert reports.poll(30), "the holder process reported nothing"
-    session, renewed = reports.recv()
-    assert renewed is True, renewed
+    holder_id, bound = reports.recv()
+    assert bound is True, bound
     job = store.get("orphan-1")
-    assert job is not None and job.state == "running" and job.session == session
+    assert job is not None and job.state == "running" and job.holder == holder_id
+    assert job.expires_in is not None and job.expires_in > LEASE - 60
 
     # When that process has exited (its lease still has minutes to run)
     holder.join(timeout=30)
@@ -98,35 +111,55 @@ def test_a_holder_whose_process_died_loses_its_lease_at_the_next_reaper_pass(
     assert orphaned == [("orphan-1", owner_here(holder.pid))]
     reaped = store.collect_expired(batch=10, grace=30.0, max_stalled=None, max_attempts=None)
     assert [j.id for j in reaped.republish] == ["orphan-1"]
-    assert store.expire_orphaned(batch=10) == []  # queued now: nothing more to end
-    witness.close()
+    assert store.expire_orphaned(batch=10) == []  # its holder is gone: nothing more to end
 
 
-def test_a_holder_whose_session_is_alive_keeps_its_lease(store: Store) -> None:
-    # Given a job claimed by this process and renewed on its keeper session
+def test_a_holder_whose_session_is_alive_keeps_its_jobs(store: Store) -> None:
+    # Given a job claimed by this process, kept by its holder on its keeper session
     session = store.db.session()
-    outcome = claim_here(store, "alive-1", session.ident())
-    assert "alive-1" in store.renew([("alive-1", outcome.token)], session=session).held
+    holder = hold(store, session)
+    claim_here(store, "alive-1", holder)
 
     # When the reaper looks, then it leaves the job alone: the session is still there
     assert store.expire_orphaned(batch=10) == []
+    store.release_stale()
     job = store.get("alive-1")
-    assert job is not None and job.session == session.ident() and job.expires_in > LEASE - 60
+    assert job is not None and job.holder == holder and job.expires_in > LEASE - 60
+    session.close()
+
+
+def test_a_holders_renewal_keeps_its_jobs_without_writing_them(store: Store) -> None:
+    # Given a job kept by a holder whose last renewal was long ago (by the database's clock)
+    session = store.db.session()
+    holder = hold(store, session)
+    claim_here(store, "kept-1", holder)
+    with store.engine.begin() as connection:
+        t, h = store.table, store.holders
+        connection.execute(t.update().values(renewed_at=t.c.renewed_at - LEASE + 5))
+        connection.execute(h.update().values(renewed_at=h.c.renewed_at - LEASE + 5))
+    before = store.get("kept-1")
+    assert before is not None and before.expires_in < 10
+
+    # When its holder renews, then the job's lease moves on with it, its row untouched
+    store.renew_holder(holder, owner=owner_here(os.getpid()), shortest=LEASE, session=session)
+    after = store.get("kept-1")
+    assert after is not None and after.expires_in > LEASE - 60
+    assert after.renewed_at == before.renewed_at
     session.close()
 
 
 def test_a_hand_back_unbinds_the_job(store: Store) -> None:
-    # Given a job bound to this process's session
+    # Given a job kept by this process's holder
     session = store.db.session()
-    outcome = claim_here(store, "back-1", session.ident())
+    outcome = claim_here(store, "back-1", hold(store, session))
     job = store.get("back-1")
-    assert job is not None and job.session == session.ident()
+    assert job is not None and job.holder is not None
 
-    # When its attempt hands it back, then the row names no session: whoever claims it next
-    # binds its own (or, an older worker, none)
+    # When its attempt hands it back, then the row names no holder: whoever claims it next
+    # binds its own
     store.hand_back("back-1", outcome.token, reap_in=0.0)
     job = store.get("back-1")
-    assert job is not None and (job.state, job.session) == ("queued", None)
+    assert job is not None and (job.state, job.holder) == ("queued", None)
     session.close()
 
 
@@ -141,36 +174,67 @@ def test_an_error_that_is_not_a_disconnect_keeps_the_session(store: Store) -> No
     session.close()
 
 
-def test_a_renewal_off_the_keeper_session_binds_nothing(store: Store) -> None:
-    # Given a job claimed with no keeper session, renewed through the pool
-    outcome = claim_here(store, "unbound-1")
-    store.renew([("unbound-1", outcome.token)])
+def test_a_holder_renewed_off_its_session_is_bound_to_none(store: Store) -> None:
+    # Given a job kept by a holder renewed through the pool (a pooler, or bind_session off)
+    claim_here(store, "unbound-1", hold(store, None))
 
-    # Then it is bound to no session: only its expiry ends it
+    # Then no session of its is judged: only its renewals' end ends it
     job = store.get("unbound-1")
-    assert job is not None and job.session is None
+    assert job is not None and job.holder is not None
     assert store.expire_orphaned(batch=10) == []
 
 
 @pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
-def test_a_claim_never_binds_a_session_that_is_gone(store: Store) -> None:
-    # Given a keeper whose cached session id belongs to a session that has ended
+def test_a_claim_never_binds_a_holder_whose_session_is_gone(store: Store) -> None:
+    # Given a keeper whose holder is bound to a session that has ended (the keeper has not
+    # seen it yet)
     session = store.db.session()
+    holder = hold(store, session)
     gone = session.ident()
     session.close()
-    wait_for(
-        lambda: _session_gone(store, gone),
-        timeout=10,
-        interval=0.1,
-        what=f"session {gone} to end",
-    )
+    assert gone is not None
+    wait_for(lambda: _session_gone(store, gone), timeout=10, interval=0.1, what="the session")
 
-    # When a claim is made with it, then the lease is bound to nothing (expiry only), so a
-    # stale id never hands a live job to the reaper
-    claim_here(store, "stale-1", gone)
+    # When a claim is made with it, then the lease is bound to nothing (its own expiry ends
+    # it), so a gone session never hands a live job to the reaper
+    outcome = claim_here(store, "stale-1", holder)
+    assert outcome.bound is False
     job = store.get("stale-1")
-    assert job is not None and job.session is None
+    assert job is not None and job.holder is None and job.expires_in > LEASE - 60
     assert store.expire_orphaned(batch=10) == []
+
+
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
+@pytest.mark.parametrize("server", ["same", "another"])
+def test_a_gone_session_is_a_death_on_the_server_it_renewed_on_and_a_restart_elsewhere(
+    store: Store, server: str
+) -> None:
+    # Given a job kept by a holder bound to a session, whose last renewal was on this server,
+    # or on another one (a server since restarted, or the primary before a failover to a
+    # replica): the server's start it renewed under is another
+    session = store.db.session()
+    holder = hold(store, session)
+    claim_here(store, "bound-1", holder)
+    if server == "another":
+        h = store.holders
+        with store.engine.begin() as c:
+            c.execute(sa.update(h).where(h.c.id == holder).values(server=h.c.server - 3600))
+
+    # When its session ends
+    gone = session.ident()
+    session.close()
+    assert gone is not None
+    wait_for(lambda: _session_gone(store, gone), timeout=10, interval=0.1, what="the session")
+
+    # Then on the same server that is a death: the reaper ends the lease at once; after a
+    # restart or a failover every session ended at once: the lease waits for its expiry while
+    # the live holder binds again at its next renewal
+    orphaned = store.expire_orphaned(batch=10)
+    if server == "same":
+        assert [job_id for job_id, _ in orphaned] == ["bound-1"]
+    else:
+        assert orphaned == []
+        assert store.get("bound-1").holder == holder  # type: ignore[union-attr]
 
 
 def _session_gone(store: Store, ident: int) -> bool:
@@ -232,12 +296,13 @@ def test_behind_pgbouncer_in_transaction_mode_nothing_is_bound_and_every_operati
             job_id = f"j{j}"
             message = job_message(job_id)  # one version: the one recorded is the one claimed
             assert store.register(message).outcome == "new"
+            holder = hold(store, None)
             outcome = store.claim(
-                message, owner=owner_here(os.getpid()), duration=LEASE, session=ident
+                message, owner=owner_here(os.getpid()), duration=LEASE, holder=holder
             )
             assert isinstance(outcome, Claimed), outcome
             token = outcome.token
-            assert store.renew([(job_id, token)], session=None).held == frozenset({job_id})
+            store.renew_holder(holder, owner="pooled", shortest=LEASE)
             assert store.checkpoint(job_id, token, f'{{"n": {j}}}') == (True, None)
             with store.engine.begin() as connection:
                 saved = store.checkpoint(job_id, token, '{"n": -1}', connection=connection)
@@ -245,7 +310,7 @@ def test_behind_pgbouncer_in_transaction_mode_nothing_is_bound_and_every_operati
             assert store.finish(job_id, token, result=str(j))
             job = store.get(job_id)
             assert job is not None, job_id
-            assert (job.state, job.session, job.checkpoint, job.result) == (
+            assert (job.state, job.holder, job.checkpoint, job.result) == (
                 "done",
                 None,
                 {"n": -1},
@@ -253,3 +318,84 @@ def test_behind_pgbouncer_in_transaction_mode_nothing_is_bound_and_every_operati
             )
     finally:
         session.close()
+
+
+# -- SQLite: a holder's lock file, from any PID namespace of the machine ----------------------
+
+REAPER = """
+import json, sys
+from celery_leases.db.store import Store
+from celery_leases.settings import DEFAULTS, validate
+store = Store(validate(DEFAULTS | json.loads(sys.argv[1])))
+print(json.dumps([job for job, _ in store.expire_orphaned(batch=10)]))
+"""
+
+
+def _reap_in_a_pid_namespace_of_its_own(settings: Settings) -> list[str]:
+    """One orphan check, run by a process in a new PID namespace (as a reaper in another
+    container sharing the SQLite file's volume is), on the same file."""
+    known = {"database_url": settings.database_url, "table": settings.table}
+    done = subprocess.run(
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            sys.executable,
+            "-c",
+            REAPER,
+            json.dumps(known),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return list(json.loads(done.stdout))
+
+
+def _can_unshare() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], check=False)
+    return probe.returncode == 0
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_on_sqlite_a_reaper_in_another_pid_namespace_never_takes_a_live_holder_for_gone(
+    store: Store, settings: Settings
+) -> None:
+    if not _can_unshare():
+        pytest.skip("unshare --pid needs privileges this machine does not give")
+    # Given a job kept by a holder of a live process of this machine (this one), and a reaper
+    # in a PID namespace of its own, where that process's pid means nothing (or another one)
+    context = multiprocessing.get_context("fork")
+    reports, done = context.Pipe(duplex=False)
+    release, stop = context.Pipe()
+    holder = context.Process(target=_hold_until_told, args=(settings, "live-1", done, stop))
+    holder.start()
+    assert reports.poll(30), "the holder process reported nothing"
+    assert reports.recv()[1] is True
+
+    # When that reaper looks, then the holder's lock file says it lives: nothing is ended
+    assert _reap_in_a_pid_namespace_of_its_own(settings) == []
+    job = store.get("live-1")
+    assert job is not None and job.state == "running" and job.holder is not None
+
+    # And once the holder's process has exited, that same reaper sees it gone
+    release.send("stop")
+    holder.join(timeout=30)
+    assert _reap_in_a_pid_namespace_of_its_own(settings) == ["live-1"]
+
+
+def _hold_until_told(settings: Settings, job_id: str, done: Connection, stop: Connection) -> None:
+    try:
+        store = Store(settings)
+        session = store.db.session()
+        holder = hold(store, session)
+        outcome = claim_here(store, job_id, holder)
+        done.send((holder, outcome.bound))
+        stop.recv()
+    except BaseException as exc:
+        done.send((None, repr(exc)))
+    os._exit(0)

@@ -51,8 +51,21 @@ def register(store: Store, job_id: str, *, task: str = "tests.job", args: Any = 
     return store.register(message(job_id, task, args)).outcome == "new"
 
 
-def claim(store: Store, job_id: str, *, owner: str = OWNER, duration: float = 30.0) -> Any:
-    return store.claim(message(job_id), owner=owner, duration=duration)
+def claim(
+    store: Store,
+    job_id: str,
+    *,
+    owner: str = OWNER,
+    duration: float = 30.0,
+    holder: str | None = None,
+) -> Any:
+    return store.claim(message(job_id), owner=owner, duration=duration, holder=holder)
+
+
+def holder_of(store: Store, name: str = "h1", shortest: float = 30.0) -> str:
+    """A keeper's holder row ``name``, renewed now (no session: its renewals keep it)."""
+    store.renew_holder(name, owner=OWNER, shortest=shortest)
+    return name
 
 
 def claimed(store: Store, job_id: str, **options: Any) -> Claimed:
@@ -147,7 +160,8 @@ def test_a_stale_token_can_neither_renew_nor_checkpoint_nor_end_the_job(store: S
     store.checkpoint("j1", fresh.token, '"fresh"')
 
     # Then every write of attempt 1 is refused
-    assert store.renew([("j1", stale.token)]).held == frozenset()
+    assert store.bind("j1", stale.token, holder_of(store)) is False
+    assert store.detach("j1", stale.token) is False
     assert store.checkpoint("j1", stale.token, '"stale"') == (False, None)
     assert store.finish("j1", stale.token, result='"stale"') is False
     assert store.fail("j1", stale.token, error="stale") is False
@@ -283,66 +297,85 @@ def test_lease_expiry_is_computed_by_the_database_clock(store: Store) -> None:
 # -- renewals and stop requests -----------------------------------------------------------------
 
 
-def test_a_renewal_extends_the_lease_by_its_duration(store: Store) -> None:
+def move_holder_back(store: Store, holder: str, seconds: float) -> None:
+    h = store.holders
+    with store.engine.begin() as connection:
+        connection.execute(
+            sa.update(h).where(h.c.id == holder).values(renewed_at=h.c.renewed_at - seconds)
+        )
+
+
+def test_a_holders_renewal_extends_its_jobs_leases_by_their_duration(store: Store) -> None:
+    holder = holder_of(store)
     register(store, "j1")
-    lease = claimed(store, "j1", duration=20.0)
-    move_back(store, "j1", seconds=15)
+    claimed(store, "j1", duration=20.0, holder=holder)
+    move_back(store, "j1", column="renewed_at", seconds=15)
+    move_holder_back(store, holder, seconds=15)
+    job = store.get("j1")
+    assert job is not None and job.expires_in is not None and job.expires_in < 6
 
-    renewal = store.renew([("j1", lease.token)])
+    store.renew_holder(holder, owner=OWNER, shortest=20.0)
 
-    assert renewal.held == frozenset({"j1"}) and renewal.stops == {}
     job = store.get("j1")
     assert job is not None and job.expires_in is not None and 19 < job.expires_in <= 20
 
 
-def test_one_renewal_of_many_leases_returns_exactly_the_ones_still_held(store: Store) -> None:
-    # Given 5 held jobs, one taken over by another attempt, one finished, one never recorded
+def test_one_renewal_keeps_every_job_of_its_holder_and_none_another_attempt_took(
+    store: Store,
+) -> None:
+    # Given 7 jobs of one holder: one taken over since by another attempt, one finished
+    holder = holder_of(store)
     tokens = {}
     for n in range(7):
         register(store, f"j{n}")
-        tokens[f"j{n}"] = claimed(store, f"j{n}").token
-    move_back(store, "j5")
+        tokens[f"j{n}"] = claimed(store, f"j{n}", holder=holder).token
+    store.release("j5")
     claimed(store, "j5", owner="worker-b/2")
     store.finish("j6", tokens["j6"], result=None)
+    for n in range(5):
+        move_back(store, f"j{n}", column="renewed_at", seconds=25)
+    move_holder_back(store, holder, seconds=25)
 
-    renewal = store.renew([*tokens.items(), ("never-recorded", 1)])
+    # When the holder renews once
+    store.renew_holder(holder, owner=OWNER, shortest=30.0)
 
-    assert renewal.held == frozenset(f"j{n}" for n in range(5))
+    # Then the five it holds have their whole lease again, the others are not its own
+    jobs = {n: store.get(f"j{n}") for n in range(7)}
+    assert all(jobs[n].holder == holder and jobs[n].expires_in > 29 for n in range(5))  # type: ignore[union-attr]
+    assert jobs[5].holder != holder and jobs[5].owner == "worker-b/2"  # type: ignore[union-attr]
+    assert jobs[6].state == "done" and jobs[6].holder is None  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
-@pytest.mark.parametrize("ticked", [("j1", "j2"), ("j2",)], ids=["two leases", "one lease"])
-def test_a_renewal_skips_a_row_locked_by_an_open_transactional_checkpoint_and_renews_the_rest(
-    store: Store, ticked: tuple[str, ...]
-) -> None:
-    # Given two held jobs, one of them locked by a checkpoint in a transaction still open
-    # (a tick of one lease has a statement of its own: it is skipped the same way)
+def test_a_renewal_never_waits_for_a_job_a_transactional_checkpoint_holds(store: Store) -> None:
+    # Given two jobs of one holder, one locked by a checkpoint in a transaction still open
+    holder = holder_of(store, shortest=20.0)
     register(store, "j1")
     register(store, "j2")
-    one, two = claimed(store, "j1", duration=20.0), claimed(store, "j2", duration=20.0)
-    move_back(store, "j1", seconds=15)
-    move_back(store, "j2", seconds=15)
+    claimed(store, "j1", duration=20.0, holder=holder)
+    two = claimed(store, "j2", duration=20.0, holder=holder)
+    move_back(store, "j1", column="renewed_at", seconds=15)
+    move_holder_back(store, holder, seconds=15)
     with store.engine.connect() as connection, connection.begin():
         saved, _ = store.checkpoint("j2", two.token, '{"n": 1}', connection=connection)
         assert saved
 
         # When the process's renew tick runs meanwhile (in a thread: a wait would block it
         # for the database's lock timeout, 50 s on MariaDB)
-        outcome: list[Any] = []
-        tokens = {"j1": one.token, "j2": two.token}
+        done: list[bool] = []
         tick = threading.Thread(
-            target=lambda: outcome.append(store.renew([(j, tokens[j]) for j in ticked]))
+            target=lambda: done.append(
+                store.renew_holder(holder, owner=OWNER, shortest=20.0) is None
+            )
         )
         tick.start()
         tick.join(timeout=20)
 
-        # Then it did not wait for the locked row: the other lease is renewed, and the locked
-        # one, still held under its token, counts as held (its checkpoint renewed it)
-        assert outcome, "the renew tick waited for the locked row"
-        assert outcome[0].held == frozenset(ticked)
+        # Then it wrote its holder's row only, never waiting for the locked job: the other
+        # job's lease is renewed with it
+        assert done == [True], "the renew tick waited for the locked row"
         job = store.get("j1")
-        assert job is not None and job.expires_in is not None
-        assert job.expires_in > 19 if "j1" in ticked else job.expires_in < 6
+        assert job is not None and job.expires_in is not None and job.expires_in > 19
 
 
 @pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
@@ -396,13 +429,7 @@ def test_on_mariadb_a_connection_returned_to_its_pool_gets_the_default_idle_boun
         engine.dispose()
 
 
-def test_renewing_no_leases_is_a_no_op(store: Store) -> None:
-    renewal = store.renew([])
-
-    assert (renewal.held, renewal.stops) == (frozenset(), {})
-
-
-def test_a_stop_request_reaches_the_attempt_through_renew_and_checkpoint(store: Store) -> None:
+def test_a_stop_request_reaches_the_attempt_at_its_next_checkpoint(store: Store) -> None:
     register(store, "j1")
     register(store, "j2")
     lease = claimed(store, "j1")
@@ -410,9 +437,6 @@ def test_a_stop_request_reaches_the_attempt_through_renew_and_checkpoint(store: 
 
     assert store.request_stop(["j1"], "cancel") == 1
 
-    renewal = store.renew([("j1", lease.token), ("j2", other.token)])
-    assert renewal.held == frozenset({"j1", "j2"})
-    assert renewal.stops == {"j1": "cancel"}
     assert store.checkpoint("j1", lease.token, "1") == (True, "cancel")
     assert store.checkpoint("j1", lease.token, "2", progress=(2, 3)) == (True, "cancel")
     assert store.checkpoint("j2", other.token, "1") == (True, None)
@@ -673,48 +697,44 @@ def test_purge_deletes_only_finished_jobs_older_than_the_retention(store: Store)
 def test_claim_checkpoint_finish_and_a_renewal_of_fifty_leases_are_one_statement_each(
     store: Store,
 ) -> None:
+    holder = holder_of(store)
     for n in range(50):
         register(store, f"j{n}")
-    leases = [(f"j{n}", claimed(store, f"j{n}").token) for n in range(1, 50)]
+    for n in range(1, 50):
+        claimed(store, f"j{n}", holder=holder)
     register(store, "j0")
 
     with sent(store) as claim_sql:
-        token = claimed(store, "j0").token
+        token = claimed(store, "j0", holder=holder).token
     with sent(store) as renew_sql:
-        renewal = store.renew([("j0", token), *leases])
-    with sent(store) as renew_one_sql:
-        alone = store.renew([("j0", token)])
+        store.renew_holder(holder, owner=OWNER, shortest=30.0)
     with sent(store) as checkpoint_sql:
         assert store.checkpoint("j0", token, "1", progress=(1, 2)) == (True, None)
     with sent(store) as finish_sql:
         assert store.finish("j0", token, result="2") is True
 
-    assert len(renewal.held) == 50 and alone.held == frozenset({"j0"})
+    assert all(job.holder == holder for job in store.list_jobs(states=["running"]))
     # On PostgreSQL each is one round trip (in autocommit: no BEGIN, no COMMIT).
     assert len(claim_sql) == 1, claim_sql
     assert len(renew_sql) == 1, renew_sql
-    assert len(renew_one_sql) == 1, renew_one_sql
     assert len(checkpoint_sql) == 1, checkpoint_sql
     assert len(finish_sql) == 1, finish_sql
 
 
 @pytest.mark.parametrize("database_url", ["mariadb"], indirect=True)
-def test_on_mariadb_a_renewal_of_fifty_leases_is_two_statements_not_fifty(store: Store) -> None:
-    leases = []
+def test_on_mariadb_a_renewal_of_fifty_leases_is_one_statement_not_fifty(store: Store) -> None:
+    holder = holder_of(store)
+    token = 0
     for n in range(50):
         register(store, f"j{n}")
-        leases.append((f"j{n}", claimed(store, f"j{n}").token))
+        token = claimed(store, f"j{n}", holder=holder).token
 
     with sent(store) as renew_sql:
-        renewal = store.renew(leases)
-    with sent(store) as renew_one_sql:
-        alone = store.renew(leases[:1])
+        store.renew_holder(holder, owner=OWNER, shortest=30.0)
     with sent(store) as checkpoint_sql:
-        store.checkpoint("j0", leases[0][1], "1")
+        store.checkpoint("j49", token, "1")
 
-    assert len(renewal.held) == 50 and alone.held == frozenset({"j0"})
-    assert len(renew_sql) == 2, renew_sql
-    assert len(renew_one_sql) == 2, renew_one_sql
+    assert len(renew_sql) == 1, renew_sql
     assert len(checkpoint_sql) == 1, checkpoint_sql
 
 

@@ -59,15 +59,24 @@ class Shop:
         assert done.returncode == 0, f"manage.py {' '.join(args)}: {done.stderr}"
         return done
 
-    def run(self, scenario: str, **args: Any) -> Any:
-        """Run ``tests.django.scenario.<scenario>(**args)`` in the project; what it returns."""
+    def run(
+        self,
+        scenario: str,
+        *,
+        env: dict[str, str] | None = None,
+        timeout: float = 180,
+        **args: Any,
+    ) -> Any:
+        """Run ``tests.django.scenario.<scenario>(**args)`` in the project (with the
+        environment variables ``env`` added, in ``timeout`` seconds at most); what it
+        returns."""
         done = subprocess.run(
             [sys.executable, "-m", "tests.django.scenario", scenario, json.dumps(args)],
             cwd=PROJECT,
-            env=self.environment(CELERY_BROKER_URL="memory://"),
+            env=self.environment(CELERY_BROKER_URL="memory://", **(env or {})),
             capture_output=True,
             text=True,
-            timeout=180,
+            timeout=timeout,
         )
         assert done.returncode == 0, f"scenario {scenario}: {done.stderr[-3000:]}"
         return json.loads(done.stdout.strip().splitlines()[-1])

@@ -270,6 +270,187 @@ def idle_in_atomic() -> dict[str, Any]:
     return seen
 
 
+def _keyed_invoices() -> Any:
+    """A keyed task (one job per batch at a time): each of ``numbers`` is an invoice and the
+    key's cursor after it (and, with ``checkpoint``, the job's checkpoint before the cursor) in
+    one ``atomic()`` block; the block of ``fail_at`` raises after its writes."""
+    from billing.models import Invoice
+    from django.db import transaction
+    from shop import celery_app
+
+    from celery_leases.contrib.django import DjangoLeasedTask
+
+    if "scenario.keyed_invoices" in celery_app.tasks:
+        return celery_app.tasks["scenario.keyed_invoices"]
+
+    @celery_app.task(
+        base=DjangoLeasedTask, bind=True, name="scenario.keyed_invoices", lease_key="invoices:{0}"
+    )
+    def keyed_invoices(
+        self: Any,
+        batch: str,
+        numbers: list[int],
+        checkpoint: bool = False,
+        fail_at: int | None = None,
+    ) -> int:
+        for number in numbers:
+            with transaction.atomic():
+                Invoice.objects.create(
+                    batch=batch, number=number, attempt=self.lease.attempt, token=self.lease.token
+                )
+                if checkpoint:
+                    self.checkpoint({"next": number + 1})
+                self.save_cursor({"after": number})
+                if number == fail_at:
+                    raise RuntimeError(f"the block of invoice {number} fails after its writes")
+        return len(numbers)
+
+    return keyed_invoices
+
+
+def _numbers(batch: str) -> list[int]:
+    from billing.models import Invoice
+
+    return list(Invoice.objects.filter(batch=batch).order_by("id").values_list("number", flat=True))
+
+
+@scenario
+def cursor_in_failed_block() -> dict[str, Any]:
+    """A keyed job saves its cursor in an ``atomic()`` block that then fails: one run whose
+    block commits, then one whose block raises after its invoice and its cursor."""
+    task = _keyed_invoices()
+    store = task.lease_store
+    batch = f"cursor-{uuid.uuid4().hex[:8]}"
+    first = task.apply(args=[batch, [0]])
+    seen: dict[str, Any] = {
+        "first run": first.state,
+        "cursor after the first run": store.cursor(f"invoices:{batch}"),
+    }
+    failed = task.apply(args=[batch, [1]], kwargs={"fail_at": 1})
+    job = store.get(failed.id)
+    seen["failed run"] = [failed.state, repr(failed.result)]
+    seen["failed job"] = None if job is None else job.state
+    seen["cursor after the failed run"] = store.cursor(f"invoices:{batch}")
+    seen["invoices"] = _numbers(batch)
+    return seen
+
+
+@scenario
+def checkpoint_and_cursor_in_one_block() -> dict[str, Any]:
+    """A keyed job saves its checkpoint, then its key's cursor, in each ``atomic()`` block."""
+    task = _keyed_invoices()
+    store = task.lease_store
+    batch = f"both-{uuid.uuid4().hex[:8]}"
+    done = task.apply(args=[batch, [0, 1]], kwargs={"checkpoint": True})
+    job = store.get(done.id)
+    return {
+        "run": [done.state, repr(done.result)],
+        "job": None if job is None else [job.state, job.checkpoint, job.attempts],
+        "cursor": store.cursor(f"invoices:{batch}"),
+        "invoices": _numbers(batch),
+    }
+
+
+@scenario
+def in_test_case(through: str) -> dict[str, Any]:
+    """invoice_orders run inside a test of Django's ``TestCase`` (each test in a transaction
+    it rolls back), by ``task.apply()`` (``through="apply"``) or by a POST to the invoicing
+    view (``through="view"``: eager tasks, ``ATOMIC_REQUESTS``), through Django's test
+    machinery: what the test saw inside its transaction, and what is left after it."""
+    import unittest
+
+    from billing.tasks import invoice_orders
+    from django.test import TestCase
+
+    from celery_leases.contrib.django.models import Job
+
+    batch = f"testcase-{uuid.uuid4().hex[:8]}"
+    seen: dict[str, Any] = {}
+
+    class Invoicing(TestCase):
+        def test_invoicing(self) -> None:
+            if through == "apply":
+                result = invoice_orders.apply(args=[batch, 3])
+                seen["outcome"] = [result.state, repr(result.result)]
+                job_id = result.id
+            else:
+                response = self.client.post(f"/billing/{batch}/invoice/", {"count": 3})
+                seen["outcome"] = [response.status_code, response.content.decode()]
+                job_id = response.json()["job"]
+            seen["job id"] = job_id
+            seen["invoices inside"] = _numbers(batch)
+            job = Job.objects.filter(id=job_id).values_list("state", "attempts", "result")
+            seen["job inside"] = list(job.first() or ())
+
+    outcome = unittest.TestResult()
+    unittest.TestSuite([Invoicing("test_invoicing")]).run(outcome)
+    seen["test errors"] = [text for _, text in outcome.errors + outcome.failures]
+    seen["invoices after"] = _numbers(batch)
+    job_id = seen.get("job id")
+    after = None if job_id is None else invoice_orders.lease_store.get(job_id)
+    seen["job after"] = None if after is None else after.state
+    return seen
+
+
+@scenario
+def eager_in_atomic_request() -> dict[str, Any]:
+    """A POST to the invoicing view with ``ATOMIC_REQUESTS`` and eager tasks: the task runs in
+    the request's transaction, which commits with the response."""
+    from billing.tasks import invoice_orders
+    from django.test import Client
+
+    batch = f"request-{uuid.uuid4().hex[:8]}"
+    seen: dict[str, Any] = {}
+    try:
+        response = Client().post(f"/billing/{batch}/invoice/", {"count": 3})
+    except Exception as exc:  # the request failed: say how
+        seen["error"] = f"{type(exc).__name__}: {exc}"
+        return seen
+    seen["status"] = response.status_code
+    job = invoice_orders.lease_store.get(response.json()["job"])
+    seen["job"] = None if job is None else [job.state, job.attempts, job.result]
+    seen["invoices"] = _numbers(batch)
+    return seen
+
+
+@scenario
+def reaper_under_database_scheduler() -> dict[str, Any]:
+    """django-celery-beat's DatabaseScheduler, as ``celery beat -S ...DatabaseScheduler``
+    runs it: the reaper's entry it loaded (``schedule_reaper``'s, stored in its table), and
+    the message of the pass it sends when that entry is due."""
+    from datetime import UTC, datetime
+
+    from celery.signals import before_task_publish
+    from django_celery_beat.models import PeriodicTask
+    from django_celery_beat.schedulers import DatabaseScheduler
+    from shop import celery_app
+
+    from celery_leases.reaper import REAP_TASK
+
+    published: list[dict[str, Any]] = []
+
+    def record(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        if sender == REAP_TASK:
+            published.append({"expires": headers.get("expires"), "at": datetime.now(UTC)})
+
+    before_task_publish.connect(record, weak=False)
+    scheduler = DatabaseScheduler(app=celery_app)
+    entry = scheduler.schedule[REAP_TASK]
+    scheduler.apply_entry(entry, producer=scheduler.producer)
+    stored = PeriodicTask.objects.get(name=REAP_TASK)
+    seen: dict[str, Any] = {
+        "entry": [entry.task, sorted(entry.options)],
+        "stored every": [stored.interval.every, stored.interval.period],
+        "published": len(published),
+    }
+    if published and published[0]["expires"] is not None:
+        expires = datetime.fromisoformat(published[0]["expires"])
+        seen["expires in"] = (expires - published[0]["at"]).total_seconds()
+    else:
+        seen["expires in"] = None
+    return seen
+
+
 def main() -> None:
     name, args = sys.argv[1], json.loads(sys.argv[2])
     django.setup()

@@ -3,6 +3,7 @@ in-process broker (kombu's ``memory://``)."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +32,8 @@ class Pool:
 @pytest.fixture
 def app() -> Iterator[Celery]:
     app = Celery("request-tests", broker="memory://", set_as_current=False)
+    # A queue of its own: kombu's memory transport is one per process, shared by every test
+    app.conf.task_default_queue = f"request-tests-{uuid.uuid4().hex[:8]}"
 
     def leased(self: Any) -> None:
         return None

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -24,7 +26,7 @@ from tests.support.apps.factory import app_env
 from tests.support.apps.leased_app import make_app, unit_log_for
 from tests.support.service import close_app
 from tests.support.unit_log import Unit, UnitLog
-from tests.support.worker import Beat, CeleryProcess, Spawner, Worker, pid_exists
+from tests.support.worker import REPO_ROOT, Beat, CeleryProcess, Spawner, Worker, pid_exists
 
 LEASED_APP = "tests.support.apps.leased_app"
 FINISHED = ("done", "failed", "cancelled")
@@ -164,6 +166,21 @@ class Scenario:
 
     def logs(self) -> str:
         return "\n".join(p.log_text() for p in self.spawn.processes)
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """Run ``celery -A tests.support.apps.leased_app leases <args>`` with the workers'
+        settings, as an operator would."""
+        env = {k: v for k, v in os.environ.items() if k not in ("APP", "CELERY_APP", "NO_COLOR")}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        env.update(self.env)
+        return subprocess.run(
+            [sys.executable, "-m", "celery", "-A", LEASED_APP, "leases", *args],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     def thaw_all(self) -> None:
         for process in self.spawn.processes:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from celery_leases.db.clock import db_now
+from celery_leases.db.functions import db_now
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self: Python 3.11

@@ -25,7 +25,7 @@ from tests.support.cli import (
     recorded,
     store_of,
 )
-from tests.support.legacy import drop_lease_keys
+from tests.support.legacy import drop_holders, drop_lease_keys
 from tests.support.message import job_message
 
 
@@ -263,7 +263,8 @@ def test_cancel_of_a_running_job_asks_it_to_stop_at_its_next_checkpoint(
     assert "running on celery@w1/100: it stops at its next checkpoint and ends cancelled" in output
     job = store.get(ids["running"])
     assert job is not None and (job.state, job.stop_requested) == ("running", "cancel")
-    assert store.renew([(job.id, job.token)]).stops == {job.id: "cancel"}
+    # The attempt sees it at its next checkpoint (saved first, fenced by its token)
+    assert store.checkpoint(job.id, job.token, json.dumps(job.checkpoint)) == (True, "cancel")
 
 
 def test_release_of_a_running_job_makes_the_next_reap_republish_it(
@@ -401,6 +402,7 @@ def test_upgrade_brings_a_table_made_by_an_older_release_under_the_migrations(
         jobs_table(sa.MetaData(), table).create(store.engine)
         store._schema_ready = True  # what an older release did: use it as it was
         job_id = record(store)
+        drop_holders(store.engine, table)
         drop_lease_keys(store.engine, table)
     finally:
         store.engine.dispose()

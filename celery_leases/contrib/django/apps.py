@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery.signals import task_postrun
 from django.apps import AppConfig
 from django.db.models.signals import post_migrate
 
 from ...config import register_default_url
+from ...db.joined import register_ambient, register_unwrap
+from . import transaction
 from .database import default_url
 
 
@@ -20,9 +23,20 @@ class LeasesConfig(AppConfig):
     default_auto_field = "django.db.models.AutoField"
 
     def ready(self) -> None:
-        # Without leases_database_url, the leases live in the project's own database.
+        # Without leases_database_url, the leases live in the project's own database, and
+        # the fenced writes of a task join its transaction.atomic() blocks there.
         register_default_url(default_url)
+        register_ambient(transaction.ambient)
+        register_unwrap(transaction.unwrap)
+        task_postrun.connect(release_after_task, weak=False)
         post_migrate.connect(upgrade_after_migrate, sender=self)
+
+
+def release_after_task(sender: Any = None, **_: Any) -> None:
+    """A task ended in this process: a leased one gives Django's connection back the
+    idle-write bound its joined writes set (MariaDB)."""
+    if getattr(sender, "__celery_leases__", False):
+        transaction.release(sender.lease_store)
 
 
 def upgrade_after_migrate(

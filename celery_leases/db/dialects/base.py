@@ -2,7 +2,7 @@
 (``postgresql``, ``mysql``, ``sqlite``); ``dialects/__init__.py`` registers them by the names
 SQLAlchemy gives their backends. A new database is one new module and one registration line.
 
-The statements (``db/statements``) and the store (``db/store.py``) never test a dialect's name:
+The statements (``db/statements``) and the store (``db/store/``) never test a dialect's name:
 where databases differ they call the methods here.
 """
 
@@ -33,6 +33,8 @@ class Dialect:
     def __init__(self, name: str) -> None:
         #: The backend name (``mariadb`` and ``mysql`` share a module).
         self.name = name
+        #: The database's URL, once a ``Database`` uses this dialect (None before).
+        self.url: sa.engine.URL | None = None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} dialect {self.name!r}>"
@@ -54,10 +56,9 @@ class Dialect:
         """Keyword arguments of the driver's ``cursor.execute`` for ``statement``."""
         return {}
 
-    def planned_per_call(self, statement: Any) -> Any:
-        """``statement``, marked so that the database plans it for the values of each call
-        (a statement over lists of any length), where it would otherwise reuse one plan."""
-        return statement
+    def check_size(self, sql: str, parameters: Any, sa_dialect: Any) -> None:
+        """Refuse, before sending it, a statement the server would refuse for its size (and
+        drop the connection with it), as the driver's own error: nothing by default."""
 
     # -- sessions: a lease bound to its holder's connection ----------------------------------
 
@@ -76,20 +77,32 @@ class Dialect:
         its leases to (``pid``: the process id bound as a parameter)."""
         raise NotImplementedError
 
-    def claimed_session(self, session: Any) -> Any:
-        """SQL for the claimant's keeper session ``session`` (a parameter), bound only if that
-        session is alive now: a keeper that has not seen its connection drop binds nothing."""
-        return session
+    def session_alive(self, session: Any) -> Any:
+        """SQL true while the session ``session`` (a column or a parameter) is alive."""
+        return sa.true()
 
-    def session_gone(self, table: sa.Table) -> Any:
-        """SQL true for a running job whose holder's session has ended and not in a reset that
-        ended every session (a restart: those holders bind again). None where the database
-        cannot tell: :meth:`holder_gone` then judges each candidate."""
+    def server_started(self) -> Any:
+        """SQL for when the database server started (epoch seconds), which a restart or a
+        failover to another server changes; None where the database cannot say."""
         return None
 
-    def holder_gone(self, owner: str | None, session: int | None) -> bool:
-        """For a database with no sessions in SQL: whether the holder ``owner`` bound to
-        ``session`` is gone."""
+    def session_gone(self, holders: sa.Table) -> Any:
+        """SQL true for a holder (a row of ``holders``) whose session has ended, and not in a
+        reset that ended every session (a restart: those holders bind again). None where the
+        database cannot tell: :meth:`holder_gone` then judges each holder."""
+        return None
+
+    def mark_alive(self, holder: str) -> None:
+        """Leave a mark that tells, from outside this process, that the holder ``holder`` of
+        this process lives (a database with no sessions in SQL: :meth:`holder_gone` reads
+        it)."""
+
+    def forget_alive(self, holder: str) -> None:
+        """Take away :meth:`mark_alive`'s mark (the holder stops, its process lives on)."""
+
+    def holder_gone(self, holder: str) -> bool:
+        """For a database with no sessions in SQL: whether the holder ``holder`` is gone for
+        sure (False when it cannot tell: its lease's expiry decides then)."""
         return False
 
     # -- statement forms ---------------------------------------------------------------------
@@ -120,22 +133,6 @@ class Dialect:
             t.c.lease_key == key, sa.or_(t.c.state.in_(live), t.c.followup_id.is_not(None))
         )
 
-    def leases_held(self, table: sa.Table, held: Any) -> sa.Select[Any]:
-        """A SELECT of the ids of the rows held under the leases ``b_ids`` / ``b_tokens`` /
-        ``b_leases`` (a process's leases, given as parameters) that satisfy ``held``."""
-        t = table
-        return sa.select(t.c.id).where(
-            t.c.id.in_(sa.bindparam("b_ids", expanding=True)),
-            sa.tuple_(t.c.id, t.c.token).in_(sa.bindparam("b_leases", expanding=True)),
-            held,
-        )
-
-    def update_unlocked(self, table: sa.Table, ids: sa.Select[Any]) -> sa.Update:
-        """An UPDATE of the rows ``ids`` selects, skipping (never waiting for) a row another
-        transaction holds locked: a checkpoint in a transaction of the task's must not hold
-        up the renewal of the process's other leases."""
-        return sa.update(table).where(table.c.id.in_(ids.with_for_update(skip_locked=True)))
-
     def locking_candidates(self, select: sa.Select[Any]) -> sa.Select[Any]:
         """``select`` (the reaper's orphan candidates) in the form that locks what it returns,
         where the database locks only the rows it returns."""
@@ -151,9 +148,21 @@ class Dialect:
         second live job of a lease key is an IntegrityError."""
         raise NotImplementedError
 
-    def upsert(self, table: sa.Table, select: Any, columns: list[str], key: str) -> Any:
-        """An INSERT of the row ``select`` gives (``columns``), updating every column but
-        ``key`` when a row with that ``key`` exists (:meth:`upserted` tells if it wrote)."""
+    def upsert(
+        self,
+        table: sa.Table,
+        select: Any,
+        columns: list[str],
+        key: str,
+        *,
+        update: Callable[[Any], dict[str, Any]] | None = None,
+        returning: tuple[Any, ...] = (),
+    ) -> Any:
+        """An INSERT of the row ``select`` gives (``columns``) that, when a row with that
+        ``key`` exists, updates it instead: every other column to the new row's value, or
+        ``update(incoming)`` (``incoming[c]``: the new row's column ``c``). It returns
+        ``returning`` (the key by default) where the database can (:meth:`upserted` tells
+        if it wrote)."""
         raise NotImplementedError
 
     def with_returning(self, statement: Any, *columns: Any) -> Any:
@@ -189,13 +198,6 @@ class Dialect:
         """Run an :meth:`upsert`; True when it wrote."""
         return c.execute(statement, params).first() is not None
 
-    def renewed(
-        self, c: Any, renew: Any, renewed: Any, params: dict[str, Any], count: int
-    ) -> list[tuple[Any, ...]]:
-        """(id, stop request) of the leases a renewal of ``count`` leases kept: the rows it
-        renewed and, where it skips locked rows, those still held that it skipped."""
-        return list(c.execute(renew, params).all())
-
     # -- a caller's transaction ----------------------------------------------------------------
 
     def bounds_idle(self, sa_dialect: Any) -> bool:
@@ -218,6 +220,11 @@ class Dialect:
     def duplicate_key(self, orig: Any) -> bool:
         """Whether the driver's error ``orig`` is a unique key refusing a row."""
         return False
+
+    def error_kind(self, orig: Any) -> str | None:
+        """What the driver's error ``orig`` means (``db.errors.Kind``'s values: ``conflict``,
+        ``refused``, ``gone``), when this dialect knows it; None otherwise."""
+        return None
 
     def ended_idle_transaction(self, orig: Any) -> bool:
         """Whether the driver's error ``orig`` is the database ending a transaction that sat
@@ -248,16 +255,24 @@ def insert_unless_id_exists(insert: Any, table: sa.Table, values: dict[str, Any]
 
 
 def upsert_on_conflict(
-    insert: Any, table: sa.Table, select: Any, columns: list[str], key: str
+    insert: Any,
+    table: sa.Table,
+    select: Any,
+    columns: list[str],
+    key: str,
+    *,
+    update: Callable[[Any], dict[str, Any]] | None = None,
+    returning: tuple[Any, ...] = (),
 ) -> Any:
     """:meth:`Dialect.upsert` where ``INSERT ... ON CONFLICT DO UPDATE ... RETURNING`` exists
     (``insert``: the dialect's). RETURNING tells it wrote: an INSERT's row count is not
     reliable on every driver."""
     statement = insert(table).from_select(columns, select)
-    return statement.on_conflict_do_update(
-        index_elements=[table.c[key]],
-        set_={c: statement.excluded[c] for c in columns if c != key},
-    ).returning(table.c[key])
+    incoming = statement.excluded
+    changes = update(incoming) if update else {c: incoming[c] for c in columns if c != key}
+    return statement.on_conflict_do_update(index_elements=[table.c[key]], set_=changes).returning(
+        *(returning or (table.c[key],))
+    )
 
 
 __all__ = ["Dialect", "insert_unless_id_exists", "upsert_on_conflict"]

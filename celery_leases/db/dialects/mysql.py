@@ -12,10 +12,9 @@ from typing import Any, ClassVar
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.dml import Update
 
 from ...errors import ConfigurationError
-from ..clock import db_now
+from ..functions import db_now
 from .base import Dialect
 
 #: Prefix of the named lock a keeper's session holds (``GET_LOCK``), which any user can see.
@@ -25,6 +24,15 @@ SESSION_LOCK_PREFIX = "celery_leases:"
 SERVER_CLOSED_CONNECTION = (2006, 2013, 4031)
 #: ER_DUP_ENTRY.
 DUPLICATE_ENTRY = 1062
+#: A concurrent transaction won: lock wait timeout (1205), deadlock (1213), a row changed since
+#: the snapshot read it (1020, MariaDB's innodb_snapshot_isolation).
+CONFLICT_CODES = (1205, 1213, 1020)
+#: A write refused for good: a packet over max_allowed_packet (1153, 1301), a value too long
+#: (1406), out of range (1264), not in the column's character set (1366), NULL in a NOT NULL
+#: column (1048), a row too large (1118), a constraint (1452, 3819).
+REFUSED_CODES = (1153, 1301, 1406, 1264, 1366, 1048, 1118, 1452, 3819)
+#: Bytes kept free in a packet for the protocol's own framing.
+PACKET_MARGIN = 1024
 #: Modules of the drivers whose errors carry these codes.
 _DRIVERS = ("pymysql", "MySQLdb", "mariadb")
 
@@ -36,51 +44,56 @@ def _db_now(element: Any, compiler: Any, **kw: Any) -> str:
     return "UNIX_TIMESTAMP(NOW(6))"
 
 
-class SkipLockedUpdate(Update):
-    """An ``UPDATE`` of the rows a derived table named ``lockable`` selected ``FOR UPDATE SKIP
-    LOCKED`` (these databases have no ``UPDATE ... SKIP LOCKED``).
-
-    SQLAlchemy renders ``UPDATE jobs, (SELECT ...) AS lockable SET ... WHERE jobs.id =
-    lockable.id``, which lets the optimizer scan ``jobs`` first and wait on every locked row
-    it reads. This form joins in a fixed order, the derived rows first and then ``jobs`` by
-    primary key: ``UPDATE (SELECT ...) AS lockable STRAIGHT_JOIN jobs FORCE INDEX (PRIMARY)
-    SET ...``, so only the rows the derived table locked are read.
-    """
-
-    inherit_cache = True
-
-
-@compiles(SkipLockedUpdate, "mysql")
-@compiles(SkipLockedUpdate, "mariadb")
-def _skip_locked_update(element: SkipLockedUpdate, compiler: Any, **kw: Any) -> str:
-    text: str = compiler.visit_update(element, **kw)
-    table = compiler.preparer.format_table(element.table)
-    head, derived_end = f"UPDATE {table}, (", ") AS lockable SET "
-    end = text.find(derived_end)
-    if not text.startswith(head) or end < 0:  # pragma: no cover - a new SQLAlchemy layout
-        raise sa.exc.CompileError(f"unexpected multi-table UPDATE layout: {text[:80]!r}")
-    derived = text[len(head) - 1 : end + len(") AS lockable")]
-    rest = text[end + len(") AS lockable") :]
-    return f"UPDATE {derived} STRAIGHT_JOIN {table} FORCE INDEX (PRIMARY){rest}"
-
-
-def _on_connect(dbapi_connection: Any, record: Any) -> None:
-    cursor = dbapi_connection.cursor()
-    # UTC makes UNIX_TIMESTAMP(NOW(6)) unambiguous around DST; strict mode makes a value the
-    # column cannot hold an error instead of a silent truncation.
-    cursor.execute("SET time_zone = '+00:00', sql_mode = CONCAT(@@sql_mode, ',STRICT_ALL_TABLES')")
-    cursor.close()
-
-
 class MySQL(Dialect):
     names: ClassVar[tuple[str, ...]] = ("mysql", "mariadb")
     returning: ClassVar[bool] = False
     autocommit: ClassVar[bool] = False
 
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        #: The server's ``max_allowed_packet``, read at each new connection (None before).
+        self.max_packet: int | None = None
+
     # -- connecting --------------------------------------------------------------------------
 
     def prepare_engine(self, engine: sa.engine.Engine, database: Any) -> None:
-        sa.event.listen(engine, "connect", _on_connect)
+        sa.event.listen(engine, "connect", self._on_connect)
+
+    def _on_connect(self, dbapi_connection: Any, record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        # UTC makes UNIX_TIMESTAMP(NOW(6)) unambiguous around DST; strict mode makes a value
+        # the column cannot hold an error instead of a silent truncation.
+        cursor.execute(
+            "SET time_zone = '+00:00', sql_mode = CONCAT(@@sql_mode, ',STRICT_ALL_TABLES')"
+        )
+        cursor.execute("SELECT @@max_allowed_packet")
+        (self.max_packet,) = cursor.fetchone()
+        cursor.close()
+
+    def check_size(self, sql: str, parameters: Any, sa_dialect: Any) -> None:
+        """A statement over ``max_allowed_packet`` is refused here, as the server's own error
+        1153: sent, it would fail with that error or with the connection cut (the server drops
+        it), which would read as an outage and be retried."""
+        limit = self.max_packet
+        if limit is None:
+            return
+        values = parameters.values() if isinstance(parameters, dict) else parameters
+        size = len(sql) + sum(
+            len(v) * 4 if isinstance(v, str) else len(v) if isinstance(v, bytes) else 16
+            for v in values
+        )
+        if size < limit - PACKET_MARGIN:
+            return
+        size = len(sql.encode()) + sum(
+            len(v.encode()) if isinstance(v, str) else len(v) if isinstance(v, bytes) else 16
+            for v in values
+        )
+        if size >= limit - PACKET_MARGIN:
+            raise sa_dialect.loaded_dbapi.OperationalError(
+                1153,
+                f"Got a packet bigger than 'max_allowed_packet' bytes (the statement is about "
+                f"{size:,} bytes; the server's max_allowed_packet is {limit:,})",
+            )
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -101,14 +114,12 @@ class MySQL(Dialect):
             else_=sa.null(),
         )
 
-    def claimed_session(self, session: Any) -> Any:
-        alive = sa.func.is_used_lock(sa.func.concat(SESSION_LOCK_PREFIX, session)) == session
-        return sa.case((alive, session), else_=sa.null())
+    def session_alive(self, session: Any) -> Any:
+        return sa.func.is_used_lock(sa.func.concat(SESSION_LOCK_PREFIX, session)) == session
 
-    def session_gone(self, table: sa.Table) -> Any:
-        """The holder's lock is free, and the server has been up since the lease's last
-        renewal (a failover is not seen: the lease's expiry)."""
-        t = table
+    def server_started(self) -> Any:
+        # information_schema.GLOBAL_STATUS: MariaDB (MySQL 8 dropped it; there this fails,
+        # and the reaper's search for dead holders with it: their jobs wait for the expiry).
         status = sa.table(
             "GLOBAL_STATUS",
             sa.column("VARIABLE_NAME"),
@@ -116,12 +127,21 @@ class MySQL(Dialect):
             schema="information_schema",
         )
         uptime = (
-            sa.select(sa.cast(status.c.VARIABLE_VALUE, sa.Double()))
+            sa.select(sa.type_coerce(status.c.VARIABLE_VALUE, sa.Double()))
             .where(status.c.VARIABLE_NAME == "UPTIME")
             .scalar_subquery()
         )
-        lock = sa.func.concat(SESSION_LOCK_PREFIX, t.c.session)
-        return sa.and_(sa.func.is_used_lock(lock).is_(None), t.c.renewed_at > db_now() - uptime)
+        return db_now() - uptime
+
+    def session_gone(self, holders: sa.Table) -> Any:
+        """The holder's lock is free, on the very server it last renewed on (the same start,
+        ``Uptime`` ago): its process died, or its connection was cut; not a restart, nor a
+        failover to a replica, which ended every session."""
+        h = holders
+        lock = sa.func.concat(SESSION_LOCK_PREFIX, h.c.session)
+        # Uptime counts whole seconds: one start, read at two moments, differs by under 2 s.
+        same_server = sa.func.abs(h.c.server - self.server_started()) < 2
+        return sa.and_(sa.func.is_used_lock(lock).is_(None), same_server)
 
     # -- statement forms ---------------------------------------------------------------------
 
@@ -143,19 +163,28 @@ class MySQL(Dialect):
         # index merge.
         return table.c.live_key == sa.bindparam(key.key, type_=table.c.live_key.type)
 
-    def update_unlocked(self, table: sa.Table, ids: sa.Select[Any]) -> sa.Update:
-        lockable = ids.with_for_update(skip_locked=True).subquery("lockable")
-        return SkipLockedUpdate(table).where(table.c.id == lockable.c.id)
-
     def insert_unless_exists(self, table: sa.Table, values: dict[str, Any]) -> Any:
         # A plain INSERT whose duplicate-key error ``inserted`` reads as "exists": INSERT
         # IGNORE would also turn a value the column cannot hold into a warning and a truncated
         # row, and ON DUPLICATE KEY UPDATE reports 1 row either way under FOUND_ROWS.
         return sa.insert(table).values(values)
 
-    def upsert(self, table: sa.Table, select: Any, columns: list[str], key: str) -> Any:
+    def upsert(
+        self,
+        table: sa.Table,
+        select: Any,
+        columns: list[str],
+        key: str,
+        *,
+        update: Callable[[Any], dict[str, Any]] | None = None,
+        returning: tuple[Any, ...] = (),
+    ) -> Any:
         upsert = mysql.insert(table).from_select(columns, select)
-        return upsert.on_duplicate_key_update({c: upsert.inserted[c] for c in columns if c != key})
+        incoming = upsert.inserted
+        changes = update(incoming) if update else {c: incoming[c] for c in columns if c != key}
+        # MySQL evaluates the assignments left to right, each seeing the ones before: those
+        # that read the row's old values come first (``update`` orders them).
+        return upsert.on_duplicate_key_update(list(changes.items()))
 
     # -- reading a write's outcome -----------------------------------------------------------
 
@@ -190,12 +219,6 @@ class MySQL(Dialect):
     def upserted(self, c: Any, statement: Any, params: dict[str, Any]) -> bool:
         return bool(c.execute(statement, params).rowcount)
 
-    def renewed(
-        self, c: Any, renew: Any, renewed: Any, params: dict[str, Any], count: int
-    ) -> list[tuple[Any, ...]]:
-        c.execute(renew, params)
-        return list(c.execute(renewed, params).all())
-
     # -- a caller's transaction --------------------------------------------------------------
 
     def bounds_idle(self, sa_dialect: Any) -> bool:
@@ -217,6 +240,16 @@ class MySQL(Dialect):
 
     def duplicate_key(self, orig: Any) -> bool:
         return bool(_code(orig) == DUPLICATE_ENTRY)
+
+    def error_kind(self, orig: Any) -> str | None:
+        if not type(orig).__module__.startswith(_DRIVERS):
+            return None
+        code = _code(orig)
+        if code in CONFLICT_CODES:
+            return "conflict"
+        if code in REFUSED_CODES:
+            return "refused"
+        return None
 
     def ended_idle_transaction(self, orig: Any) -> bool:
         driver = type(orig).__module__.startswith(_DRIVERS)
@@ -247,4 +280,4 @@ def _code(orig: Any) -> Any:
     return (getattr(orig, "args", None) or (None,))[0]
 
 
-__all__ = ["SESSION_LOCK_PREFIX", "MySQL", "SkipLockedUpdate"]
+__all__ = ["SESSION_LOCK_PREFIX", "MySQL"]

@@ -1,24 +1,33 @@
-"""PostgreSQL: RETURNING, backend pids as sessions, ``SKIP LOCKED``, a transaction-local idle
-bound, and the leases of a process renewed as two arrays (one statement text, any number).
+"""PostgreSQL: RETURNING, backend pids as sessions (and the server's start time, to tell a
+restart from a death), ``SKIP LOCKED``, a transaction-local idle bound, SQLSTATEs as error
+kinds.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.compiler import compiles
 
-from ..clock import db_now
+from ..functions import db_now
 from .base import Dialect, insert_unless_id_exists, upsert_on_conflict
 
 #: PostgreSQL's SQLSTATE for a session its ``idle_in_transaction_session_timeout`` ended, and
 #: the server's message for it (all psycopg 3.1 keeps of it).
 IDLE_IN_TRANSACTION_TIMEOUT = "25P03"
 IDLE_IN_TRANSACTION_MESSAGE = "terminating connection due to idle-in-transaction timeout"
+#: SQLSTATEs of a concurrent transaction winning: serialization failure, deadlock, lock not
+#: available (lock_timeout, NOWAIT).
+CONFLICT_STATES = ("40001", "40P01", "55P03")
+#: SQLSTATE classes of a write refused for good: data exceptions (a value too long, out of
+#: range, not in the encoding) and integrity constraints; and a program limit exceeded (an
+#: index row too large).
+REFUSED_CLASSES = ("22", "23")
+REFUSED_STATES = ("54000",)
 #: Execution option of a statement the driver must never prepare (False).
 NOT_PREPARED = "leases_prepare"
 
@@ -69,11 +78,6 @@ class PostgreSQL(Dialect):
         prepared = statement.get_execution_options().get(NOT_PREPARED, True)
         return {"prepare": False} if not prepared and sa_dialect.driver == "psycopg" else {}
 
-    def planned_per_call(self, statement: Any) -> Any:
-        # Planned for the arrays they get: a plan made once for arrays of any length (a
-        # prepared statement's generic plan) took a 500-lease tick from 9 to 80 ms.
-        return statement.execution_options(**{NOT_PREPARED: False})
-
     # -- sessions ----------------------------------------------------------------------------
 
     def session_ident(self, driver: Any) -> int:
@@ -82,46 +86,22 @@ class PostgreSQL(Dialect):
     def holder_session(self, pid: Any) -> Any:
         return sa.func.pg_backend_pid()
 
-    def claimed_session(self, session: Any) -> Any:
-        alive = sa.exists().select_from(sa.func.pg_stat_get_activity(sa.cast(session, sa.Integer)))
-        return sa.case((alive, session), else_=sa.null())
+    def session_alive(self, session: Any) -> Any:
+        return sa.exists().select_from(sa.func.pg_stat_get_activity(sa.cast(session, sa.Integer)))
 
-    def session_gone(self, table: sa.Table) -> Any:
-        """The holder's backend is gone, and some client session older than the lease's last
-        renewal is still alive, so no reset happened since (a crash recovery keeps
-        ``pg_postmaster_start_time()``; sessions of other database users show no start time,
-        so with those alone nothing counts as gone)."""
-        t = table
-        backend = sa.func.pg_stat_get_activity(sa.cast(t.c.session, sa.Integer))
-        activity = sa.table(
-            "pg_stat_activity", sa.column("backend_type"), sa.column("backend_start")
-        )
-        survivor = sa.exists().where(
-            activity.c.backend_type == "client backend",
-            activity.c.backend_start < sa.func.to_timestamp(t.c.renewed_at),
-        )
-        return sa.and_(~sa.exists().select_from(backend), survivor)
+    def server_started(self) -> Any:
+        return sa.cast(sa.extract("epoch", sa.func.pg_postmaster_start_time()), sa.Double())
+
+    def session_gone(self, holders: sa.Table) -> Any:
+        """The holder's backend is gone, on the very server it last renewed on (the same
+        ``pg_postmaster_start_time()``): its process died, or its connection was cut; not a
+        restart, nor a failover to a replica, which ended every session (its holders bind
+        again at their next renewal). A crash recovery keeps the start time: its holders
+        count as gone (their jobs move, a live attempt is then fenced out)."""
+        h = holders
+        return sa.and_(~self.session_alive(h.c.session), h.c.server == self.server_started())
 
     # -- statement forms ---------------------------------------------------------------------
-
-    def leases_held(self, table: sa.Table, held: Any) -> sa.Select[Any]:
-        # The leases as two arrays joined to the rows: one statement text whatever their
-        # number (prepared once), and a join, not an (id, token) list tested on each row.
-        t = table
-        ids = sa.bindparam("b_ids", type_=postgresql.ARRAY(t.c.id.type))
-        leases = (
-            sa.func.unnest(ids, sa.bindparam("b_tokens", type_=postgresql.ARRAY(sa.BigInteger())))
-            .table_valued(sa.column("id", t.c.id.type), sa.column("token", sa.BigInteger()))
-            .render_derived()
-        )
-        is_held = sa.and_(t.c.id == leases.c.id, t.c.token == leases.c.token)
-        # The ids again as ``id = ANY(...)``: the rows are found by primary key.
-        return sa.select(t.c.id).join(leases, is_held).where(t.c.id == sa.any_(ids), held)
-
-    def update_unlocked(self, table: sa.Table, ids: sa.Select[Any]) -> sa.Update:
-        return sa.update(table).where(
-            table.c.id.in_(ids.with_for_update(skip_locked=True, of=table))
-        )
 
     def locking_candidates(self, select: sa.Select[Any]) -> sa.Select[Any]:
         # PostgreSQL locks only the rows it returns.
@@ -142,16 +122,19 @@ class PostgreSQL(Dialect):
     def insert_unless_exists(self, table: sa.Table, values: dict[str, Any]) -> Any:
         return insert_unless_id_exists(postgresql.insert, table, values)
 
-    def upsert(self, table: sa.Table, select: Any, columns: list[str], key: str) -> Any:
-        return upsert_on_conflict(postgresql.insert, table, select, columns, key)
-
-    def renewed(
-        self, c: Any, renew: Any, renewed: Any, params: dict[str, Any], count: int
-    ) -> list[tuple[Any, ...]]:
-        kept = list(c.execute(renew, params).all())
-        if len(kept) < count:
-            kept = list(c.execute(renewed, params).all())  # skipped rows still held count
-        return kept
+    def upsert(
+        self,
+        table: sa.Table,
+        select: Any,
+        columns: list[str],
+        key: str,
+        *,
+        update: Callable[[Any], dict[str, Any]] | None = None,
+        returning: tuple[Any, ...] = (),
+    ) -> Any:
+        return upsert_on_conflict(
+            postgresql.insert, table, select, columns, key, update=update, returning=returning
+        )
 
     # -- a caller's transaction --------------------------------------------------------------
 
@@ -162,6 +145,16 @@ class PostgreSQL(Dialect):
 
     def duplicate_key(self, orig: Any) -> bool:
         return getattr(orig, "sqlstate", None) == "23505"
+
+    def error_kind(self, orig: Any) -> str | None:
+        state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+        if not isinstance(state, str):
+            return None
+        if state in CONFLICT_STATES:
+            return "conflict"
+        if state[:2] in REFUSED_CLASSES or state in REFUSED_STATES:
+            return "refused"
+        return None
 
     def ended_idle_transaction(self, orig: Any) -> bool:
         state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)

@@ -1,20 +1,27 @@
 """SQLite: a file on this machine, one writer at a time (``BEGIN IMMEDIATE``), no row locks,
-no sessions: a lease is bound to its holder's process, which the reaper checks itself.
+no sessions. A holder marks itself alive with a lock file beside the database
+(``<database>.holders/<holder>.lock``, held with ``flock`` for as long as its process lives): the
+reaper takes a holder for gone only when it can take that lock itself, which it can from any
+process of the machine, in any PID namespace (two containers sharing the volume), and which a
+new process reusing a dead one's pid cannot hold.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
-from collections.abc import Iterator
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.ext.compiler import compiles
 
-from ...process import local_process_gone
-from ..clock import db_now
+from ..functions import db_now, greatest
 from .base import Dialect, insert_unless_id_exists, upsert_on_conflict
 
 
@@ -22,6 +29,28 @@ from .base import Dialect, insert_unless_id_exists, upsert_on_conflict
 def _db_now(element: Any, compiler: Any, **kw: Any) -> str:
     # CURRENT_TIMESTAMP has whole seconds on SQLite; julianday('now') has milliseconds.
     return "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+#: This process's marks (holder -> the descriptor holding its lock file).
+_marks: dict[str, int] = {}
+_marks_lock = threading.Lock()
+
+
+def _forget_inherited_marks() -> None:
+    """A forked child holds its parent's lock files' descriptors: close them (the parent's
+    locks stay the parent's), so a dead parent's mark is free once it is gone."""
+    for fd in _marks.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _marks.clear()
+
+
+os.register_at_fork(after_in_child=_forget_inherited_marks)
+
+
+@compiles(greatest, "sqlite")
+def _greatest(element: Any, compiler: Any, **kw: Any) -> str:
+    return f"max({compiler.process(element.clauses, **kw)})"
 
 
 def _on_connect(dbapi_connection: Any, record: Any) -> None:
@@ -71,21 +100,83 @@ class SQLite(Dialect):
     def holder_session(self, pid: Any) -> Any:
         return pid
 
-    def holder_gone(self, owner: str | None, session: int | None) -> bool:
-        return local_process_gone(owner, session)
+    def mark_alive(self, holder: str) -> None:
+        folder = self._holders_folder()
+        if folder is None:
+            return
+        folder.mkdir(exist_ok=True)
+        fd = os.open(folder / f"{holder}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a file of its own: never taken
+        with _marks_lock:
+            _marks[holder] = fd
+
+    def forget_alive(self, holder: str) -> None:
+        with _marks_lock:
+            fd = _marks.pop(holder, None)
+        folder = self._holders_folder()
+        if fd is None or folder is None:
+            return
+        with contextlib.suppress(OSError):
+            (folder / f"{holder}.lock").unlink()
+        os.close(fd)
+
+    def holder_gone(self, holder: str) -> bool:
+        folder = self._holders_folder()
+        if folder is None or holder in _marks:
+            return False
+        path = folder / f"{holder}.lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return False  # no mark: it cannot tell
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # its process holds it: alive
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()  # gone: its mark goes with it
+            return True
+        finally:
+            os.close(fd)
+
+    def _holders_folder(self) -> Path | None:
+        """``<database>.holders`` beside the database file (None for one in memory)."""
+        database = self.url.database if self.url is not None else None
+        if not database or database == ":memory:" or database.startswith("file:"):
+            return None
+        return Path(os.path.abspath(database) + ".holders")
 
     # -- statement forms ---------------------------------------------------------------------
-
-    def update_unlocked(self, table: sa.Table, ids: sa.Select[Any]) -> sa.Update:
-        # No row locks: the writer holds the database's lock.
-        where: Any = ids.whereclause
-        return sa.update(table).where(where)
 
     def insert_unless_exists(self, table: sa.Table, values: dict[str, Any]) -> Any:
         return insert_unless_id_exists(sqlite.insert, table, values)
 
-    def upsert(self, table: sa.Table, select: Any, columns: list[str], key: str) -> Any:
-        return upsert_on_conflict(sqlite.insert, table, select, columns, key)
+    def upsert(
+        self,
+        table: sa.Table,
+        select: Any,
+        columns: list[str],
+        key: str,
+        *,
+        update: Callable[[Any], dict[str, Any]] | None = None,
+        returning: tuple[Any, ...] = (),
+    ) -> Any:
+        return upsert_on_conflict(
+            sqlite.insert, table, select, columns, key, update=update, returning=returning
+        )
+
+    # -- errors ------------------------------------------------------------------------------
+
+    def error_kind(self, orig: Any) -> str | None:
+        if not isinstance(orig, sqlite3.Error):
+            return None
+        text = str(orig)
+        if "database is locked" in text or "database table is locked" in text:
+            return "conflict"  # the busy timeout ran out behind another writer
+        if isinstance(orig, sqlite3.IntegrityError) or "too big" in text:
+            return "refused"
+        return None
 
     # -- migrations --------------------------------------------------------------------------
 

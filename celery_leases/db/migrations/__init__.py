@@ -110,7 +110,7 @@ def downgrade(store: Store, *, revision: str = "base") -> Migrated:
 def current(store: Store) -> str | None:
     """The table's revision (None: no version table, or an empty one)."""
 
-    return store.db.run(lambda connection: _revision(connection, store))
+    return store.db.run(lambda guarded: _revision(guarded.wrapped, store))
 
 
 def _run(store: Store, revision: str, *, downgrade: bool) -> Migrated:

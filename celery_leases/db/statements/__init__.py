@@ -31,12 +31,14 @@ from .renew import Renew
 class Statements:
     """The statements on one jobs table (and its keys table) for one dialect."""
 
-    def __init__(self, table: sa.Table, dialect: Dialect, keys: sa.Table) -> None:
-        parts = Parts(table, dialect, keys)
+    def __init__(
+        self, table: sa.Table, dialect: Dialect, keys: sa.Table, holders: sa.Table
+    ) -> None:
+        parts = Parts(table, dialect, keys, holders)
         self.table = table
         #: Recording a job and claiming its lease.
         self.record = Record(parts)
-        #: A keeper's renew tick.
+        #: A keeper's renew tick (its holder row), and binding a lease to it.
         self.renew = Renew(parts)
         #: Saving a checkpoint.
         self.checkpoint = Checkpoint(parts)
@@ -59,12 +61,11 @@ class Statements:
             self.reads.schema_revision,
             *(record.register, record.create_claimed, record.claim_version, record.claim_job),
             *(record.claimed, record.facts),
-            *(renew.bound, renew.unbound, renew.held, renew.one_bound, renew.one_unbound),
-            renew.one_held,
+            *(renew.bound, renew.unbound, renew.bind, renew.detach),
             *(checkpoint.save, checkpoint.save_progress, checkpoint.stop_of),
             *checkpoint.unstopped.values(),
             *(end.finish, end.fail, end.hand_back, end.hand_back_retry, end.state_of, end.replace),
-            *(self.keys.key_holder, self.keys.set_followup),
+            *(self.keys.key_holder, self.keys.add_pending, self.keys.pending_id_of),
         ]
 
 

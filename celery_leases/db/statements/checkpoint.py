@@ -14,11 +14,13 @@ class Checkpoint:
 
     def __init__(self, p: Parts) -> None:
         t, d, now = p.table, p.dialect, p.now
+        # A checkpoint renews the lease: its holder's renewals go on from it, and a lease no
+        # holder keeps ends a lease's length after it.
         saved = {
             "checkpoint": param("checkpoint", t.c.checkpoint.type),
             "checkpoint_at": now,
             "renewed_at": now,
-            "expires_at": now + t.c.duration,
+            "expires_at": sa.case((t.c.holder.is_(None), now + t.c.duration), else_=sa.null()),
         }
         progress = saved | {
             "progress_done": param("done", sa.BigInteger()),

@@ -12,8 +12,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ..clock import db_now
 from ..dialects import Dialect
+from ..functions import db_now, greatest
 from ..schema import CANCELLED, QUEUED, RUNNING, SCHEMA_VERSION
 
 #: Errors the reaper writes on the jobs it gives up on, and an operator's cancel.
@@ -44,8 +44,11 @@ def unindexed(column: Any) -> Any:
 class Parts:
     """The building blocks of the statements on one jobs table for one dialect."""
 
-    def __init__(self, table: sa.Table, dialect: Dialect, keys: sa.Table | None = None) -> None:
+    def __init__(
+        self, table: sa.Table, dialect: Dialect, keys: sa.Table, holders: sa.Table
+    ) -> None:
         t = self.table = table
+        h = self.holders = holders
         self.dialect = dialect
         self.keys = keys
         self.now = db_now()
@@ -59,6 +62,29 @@ class Parts:
         self.by_token = sa.and_(self.by_id, t.c.token == param("token"), self.held)
         #: An operator cancelled the job.
         self.cancelled = t.c.stop_requested == "cancel"
+        # A running job's lease ends ``duration`` after its last renewal: a claim or a
+        # checkpoint of its own, or a renewal of its holder (``holder``: its keeper's row).
+        # A job no holder keeps has its lease's end in ``expires_at`` (as a queued job has its
+        # wait's end there); one with neither (its holder row gone, say) ends ``duration``
+        # after its own last claim or checkpoint: never a running job without an end.
+        holder_renewed = sa.select(h.c.renewed_at).where(h.c.id == t.c.holder).scalar_subquery()
+        renewed = greatest(t.c.renewed_at, sa.func.coalesce(holder_renewed, t.c.renewed_at))
+        #: When the job's lease (or a queued job's wait) ends.
+        self.lease_end = sa.func.coalesce(
+            t.c.expires_at, sa.case((t.c.state == RUNNING, renewed + t.c.duration))
+        )
+        #: How many waits a queued job sent again waits next: each re-publish (``sends``)
+        #: doubles it, up to 64, so a job in a long backlog, or one waiting for a worker that
+        #: knows its task, is sent few copies.
+        self.backoff = sa.case(*((t.c.sends == n, 2**n) for n in range(6)), else_=64)
+        # The claimant's keeper (``b_holder``), bound only while its row exists and its session
+        # (if it has one) is alive: a keeper that has not seen its connection drop yet binds
+        # nothing, and the lease lasts by ``expires_at`` until the keeper binds it again.
+        alive = sa.or_(h.c.session.is_(None), dialect.session_alive(h.c.session))
+        #: The claimant's holder, if it can hold the lease (else NULL).
+        self.bound_holder = (
+            sa.select(h.c.id).where(h.c.id == param("holder", h.c.id.type), alive).scalar_subquery()
+        )
 
     def new_job(self) -> dict[str, Any]:
         """A new job's message, and its counters reset (a new id, or one taken over)."""
@@ -82,7 +108,8 @@ class Parts:
             c: None
             for c in (
                 "checkpoint", "progress_done", "progress_total", "result", "error",
-                "stop_requested", "notify", "checkpoint_at", "finished_at",
+                "stop_requested", "notify", "checkpoint_at", "finished_at", "started_at",
+                "served_by", "holder",
             )
         }  # fmt: skip
 
@@ -93,6 +120,7 @@ class Parts:
             "state": QUEUED,
             "owner": None,
             "session": None,
+            "holder": None,
             "attempts": 0,
             "duration": None,
             "run_after": self.now + param("countdown", sa.Double()),
@@ -102,27 +130,31 @@ class Parts:
         }
 
     def claimed(self) -> dict[str, Any]:
-        """A job its first attempt holds (``b_owner``, bound to ``b_session`` if alive)."""
+        """A job its first attempt holds (``b_owner``), kept by its holder if it can hold it
+        (``bound_holder``), else by its own ``expires_at``."""
         return {
             "state": RUNNING,
             "owner": param("owner", self.table.c.owner.type),
-            "session": self.claimed_session(),
+            "session": None,
+            "holder": self.bound_holder,
             "attempts": 1,
             "duration": self.seconds,
-            "expires_at": self.now + self.seconds,
+            "expires_at": self.unbound_expiry(),
             "claimed_at": self.now,
+            "started_at": self.now,
             "renewed_at": self.now,
         }
 
-    def claimed_session(self) -> Any:
-        """The claimant's keeper session ``b_session``, bound only if alive."""
-        return self.dialect.claimed_session(param("session", sa.BigInteger()))
+    def unbound_expiry(self) -> Any:
+        """A claim's ``expires_at``: the lease's end when no holder keeps it, else NULL."""
+        return sa.case((self.bound_holder.is_(None), self.now + self.seconds), else_=sa.null())
 
     def ended(self) -> dict[str, Any]:
         """A job whose attempt ended: no holder, no lease."""
         return {
             "owner": None,
             "session": None,
+            "holder": None,
             "expires_at": None,
             "stop_requested": None,
             "finished_at": self.now,
@@ -146,6 +178,7 @@ class Parts:
             (t.c.stop_requested, None),
             (t.c.owner, None),
             (t.c.session, None),
+            (t.c.holder, None),
         ]
 
 

@@ -6,18 +6,17 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ..schema import FINISHED_STATES, LIVE_STATES, RUNNING
+from ..schema import DONE, FINISHED_STATES, LIVE_STATES, RUNNING, SCHEMA_VERSION
 from .common import Parts, param, unindexed
 
 
 class Keys:
     """The statements of lease keys.
 
-    The job holding a key (``schema.KEY_HELD``) is live, or ended with a follow-up to start. A
-    trigger of a held key is read first (no lock, nothing written in the usual case): a job
-    never claimed yet (attempts = 0) starts after it and absorbs it; one with a follow-up
-    already has the job that serves it. Otherwise the trigger becomes the follow-up of a job
-    that has run, conditionally.
+    At most one job holds a key (``schema.KEY_HELD``: a live one). A trigger of a held key is
+    kept on the key, never on a job (``pending``): it waits there, whatever becomes of the job
+    that holds the key, until a run of the key that started after it serves it, or a run is
+    started for it (``store.Triggers.settle``).
     """
 
     def __init__(self, p: Parts) -> None:
@@ -25,23 +24,13 @@ class Keys:
         holds_key = d.holds_key(t, param("key"), LIVE_STATES)
         #: The job holding key ``b_key``: (id, attempts, follow-up id).
         self.key_holder = sa.select(t.c.id, t.c.attempts, t.c.followup_id).where(holds_key)
-        #: A trigger (``b_id``, ``b_message``) made the follow-up of the key's job that has
-        #: run and has none yet. MySQL evaluates SET left to right: the text first.
-        self.set_followup = d.with_returning(
-            sa.update(t)
-            .where(holds_key, t.c.attempts > 0, t.c.followup_id.is_(None))
-            .ordered_values(
-                (t.c.followup, param("message", t.c.followup.type)),
-                (t.c.followup_id, param("id", t.c.followup_id.type)),
-            ),
-            t.c.id,
-        )
+        self._triggers(p)
         finished_with_followup = sa.and_(
             t.c.followup_id.is_not(None), t.c.state.in_(FINISHED_STATES)
         )
-        # The hand-over of the key to the follow-up, in one transaction: the ended job's row
-        # locked, the follow-up cleared (the key is free inside the transaction only), the
-        # follow-up recorded as a job of its own (``Record.register``).
+        # Follow-ups kept on an ended job's row by a celery-leases before revision 0003: each
+        # started in one transaction (its row locked, the follow-up cleared, the follow-up
+        # recorded as a job of its own), until none is left.
         #: The follow-up (message, id) of the ended job ``b_id``, its row locked.
         self.followup_of = (
             sa.select(t.c.followup, t.c.followup_id)
@@ -59,6 +48,88 @@ class Keys:
             .values(followup=None, followup_id=None)
         )
         self._cursors(p, holds_key)
+
+    def _triggers(self, p: Parts) -> None:
+        t, k, d, now = p.table, p.keys, p.dialect, p.now
+        columns = ["lease_key", "pending_id", "pending", "pending_at"]
+        trigger = sa.select(
+            param("key", k.c.lease_key.type),
+            param("id", k.c.pending_id.type),
+            param("message", k.c.pending.type),
+            now,
+        )
+        #: A trigger (``b_id``, ``b_message``) of the held key ``b_key`` kept on the key: the
+        #: first one waiting gives its id and message, every one moves ``pending_at``.
+        self.add_pending = d.upsert(
+            k,
+            trigger,
+            columns,
+            "lease_key",
+            update=lambda new: {
+                "pending_id": sa.func.coalesce(k.c.pending_id, new["pending_id"]),
+                "pending": sa.func.coalesce(k.c.pending, new["pending"]),
+                "pending_at": new["pending_at"],
+            },
+            returning=(k.c.pending_id,),
+        )
+        by_key = k.c.lease_key == param("key", k.c.lease_key.type)
+        #: The triggers waiting on key ``b_key`` (id, message, latest), its row locked.
+        self.pending_of = (
+            sa.select(k.c.pending_id, k.c.pending, k.c.pending_at).where(by_key).with_for_update()
+        )
+        #: The id the triggers waiting on key ``b_key`` were given (read back).
+        self.pending_id_of = sa.select(k.c.pending_id).where(by_key)
+        #: The triggers waiting on ``b_key`` as ``b_pending_id``, gone (served or run for).
+        self.clear_pending = (
+            sa.update(k)
+            .where(by_key, k.c.pending_id == param("pending_id", k.c.pending_id.type))
+            .values(pending_id=None, pending=None, pending_at=None)
+        )
+        #: The run of key ``b_key`` that started at ``b_since`` or later and serves the
+        #: triggers of that moment: (id, state, result, error). A live one first (they wait
+        #: for its end), then the first that ended done; one that ended otherwise serves
+        #: nothing (it is only returned when no run did better).
+        self.started_since = (
+            sa.select(t.c.id, t.c.state, t.c.result, t.c.error)
+            .where(t.c.lease_key == param("key"), t.c.started_at >= param("since", sa.Double()))
+            .order_by(
+                sa.case((t.c.state.in_(LIVE_STATES), 0), (t.c.state == DONE, 1), else_=2),
+                t.c.started_at,
+            )
+            .limit(1)
+        )
+        #: Keys with triggers waiting, the longest waiting first.
+        self.pending_keys = (
+            sa.select(k.c.lease_key)
+            .where(k.c.pending_id.is_not(None))
+            .order_by(k.c.pending_at)
+            .limit(param("batch"))
+        )
+        #: The triggers given ``b_id`` served by run ``b_served_by``: a finished job of their
+        #: own, whose end (``b_state``, ``b_result``, ``b_error``) their callers are told.
+        self.record_served = d.insert_unless_exists(
+            t,
+            {
+                "id": param("id"),
+                "token": 0,
+                "task": param("task", t.c.task.type),
+                "generation": param("generation", sa.Integer()),
+                "version": param("version", t.c.version.type),
+                "message": param("message", t.c.message.type),
+                "lease_key": param("key", t.c.lease_key.type),
+                "state": param("state", t.c.state.type),
+                "result": param("result", t.c.result.type),
+                "error": param("error", t.c.error.type),
+                "served_by": param("served_by", t.c.served_by.type),
+                "notify": param("notify", t.c.notify.type),
+                "attempts": 0,
+                "stalled_attempts": 0,
+                "sends": 0,
+                "created_at": now,
+                "finished_at": now,
+                "schema_version": SCHEMA_VERSION,
+            },
+        )
 
     def _cursors(self, p: Parts, holds_key: Any) -> None:
         t, k, d = p.table, p.keys, p.dialect
@@ -92,8 +163,9 @@ class Keys:
         self.save_cursor_in_tx = d.upsert(
             k, d.with_idle_guard(written, "leases_cursor_idle_guard"), columns, "lease_key"
         )
-        #: An operator's (or a test's) cursor, written only while no job holds the key; NULL
-        #: clears it. Job and token NULL: no attempt wrote it.
+        #: An operator's (or a test's) cursor, written only while no job holds the key and no
+        #: trigger waits on it; NULL clears it. Job and token NULL: no attempt wrote it.
+        waiting = k.alias("waiting")
         self.set_cursor = d.upsert(
             k,
             sa.select(
@@ -102,7 +174,16 @@ class Keys:
                 sa.cast(sa.null(), k.c.job_id.type),
                 sa.cast(sa.null(), sa.BigInteger()),
                 p.now,
-            ).where(~sa.exists(sa.select(t.c.id).where(holds_key))),
+            ).where(
+                ~sa.exists(sa.select(t.c.id).where(holds_key)),
+                # nor triggers waiting on it (their run starts from the cursor)
+                ~sa.exists(
+                    sa.select(waiting.c.lease_key).where(
+                        waiting.c.lease_key == param("key", k.c.lease_key.type),
+                        waiting.c.pending_id.is_not(None),
+                    )
+                ),
+            ),
             columns,
             "lease_key",
         )

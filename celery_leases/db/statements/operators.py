@@ -15,12 +15,13 @@ class Operators:
     def __init__(self, p: Parts) -> None:
         t, now = p.table, p.now
         no_live_lease = sa.or_(
-            t.c.state == QUEUED, sa.and_(t.c.state == RUNNING, t.c.expires_at <= now)
+            t.c.state == QUEUED, sa.and_(t.c.state == RUNNING, p.lease_end <= now)
         )
         # Ended outside any attempt; ``b_notify``: the Celery state the reaper then stores.
         ended_outside = {
             "owner": None,
             "session": None,
+            "holder": None,
             "expires_at": None,
             "stop_requested": None,
             "error": param("error"),
@@ -38,6 +39,14 @@ class Operators:
             .where(p.by_id, t.c.state.in_(LIVE_STATES))
             .values(ended_outside | {"state": param("state")})
         )
+        #: A queued job whose message a worker discarded (it does not know its task, as an
+        #: older worker of a rolling deploy): the reaper sends it again ``b_wait`` seconds from
+        #: now (then with doubling waits), and ``b_error`` says why it waits.
+        self.wait_for_worker = (
+            sa.update(t)
+            .where(p.by_id, t.c.state == QUEUED)
+            .values(expires_at=now + param("wait", sa.Double()) * p.backoff, error=param("error"))
+        )
         #: A job recorded whose publish failed, deleted.
         self.forget = sa.delete(t).where(p.by_id, t.c.state == QUEUED, t.c.token == 0)
         #: A queued job cancelled: its message is dropped at its claim.
@@ -53,7 +62,9 @@ class Operators:
             )
         )
         #: A running job's lease expired now (its host is dead).
-        self.release = sa.update(t).where(p.by_id, t.c.state == RUNNING).values(expires_at=now)
+        self.release = (
+            sa.update(t).where(p.by_id, t.c.state == RUNNING).values(expires_at=now, holder=None)
+        )
         #: Running attempts asked to stop at their next checkpoint (``b_kind``).
         self.request_stop = (
             sa.update(t)
@@ -79,6 +90,7 @@ class Operators:
                 state=QUEUED,
                 owner=None,
                 session=None,
+                holder=None,
                 expires_at=now + param("queued_timeout", sa.Double()),
                 error=None,
                 finished_at=None,

@@ -25,7 +25,7 @@ class Reads:
         #: A job as ``rows.job`` reads it: its columns, and its ages by the database clock.
         self.job_columns = [
             *(c for c in t.columns if c.name not in _HIDDEN),
-            (t.c.expires_at - now).label("expires_in"),
+            (p.lease_end - now).label("expires_in"),
             (now - t.c.checkpoint_at).label("checkpoint_age"),
             (now - t.c.created_at).label("age"),
         ]

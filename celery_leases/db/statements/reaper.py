@@ -6,7 +6,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ..clock import db_now
+from ..functions import db_now
 from ..schema import FAILED, FINISHED_STATES, LIVE_STATES, QUEUED, RUNNING
 from .common import GAVE_UP_CORRUPT, GAVE_UP_MAX_ATTEMPTS, GAVE_UP_NO_PROGRESS, Parts, param
 
@@ -15,7 +15,7 @@ class Reaper:
     """The statements of a reaper pass."""
 
     def __init__(self, p: Parts) -> None:
-        t, d, now = p.table, p.dialect, p.now
+        t, h, d, now = p.table, p.holders, p.dialect, p.now
         self.table = t
         # The clock read once per statement (an InitPlan on PostgreSQL), so the search on
         # (state, expires_at) is an index range and not a filter.
@@ -30,29 +30,45 @@ class Reaper:
             .limit(param("batch"))
             .with_for_update(skip_locked=True)
         )
-        # Running jobs whose holder's session is gone, lease not yet expired.
-        gone = d.session_gone(t)
+        # Holders whose session is gone: their process died (or its connection was cut).
+        gone = d.session_gone(h)
         #: Whether the database tells a gone session in SQL (else ``Dialect.holder_gone``).
         self.sessions_in_sql = gone is not None
         gone_sql = gone if gone is not None else sa.true()
-        bound_running = sa.and_(
-            t.c.state == RUNNING, t.c.session.is_not(None), t.c.expires_at > clock
-        )
-        #: A batch of running jobs whose holder is gone (the oldest renewals first).
-        self.orphan_candidates = d.locking_candidates(
-            sa.select(t.c.id, t.c.token, t.c.owner, t.c.session)
-            .where(bound_running, gone_sql)
-            .order_by(t.c.renewed_at)
+        #: Holders bound to a session that is gone (where the database cannot tell: every
+        #: holder bound to one, for ``Dialect.holder_gone`` to judge), locked.
+        self.gone_holders = d.locking_candidates(
+            sa.select(h.c.id, h.c.owner, h.c.session)
+            .where(h.c.session.is_not(None), gone_sql)
+            .order_by(h.c.renewed_at)
             .limit(param("batch"))
         )
-        same_binding = sa.and_(
-            p.by_id,
-            t.c.token == param("token"),
-            t.c.session == param("session"),
-            t.c.state == RUNNING,
+        #: A gone holder deleted, if it is still bound as read (and still gone).
+        self.drop_holder = sa.delete(h).where(
+            h.c.id == param("holder", h.c.id.type), h.c.session == param("session"), gone_sql
         )
-        #: The lease of an orphan candidate expired now, if it is still bound as read.
-        self.expire_orphans = sa.update(t).where(same_binding, gone_sql).values(expires_at=now)
+        held_by = sa.and_(t.c.holder == param("holder", h.c.id.type), t.c.state == RUNNING)
+        #: The running jobs of a holder (id, owner), locked.
+        self.jobs_held = sa.select(t.c.id, t.c.owner).where(held_by).with_for_update()
+        #: Those jobs' leases ended now, no longer bound (the expiry path re-publishes them).
+        self.release_held = sa.update(t).where(held_by).values(holder=None, expires_at=now)
+        #: Running jobs whose holder stopped renewing and whose lease has run out: their
+        #: leases end now, no longer bound (a frozen or cut-off worker's jobs).
+        self.release_stale = (
+            sa.update(t)
+            .where(
+                t.c.state == RUNNING,
+                t.c.holder.in_(sa.select(h.c.id).where(h.c.expires_at <= clock)),
+                p.lease_end <= now,
+            )
+            .values(holder=None, expires_at=now)
+        )
+        #: Holders no keeper renewed for ``b_idle`` seconds that hold no running job, deleted
+        #: (a live keeper renews its row at least hourly).
+        self.prune_holders = sa.delete(h).where(
+            h.c.renewed_at <= now - param("idle", sa.Double()),
+            ~sa.exists().where(t.c.holder == h.c.id, t.c.state == RUNNING),
+        )
         #: SQL true for a running attempt that saved no checkpoint.
         self.no_progress = sa.and_(
             t.c.state == RUNNING,
@@ -67,6 +83,7 @@ class Reaper:
                 state=FAILED,
                 owner=None,
                 session=None,
+                holder=None,
                 expires_at=None,
                 finished_at=now,
                 error=GAVE_UP_CORRUPT,
@@ -97,6 +114,8 @@ class Reaper:
         self.set_notify = sa.update(t).where(p.by_id).values(notify=param("notify"))
         #: Jobs marked as told.
         self.clear_notices = sa.update(t).where(t.c.id.in_(ids)).values(notify=None)
+        #: The doubling wait of a queued job sent again (``Parts.backoff``).
+        self.backoff = p.backoff
 
     def expired_batch(
         self, ids: list[str], *, grace: float, max_stalled: int | None, max_attempts: int | None
@@ -129,13 +148,14 @@ class Reaper:
                 (t.c.state, FAILED),
                 (t.c.owner, None),
                 (t.c.session, None),
+                (t.c.holder, None),
                 (t.c.expires_at, None),
                 (t.c.notify, "FAILURE"),
                 (t.c.finished_at, now),
             )
         # A job still queued when its wait ran out may only be waiting in a long backlog:
-        # each re-publish of it doubles the wait (up to 64 times), so copies stay few.
-        backoff = sa.case(*((t.c.sends == n, 2**n) for n in range(6)), else_=64)
+        # each re-publish of it doubles the wait (``Parts.backoff``), so copies stay few.
+        backoff = self.backoff
         republish = sa.update(t).ordered_values(
             (
                 t.c.stalled_attempts,
@@ -150,5 +170,6 @@ class Reaper:
             (t.c.state, QUEUED),
             (t.c.owner, None),
             (t.c.session, None),
+            (t.c.holder, None),
         )
         return poison, give_up, republish

@@ -36,28 +36,39 @@ class Record:
         self.token_of = sa.select(t.c.token).where(p.by_id)
         #: What a claim that matched no row reads to decide (``identity.Facts``).
         self.facts = sa.select(
-            t.c.state, t.c.owner, t.c.expires_at - now, t.c.task, t.c.generation, t.c.version,
-            t.c.token,
+            t.c.state, t.c.owner, p.lease_end - now, t.c.task, t.c.generation, t.c.version,
+            t.c.token, t.c.attempts,
         ).where(p.by_id)  # fmt: skip
 
         claimable = sa.and_(
             p.by_id,
-            sa.or_(unindexed(t.c.state) == QUEUED, sa.and_(p.held, t.c.expires_at <= now)),
+            sa.or_(unindexed(t.c.state) == QUEUED, sa.and_(p.held, p.lease_end <= now)),
+            # leases_max_attempts: a claim past it is refused (``b_max_attempts`` NULL: none).
+            sa.or_(
+                param("max_attempts", sa.Integer()).is_(None),
+                t.c.attempts < param("max_attempts", sa.Integer()),
+            ),
         )
-        #: What a claim reads: token, attempt, checkpoint and its age.
-        self.claim_reads = (t.c.token, t.c.attempts, t.c.checkpoint, (now - t.c.checkpoint_at))
-        claim = sa.update(t).values(
-            token=t.c.token + 1,
-            attempts=t.c.attempts + 1,
-            state=RUNNING,
-            owner=param("owner", t.c.owner.type),
-            session=p.claimed_session(),
-            duration=p.seconds,
-            expires_at=now + p.seconds,
-            claimed_at=now,
-            renewed_at=now,
+        #: What a claim reads: token, attempt, checkpoint and its age, and its holder.
+        self.claim_reads = (
+            t.c.token, t.c.attempts, t.c.checkpoint, (now - t.c.checkpoint_at), t.c.holder,
+        )  # fmt: skip
+        # MySQL evaluates SET left to right: expires_at reads the holder before it changes.
+        claim = sa.update(t).ordered_values(
+            (t.c.expires_at, p.unbound_expiry()),
+            (t.c.holder, p.bound_holder),
+            (t.c.token, t.c.token + 1),
+            (t.c.attempts, t.c.attempts + 1),
+            (t.c.state, RUNNING),
+            (t.c.owner, param("owner", t.c.owner.type)),
+            (t.c.session, None),
+            (t.c.duration, p.seconds),
+            (t.c.claimed_at, now),
+            (t.c.started_at, sa.func.coalesce(t.c.started_at, now)),
+            (t.c.renewed_at, now),
+            (t.c.error, None),  # a wait's reason (``Operators.wait_for_worker``) is over
             # A preemption was for the attempt that saw it; a cancel stands.
-            stop_requested=sa.case((p.cancelled, "cancel"), else_=sa.null()),
+            (t.c.stop_requested, sa.case((p.cancelled, "cancel"), else_=sa.null())),
         )
         claim = d.with_returning(claim, *self.claim_reads)
         #: The claim of the recorded message (its version): the usual claim, one statement.

@@ -10,7 +10,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from ...errors import ConfigurationError, CorruptJob
+from ...errors import ConfigurationError, CorruptJob, LeaseError
 from ...settings import Settings
 from .. import migrations, rows
 from ..dbapi import Foreign
@@ -18,7 +18,7 @@ from ..dialects import Dialect
 from ..engine import Database
 from ..identity import Facts
 from ..rows import Job
-from ..schema import jobs_table, keys_table
+from ..schema import holders_table, jobs_table, keys_table
 from ..statements import Statements
 
 logger = logging.getLogger("celery_leases")
@@ -49,9 +49,14 @@ class StoreBase:
         return keys_table(self.table.metadata, self.settings.table)
 
     @functools.cached_property
+    def holders(self) -> sa.Table:
+        """The holders' table (a row per keeper)."""
+        return holders_table(self.table.metadata, self.settings.table)
+
+    @functools.cached_property
     def sql(self) -> Statements:
         """Every statement on these tables."""
-        return Statements(self.table, self.db.dialect, self.keys)
+        return Statements(self.table, self.db.dialect, self.keys, self.holders)
 
     @property
     def safe_url(self) -> str:
@@ -74,14 +79,17 @@ class StoreBase:
             self.check_schema()
         return self.db.run(operation, single=single)
 
-    def _hot(self, operation: Any, *, reads_back: bool = False) -> Any:
+    def _hot(
+        self, operation: Any, *, reads_back: bool = False, refused: type[LeaseError] = LeaseError
+    ) -> Any:
         """Run an operation of the hot path on this process's direct connection: one
         statement, in autocommit; with ``reads_back``, one that reads its row back where
-        the dialect has no RETURNING (MariaDB), in a transaction."""
+        the dialect has no RETURNING (MariaDB), in a transaction. ``refused``: the error of a
+        write the database refuses for good (``ArgumentsError`` for a message, ...)."""
         if not self._schema_ready:
             self.check_schema()
         single = self.dialect.returning or not reads_back
-        return self.db.run(operation, single=single, direct=True)
+        return self.db.run(operation, single=single, direct=True, refused=refused)
 
     def _count(self, stmt: Any, params: dict[str, Any] | None = None) -> int:
         return int(self._hot(lambda c: c.execute(stmt, params or {}).rowcount))
@@ -168,7 +176,7 @@ class StoreBase:
                 f"leases table {name!r} in {where} is at revision {found[0]}, older than this "
                 f"celery-leases needs ({head}): run {migrations.UPGRADE_COMMAND}"
             )
-        if self.db.run(lambda c: sa.inspect(c).has_table(name)):
+        if self.db.run(lambda c: sa.inspect(c.wrapped).has_table(name)):
             raise ConfigurationError(
                 f"leases table {name!r} in {where} has no migration history (made by an "
                 f"older celery-leases, or its migration failed): bring it under the "

@@ -1,5 +1,5 @@
 """The store's operations for clients: recording the job of a message about to be published,
-and coalescing a trigger of a lease key into the job that serves it."""
+or handing a trigger of a busy lease key to the key."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from ...errors import LeaseError
+from ...errors import ArgumentsError, LeaseError
 from ...message import Message
-from ..identity import checked_id, checked_key, takes_over
-from .base import KeyTaken, StoreBase
+from ..identity import checked_id, takes_over
+from .base import KeyTaken
+from .triggers import Triggers, job_params
 
 
 @dataclass(frozen=True)
@@ -24,18 +25,7 @@ class Registered:
     job_id: str
 
 
-def job_params(message: Message, text: str) -> dict[str, Any]:
-    """The bind parameters of a job's message (``Parts.new_job``)."""
-    return {
-        "b_key": checked_key(message.key),
-        "b_task": message.task,
-        "b_generation": message.generation,
-        "b_version": message.version,
-        "b_message": text,
-    }
-
-
-class Client(StoreBase):
+class Client(Triggers):
     """Writes of a client (``LeasedTask.apply_async``)."""
 
     def register(
@@ -50,7 +40,8 @@ class Client(StoreBase):
         job reusing the id of one that ended, or a replacement: ``identity.takes_over``),
         ``coalesced`` (its lease key has a live job, which serves it: see :meth:`coalesce`),
         or the state of the job that keeps the id (this message is a copy, dropped at its
-        claim).
+        claim). A trigger of a lease key a job holds is kept on the key (``coalesced``: the
+        id its caller is given is the first waiting trigger's).
 
         ``fresh``: the message was built anew (not from a recorded one, as Celery's re-sends
         of a request are: a retry after a lost pool process carries the job's version)."""
@@ -66,13 +57,16 @@ class Client(StoreBase):
             # A trigger of a busy key (a burst of webhooks) is coalesced after one read, with
             # no INSERT refused by the key's unique index (each refusal is an ERROR line in
             # PostgreSQL's log); an idle key's first trigger pays that read too.
-            serving = self.coalesce(message, text)
+            serving = self._trigger(message, text)
             if serving is not None:
                 return Registered("coalesced", serving)
         record = self.sql.record
         for _ in range(3):
             try:
-                if self._hot(lambda c: self._insert(c, record.register, params)):
+                inserted = self._hot(
+                    lambda c: self._insert(c, record.register, params), refused=ArgumentsError
+                )
+                if inserted:
                     return Registered("new", job_id)
                 facts = self._facts(job_id)
                 if facts is None:
@@ -80,10 +74,10 @@ class Client(StoreBase):
                 if not takes_over(message, facts, published=fresh):
                     return Registered(facts.state, job_id)
                 seen = params | {"b_seen_token": facts.token, "b_seen_state": facts.state}
-                if self._hot(lambda c, p=seen: self._take_over(c, p)):
+                if self._hot(lambda c, p=seen: self._take_over(c, p), refused=ArgumentsError):
                     return Registered("taken over", job_id)
             except KeyTaken:
-                serving = self.coalesce(message, text)
+                serving = self._trigger(message, text)
                 if serving is not None:
                     return Registered("coalesced", serving)
                 # The key's live job ended in between: record this one again.
@@ -93,33 +87,9 @@ class Client(StoreBase):
         take_over = self.sql.record.take_over
         return bool(self._keyed(c, lambda: c.execute(take_over, params).rowcount == 1))
 
-    def coalesce(self, message: Message, text: str) -> str | None:
-        """Hand a trigger (``message``, of a lease key a job holds) to that job: one that has
-        not started yet absorbs it (it starts after the trigger); one that has keeps the
-        first trigger that came while it ran as its follow-up (started when it ends), and
-        later ones are served by that follow-up; the id of the job that serves the trigger.
-        None when no job holds the key any more (record it as a job of its own)."""
-        params = {"b_key": message.key, "b_message": text, "b_id": message.id}
-        keys = self.sql.keys
-        for _ in range(3):
-            found = self._hot(lambda c: c.execute(keys.key_holder, params).first())
-            if found is None:
-                return None
-            holder, attempts, followup_id = found
-            if holder == message.id:
-                return None  # this very job: not a trigger of another (a copy of its message)
-            if followup_id is not None:
-                return str(followup_id)
-            if attempts == 0:
-                return str(holder)
-            if self._count(keys.set_followup, params) == 1:
-                return message.id
-            # It ended, or was claimed, or got a follow-up in between: look again.
-        raise LeaseError(f"lease key {message.key}: its holder kept changing; try again")
-
     def forget(self, job_id: str) -> bool:
         """Delete a job registered but never published (its publish failed)."""
         return self._count(self.sql.operators.forget, {"b_id": job_id}) == 1
 
 
-__all__ = ["Client", "Registered", "job_params"]
+__all__ = ["Client", "Registered"]

@@ -71,6 +71,14 @@ class Operator(StoreBase):
         params = {"b_id": job_id, "b_state": state, "b_error": error, "b_notify": notify}
         return self._count(self.sql.operators.end_live, params) == 1
 
+    def wait_for_worker(self, job_id: str, *, wait: float, error: str) -> bool:
+        """A queued job's message was discarded by a worker that does not know its task: the
+        reaper sends it again ``wait`` seconds from now (then with doubling waits), until a
+        worker that knows it takes it. False when the job is not queued (a running one is
+        left alone: its message was a copy)."""
+        params = {"b_id": job_id, "b_wait": wait, "b_error": error}
+        return self._count(self.sql.operators.wait_for_worker, params) == 1
+
     # -- operators' actions ------------------------------------------------------------------
 
     def request_stop(self, job_ids: Sequence[str], kind: str) -> int:

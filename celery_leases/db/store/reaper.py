@@ -16,25 +16,43 @@ class Reaper(StoreBase):
     """A reaper pass's operations."""
 
     def expire_orphaned(self, *, batch: int) -> list[tuple[str, str | None]]:
-        """End now the leases of running jobs whose holder's database session is gone (its
-        process died, or its host): (id, previous owner) of each. The usual expiry path then
-        re-publishes them in the same reaper pass. A holder that is alive but frozen or cut
-        off keeps its session: its lease expiry stays the fence. Where the database cannot
-        tell a gone session (``Dialect.holder_gone``: SQLite), each candidate is judged here."""
+        """End now the leases of the running jobs whose holder is gone: its database session
+        ended (its process died, or its host) while the server stayed up, or, where the
+        database cannot tell (``Dialect.holder_gone``: SQLite), its mark says so. (id, previous
+        owner) of each: the expiry path then re-publishes them in the same reaper pass. A
+        holder alive but frozen or cut off keeps its session: its renewals' end is the fence.
+
+        Each gone holder is deleted first (a claim binding to it meanwhile is waited for, or
+        binds nothing), then its jobs are let go, in one transaction."""
         sql, dialect = self.sql.reaper, self.dialect
 
         def run(c: Connection) -> list[tuple[str, str | None]]:
-            found = c.execute(sql.orphan_candidates, {"b_batch": batch}).all()
+            found = c.execute(sql.gone_holders, {"b_batch": batch}).all()
             if not sql.sessions_in_sql:
-                found = [r for r in found if dialect.holder_gone(r.owner, r.session)]
-            ended = []
-            for row in found:
-                params = {"b_id": row.id, "b_token": row.token, "b_session": row.session}
-                if c.execute(sql.expire_orphans, params).rowcount == 1:
-                    ended.append((row.id, row.owner))
+                found = [r for r in found if dialect.holder_gone(r.id)]
+            ended: list[tuple[str, str | None]] = []
+            for holder, _, session in found:
+                params = {"b_holder": holder, "b_session": session}
+                if c.execute(sql.drop_holder, params).rowcount != 1:
+                    continue  # it renewed on a new session meanwhile
+                ended += [(r[0], r[1]) for r in c.execute(sql.jobs_held, params).all()]
+                c.execute(sql.release_held, params)
             return ended
 
         return self._run(run)  # type: ignore[no-any-return]
+
+    def release_stale(self) -> int:
+        """End now the leases of the running jobs whose holder stopped renewing and whose
+        leases have run out (a frozen worker, one cut off from the database): the expiry path
+        then re-publishes them. The number of jobs."""
+        release = self.sql.reaper.release_stale
+        return int(self._run(lambda c: c.execute(release).rowcount, single=True))
+
+    def prune_holders(self, *, idle: float) -> int:
+        """Delete the holders no keeper renewed for ``idle`` seconds that hold no running job
+        (a live keeper renews its row at least hourly)."""
+        prune = self.sql.reaper.prune_holders
+        return int(self._run(lambda c: c.execute(prune, {"b_idle": idle}).rowcount, single=True))
 
     def collect_expired(
         self, *, batch: int, grace: float, max_stalled: int | None, max_attempts: int | None
@@ -96,12 +114,6 @@ class Reaper(StoreBase):
     def notify_again(self, job_id: str, notify: str | None) -> None:
         """Mark the job again for :meth:`take_notices` (the result backend refused it)."""
         self._count(self.sql.reaper.set_notify, {"b_id": job_id, "b_notify": notify})
-
-    def followups_pending(self, *, batch: int) -> list[str]:
-        """Ids of ended jobs whose follow-up run was not recorded yet (their ender died)."""
-        pending = self.sql.keys.followups_pending
-        found = self._run(lambda c: c.execute(pending, {"b_batch": batch}).all())
-        return [r[0] for r in found]
 
     def purge(self, *, older_than: float, batch: int) -> int:
         """Delete up to ``batch`` jobs finished more than ``older_than`` seconds ago."""

@@ -7,22 +7,24 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from ...errors import CorruptJob, LeaseError
+from ...errors import ArgumentsError, CheckpointError, LeaseError
 from ...message import Message
 from .. import rows
-from ..dbapi import Foreign
-from ..identity import checked_id, same_job, takes_over
-from ..rows import Claimed, Refused, Renewal
-from ..schema import FAILED, LIVE_STATES, RUNNING
+from ..identity import Facts, checked_id, same_job, takes_over
+from ..joined import Joined
+from ..joined import joined as as_joined
+from ..rows import Claimed, Refused
+from ..schema import FAILED, LIVE_STATES, QUEUED, RUNNING
 from ..session import Session
+from ..statements import GAVE_UP_MAX_ATTEMPTS
 from .base import KeyTaken
-from .client import Client, job_params
+from .client import Client
+from .triggers import job_params
 
 #: Key in a caller's connection's ``info``: the idle-write bound this store set on it.
 IDLE_WRITE_GUARD = "celery_leases_idle_write_timeout"
@@ -39,70 +41,81 @@ class Worker(Client):
         *,
         owner: str,
         duration: float,
+        holder: str | None = None,
         fresh: bool = False,
-        session: int | None = None,
+        connection: Any = None,
     ) -> Claimed | Refused:
         """Take the lease if ``delivery`` is the job's recorded message and the job is queued
-        or its lease expired; bump the token. One statement when it is (the usual case).
+        or its lease expired, under ``leases_max_attempts``; bump the token. One statement when
+        it is (the usual case).
 
-        ``fresh``: the delivery is a run asked for now, not a message that may be a copy
-        (``Task.apply()``): it takes over the id of a job that has ended. ``session``: the
-        claimant's keeper session (``Session.ident``), which the lease is bound to."""
+        ``holder``: the claimant's keeper (``<table>_holders``), which keeps the lease while it
+        renews (if it can hold it now: ``Claimed.bound``). ``fresh``: the delivery is a run
+        asked for now, not a message that may be a copy (``Task.apply()``): it takes over the
+        id of a job that has ended. ``connection``: the claim joins the caller's transaction
+        (an attempt that started inside one)."""
         job_id = checked_id(delivery.id)
         params = {
             "b_id": job_id,
             "b_owner": owner,
-            "b_session": session,
+            "b_holder": holder,
             "b_duration": duration,
             "b_version": delivery.version,
             "b_task": delivery.task,
             "b_generation": delivery.generation,
+            "b_max_attempts": self.settings.max_attempts,
         }
         record = self.sql.record
         hot = record.claim_version if delivery.version else record.claim_job
         for _ in range(3):
-            claimed = self._claim_with(hot, params)
+            claimed = self._claim_with(hot, params, connection)
             if claimed is not None:
                 return claimed
-            outcome = self._claim_other(delivery, params, fresh=fresh)
+            outcome = self._claim_other(delivery, params, connection, fresh=fresh)
             if outcome is not None:
                 return outcome
         raise LeaseError(f"job {job_id}: its row kept changing while it was claimed; try again")
 
-    def _claim_with(self, stmt: Any, params: dict[str, Any]) -> Claimed | None:
+    def _claim_with(self, stmt: Any, params: dict[str, Any], connection: Any) -> Claimed | None:
         def run(c: Connection) -> Claimed | None:
             found = self.dialect.rows(c, stmt, params, read_back=self.sql.record.claimed)
             if not found or not found[0]:
                 return None
-            row = found[0]
-            checkpoint = rows.loads(row[2], params["b_id"], "checkpoint")
-            return Claimed(row[0], row[1], checkpoint, row[3], created=False)
+            token, attempt, text, age, holder = found[0]
+            checkpoint = rows.loads(text, params["b_id"], "checkpoint")
+            return Claimed(token, attempt, checkpoint, age, created=False, bound=bool(holder))
 
-        return self._hot(run, reads_back=True)  # type: ignore[no-any-return]
+        return self._on(connection, run, reads_back=True)  # type: ignore[no-any-return]
 
     def _claim_other(
-        self, delivery: Message, params: dict[str, Any], *, fresh: bool
+        self, delivery: Message, params: dict[str, Any], connection: Any, *, fresh: bool
     ) -> Claimed | Refused | None:
         """The delivery matched no claimable recorded message: create the job, take the id
         over, claim the same job recorded without a version, or refuse. None when the row
         changed in between (claim again). A delivery of a lease key that has another live
-        job is a trigger of that key (``coalesce``), refused as ``coalesced``."""
+        job is a trigger of that key (kept on the key), refused as ``coalesced``."""
         try:
-            return self._claim_new(delivery, params, fresh=fresh)
+            return self._claim_new(delivery, params, connection, fresh=fresh)
         except KeyTaken:
-            serving = self.coalesce(delivery, delivery.dumps())
+            serving = self._trigger(delivery, delivery.dumps())
             return None if serving is None else Refused("coalesced", None, None, serving)
 
     def _claim_new(
-        self, delivery: Message, params: dict[str, Any], *, fresh: bool
+        self, delivery: Message, params: dict[str, Any], connection: Any, *, fresh: bool
     ) -> Claimed | Refused | None:
         record = self.sql.record
-        facts = self._facts(params["b_id"])
+        facts = self._on(connection, lambda c: c.execute(record.facts, params).first())
         if facts is None:
             created = params | job_params(delivery, delivery.dumps())
-            inserted = self._hot(lambda c: self._insert(c, record.create_claimed, created))
-            return Claimed(1, 1, None, None, created=True) if inserted else None
-        if facts.state == RUNNING and (facts.expires_in or 0.0) > 0:
+            inserted = self._on(
+                connection,
+                lambda c: self._insert(c, record.create_claimed, created),
+                refused=ArgumentsError,
+            )
+            return Claimed(1, 1, None, None, created=True, bound=False) if inserted else None
+        facts = Facts(*facts)
+        lease_over = facts.state == QUEUED or (facts.expires_in or 0.0) <= 0
+        if facts.state == RUNNING and not lease_over:
             return Refused("held", facts.owner, facts.expires_in)
         if takes_over(delivery, facts, published=fresh):
             job = params | job_params(delivery, delivery.dumps())
@@ -117,48 +130,99 @@ class Worker(Client):
                 )
                 return int(found[0][0]) if found and found[0] else None
 
-            token = self._hot(take, reads_back=True)
-            return None if token is None else Claimed(token, 1, None, None, created=True)
+            token = self._on(connection, take, reads_back=True, refused=ArgumentsError)
+            if token is None:
+                return None
+            return Claimed(token, 1, None, None, created=True, bound=False)
         if facts.state not in LIVE_STATES:
             return Refused(facts.state, facts.owner, facts.expires_in)
+        limit = self.settings.max_attempts
+        if limit is not None and facts.attempts >= limit and lease_over:
+            # leases_max_attempts: no attempt past it, whatever sent this one (a Celery retry,
+            # a redelivery): the job fails, and the reaper tells the result backend.
+            failed = {"b_id": facts_id(params), "b_error": GAVE_UP_MAX_ATTEMPTS}
+            self._on(
+                connection,
+                lambda c: c.execute(self.sql.operators.give_up, failed | {"b_notify": "FAILURE"}),
+            )
+            return Refused("failed", facts.owner, facts.expires_in)
         if same_job(delivery, facts):
-            return self._claim_with(record.claim_job, params)  # recorded without a version
+            return self._claim_with(
+                record.claim_job, params, connection
+            )  # recorded without a version
         return Refused("stale", facts.owner, facts.expires_in)
 
-    # -- keeping the lease -------------------------------------------------------------------
+    # -- keeping the lease: the keeper's holder ------------------------------------------------
 
-    def renew(
-        self, leases: Sequence[tuple[str, int]], *, session: Session | None = None
-    ) -> Renewal:
-        """Extend every lease still held under its token, in one statement. On a keeper's
-        ``session``, the statement runs on that session and binds the leases to it."""
-        if not leases:
-            return Renewal(frozenset(), {})
-        sql = self.sql.renew
-        if len(leases) == 1:
-            ((job_id, token),) = leases
-            params: dict[str, Any] = {"b_id": job_id, "b_token": token, "b_pid": os.getpid()}
-            renew = sql.one_unbound if session is None else sql.one_bound
-            held = sql.one_held
-        else:
-            params = {
-                "b_ids": [i for i, _ in leases],
-                "b_tokens": [k for _, k in leases],
-                "b_leases": [(i, k) for i, k in leases],
-                "b_pid": os.getpid(),
-            }
-            renew = sql.unbound if session is None else sql.bound
-            held = sql.held
-
-        def run(c: Connection) -> Renewal:
-            kept = self.dialect.renewed(c, renew, held, params, len(leases))
-            return Renewal(
-                frozenset(r[0] for r in kept), {r[0]: r[1] for r in kept if r[1] is not None}
-            )
-
+    def renew_holder(
+        self, holder: str, *, owner: str, shortest: float, session: Session | None = None
+    ) -> None:
+        """Renew (make, if missing) the holder ``holder`` of a keeper in ``owner``: every
+        running job bound to it lasts while it renews; if it stops, it lasts ``shortest``
+        seconds (its shortest lease). One statement. On a keeper's ``session`` it runs on that
+        session and binds the holder to it (``Dialect.session_gone``: the reaper takes a gone
+        session's holder's jobs at once)."""
+        renew = self.sql.renew
+        params = {"b_holder": holder, "b_owner": owner, "b_shortest": shortest}
+        params["b_pid"] = os.getpid()
         if session is not None:
-            return session.run(run)
-        return self._hot(run, reads_back=True)  # type: ignore[no-any-return]
+            session.run(lambda c: self.dialect.upserted(c, renew.bound, params), single=True)
+            return
+        self._hot(lambda c: self.dialect.upserted(c, renew.unbound, params))
+
+    def bind(self, job_id: str, token: int, holder: str) -> bool:
+        """Bind the lease ``token`` of the running job ``job_id`` to ``holder`` (a claim could
+        not: its row was missing, or its session cut); False when it cannot yet, or the lease
+        is lost."""
+        params = {"b_id": job_id, "b_token": token, "b_holder": holder}
+        renew = self.sql.renew
+
+        def run(c: Connection) -> bool:
+            found = self.dialect.rows(c, renew.bind, params, read_back=renew.holder_of)
+            if not (found and found[0] and found[0][0]):
+                found = [tuple(r) for r in c.execute(renew.holder_of, params).all()]  # bound?
+            return bool(found and found[0][0] == holder)
+
+        return bool(self._hot(run, reads_back=True))
+
+    def detach(self, job_id: str, token: int) -> bool:
+        """Stop keeping the lease ``token`` of job ``job_id`` by its holder (a stalled attempt):
+        it ends when its last renewal runs out. False when the lease was not bound, or is
+        lost."""
+        return self._count(self.sql.renew.detach, {"b_id": job_id, "b_token": token}) == 1
+
+    def bound_to(self, holder: str, *, margin: float) -> list[tuple[str, int]]:
+        """The running jobs bound to ``holder`` whose last claim or checkpoint is over
+        ``margin`` seconds old, as (id, token): its keeper detaches those it does not hold."""
+        params = {"b_holder": holder, "b_margin": margin}
+        found = self._hot(lambda c: c.execute(self.sql.renew.bound_to, params).all())
+        return [(str(job_id), int(token)) for job_id, token in found]
+
+    def drop_holder(self, holder: str) -> None:
+        """Delete the holder ``holder`` (its keeper stops), unless it still holds a running
+        job (one it could not hand back: the reaper lets it go when its lease runs out)."""
+        self._count(self.sql.renew.drop, {"b_holder": holder})
+
+    # -- a checkpoint and a key's cursor: fenced writes of an attempt ----------------------
+
+    def _on(
+        self,
+        connection: Any,
+        operation: Any,
+        *,
+        reads_back: bool = False,
+        refused: type[LeaseError] = LeaseError,
+        what: str = "",
+    ) -> Any:
+        """Run ``operation`` on this process's direct connection (``connection`` None), or in
+        the caller's transaction ``connection`` (anything ``joined.joined`` takes)."""
+        joined = as_joined(self, connection)
+        if joined is None:
+            return self._hot(operation, reads_back=reads_back, refused=refused)
+        if not self._schema_ready:
+            self.check_schema()
+        with self.db.wrapped_errors(what, refused=refused):
+            return operation(joined.executor)
 
     def checkpoint(
         self,
@@ -167,30 +231,29 @@ class Worker(Client):
         state: str,
         *,
         progress: tuple[int, int | None] | None = None,
-        connection: Connection | Foreign | None = None,
+        connection: Any = None,
         idle_limit: float | None = None,
     ) -> tuple[bool, str | None]:
         """Save a checkpoint (JSON text) and renew, fenced by ``token``.
 
-        Returns (saved, stop request). With ``connection`` the statement joins the caller's
-        transaction, so the caller's own writes and the checkpoint commit or roll back
-        together; that transaction may then sit idle ``idle_limit`` seconds at most (the
-        lease's length; default ``leases_duration``) before the database ends it. A
-        :class:`Foreign` (Django's, inside ``transaction.atomic()``) joins that library's
-        transaction the same way.
+        Returns (saved, stop request). With ``connection`` (an SQLAlchemy ``Connection``, a
+        DBAPI connection, a ``joined.Joined``) the statement joins the caller's transaction,
+        so the caller's own writes and the checkpoint commit or roll back together; that
+        transaction may then sit idle ``idle_limit`` seconds at most (the lease's length;
+        default ``leases_duration``) before the database ends it.
         """
         sql = self.sql.checkpoint
-        idle_limit = self.settings.duration if idle_limit is None else idle_limit
+        joined = as_joined(self, connection)
         params: dict[str, Any] = {"b_id": job_id, "b_token": token, "b_checkpoint": state}
-        if connection is None:
-            stmt = sql.save if progress is None else sql.save_progress
-        else:
+        stmt = sql.save if progress is None else sql.save_progress
+        if joined is not None and joined.guard_idle:
             stmt = sql.save_in_tx if progress is None else sql.save_progress_in_tx
+            idle_limit = self._guard_idle_writes(joined, idle_limit)
             params["b_idle_ms"] = str(math.ceil(idle_limit * 1000))
         if progress is not None:
             params["b_done"], params["b_total"] = progress
 
-        def run(c: Connection | Foreign) -> tuple[bool, str | None]:
+        def run(c: Any) -> tuple[bool, str | None]:
             # Where there is no RETURNING, the write first skips a row with a stop request:
             # one statement in the usual case; a row it skipped is saved (fenced as ever),
             # then its request read, so a hand-off or a cancel is seen at this checkpoint.
@@ -199,11 +262,9 @@ class Worker(Client):
             )
             return (bool(found), found[0][0] if found and found[0] else None)
 
-        if connection is None:
-            return self._hot(run)  # type: ignore[no-any-return]
-        with self.db.wrapped_errors("checkpoint failed"):
-            self._guard_idle_writes(connection, idle_limit)
-            return run(connection)
+        return self._on(  # type: ignore[no-any-return]
+            joined, run, refused=CheckpointError, what="checkpoint not saved"
+        )
 
     def cursor(self, key: str) -> Any:
         """The cursor saved for lease key ``key`` (JSON), None if none was."""
@@ -217,52 +278,52 @@ class Worker(Client):
         token: int,
         state: str,
         *,
-        connection: Connection | None = None,
+        connection: Any = None,
         idle_limit: float | None = None,
     ) -> bool:
         """Save the cursor of lease key ``key`` (JSON text), fenced by the lease ``token`` of
         the running job ``job_id`` of that key: False if this attempt lost the lease. One
-        statement; with ``connection``, in the caller's transaction, which may then sit idle
-        ``idle_limit`` seconds at most (default ``leases_duration``), as with
-        :meth:`checkpoint`."""
+        statement; with ``connection``, in the caller's transaction, as :meth:`checkpoint`."""
         keys = self.sql.keys
+        joined = as_joined(self, connection)
         params = {"b_key": key, "b_id": job_id, "b_token": token, "b_cursor": state}
         stmt = keys.save_cursor
-        idle_limit = self.settings.duration if idle_limit is None else idle_limit
-        if connection is not None:
+        if joined is not None and joined.guard_idle:
             stmt = keys.save_cursor_in_tx
+            idle_limit = self._guard_idle_writes(joined, idle_limit)
             params["b_idle_ms"] = str(math.ceil(idle_limit * 1000))
+        return bool(
+            self._on(
+                joined,
+                lambda c: self.dialect.upserted(c, stmt, params),
+                refused=CheckpointError,
+                what="cursor not saved",
+            )
+        )
 
-        def run(c: Connection) -> bool:
-            return bool(self.dialect.upserted(c, stmt, params))
-
-        if connection is None:
-            return self._hot(run)  # type: ignore[no-any-return]
-        with self.db.wrapped_errors("cursor not saved"):
-            self._guard_idle_writes(connection, idle_limit)
-            return run(connection)
-
-    def bounds_idle(self, connection: Connection | Foreign) -> bool:
+    def bounds_idle(self, connection: Any) -> bool:
         """Whether a transactional checkpoint on ``connection`` bounds how long its
         transaction may sit idle."""
-        return self.dialect.bounds_idle(connection.dialect)
+        joined = as_joined(self, connection)
+        return joined is not None and self.dialect.bounds_idle(joined.dialect)
 
-    def _guard_idle_writes(self, connection: Connection | Foreign, idle_limit: float) -> None:
+    def _guard_idle_writes(self, joined: Joined, idle_limit: float | None) -> float:
         """Bound how long the caller's transaction may sit idle after writing, where the
         database does it with a setting of the session (MariaDB; ``Dialect.with_idle_guard``
-        does it elsewhere): set once per connection, given back when it returns to its pool
-        (a foreign connection's owner gives it back: :meth:`unguard_idle_writes`)."""
+        does it in the statement elsewhere): set once per connection, given back when it
+        returns to its pool (a connection of another library's: its owner gives it back,
+        :meth:`unguard_idle_writes`). The bound, in seconds."""
+        idle_limit = self.settings.duration if idle_limit is None else idle_limit
         seconds = max(1, math.ceil(idle_limit))
-        if connection.info.get(IDLE_WRITE_GUARD) == seconds:
-            return
-        if not self.dialect.guard_idle_writes(connection, seconds):
-            return
-        connection.info[IDLE_WRITE_GUARD] = seconds
-        if isinstance(connection, Foreign):
-            return
-        pool = connection.engine.pool
-        if not sa.event.contains(pool, "checkin", self._unguard_on_checkin):
+        if joined.info.get(IDLE_WRITE_GUARD) == seconds:
+            return idle_limit
+        if not self.dialect.guard_idle_writes(joined.executor, seconds):
+            return idle_limit
+        joined.info[IDLE_WRITE_GUARD] = seconds
+        pool = getattr(getattr(joined.executor, "engine", None), "pool", None)
+        if pool is not None and not sa.event.contains(pool, "checkin", self._unguard_on_checkin):
             sa.event.listen(pool, "checkin", self._unguard_on_checkin)
+        return idle_limit
 
     def _unguard_on_checkin(self, dbapi_connection: Any, record: Any) -> None:
         """A pool's ``checkin`` hook: the server's default idle-write bound back."""
@@ -274,7 +335,7 @@ class Worker(Client):
             cursor.execute(self.dialect.unguard_sql() or "")
             cursor.close()
 
-    def unguard_idle_writes(self, connection: Foreign) -> None:
+    def unguard_idle_writes(self, connection: Any) -> None:
         """Give a foreign connection the server's default idle-write bound back, if a
         transactional checkpoint had set its own (call it outside any transaction)."""
         unguard = self.dialect.unguard_sql()
@@ -283,22 +344,37 @@ class Worker(Client):
 
     # -- how an attempt ends -----------------------------------------------------------------
 
-    def finish(self, job_id: str, token: int, *, result: str | None) -> bool:
-        """Mark the job done, fenced by ``token``. False if this attempt lost the lease."""
+    def finish(
+        self, job_id: str, token: int, *, result: str | None, connection: Any = None
+    ) -> bool:
+        """Mark the job done, fenced by ``token``. False if this attempt lost the lease.
+        ``connection``: in the caller's transaction (an attempt that started inside one)."""
         params = {"b_id": job_id, "b_token": token, "b_result": result}
-        return self._count(self.sql.end.finish, params) == 1
+        finish = self.sql.end.finish
+        return bool(self._on(connection, lambda c: c.execute(finish, params).rowcount == 1))
 
-    def fail(self, job_id: str, token: int, *, error: str, state: str = FAILED) -> bool:
+    def fail(
+        self,
+        job_id: str,
+        token: int,
+        *,
+        error: str,
+        state: str = FAILED,
+        connection: Any = None,
+    ) -> bool:
         """Mark the job failed (or cancelled), keeping its checkpoint; fenced by ``token``."""
         params = {"b_id": job_id, "b_token": token, "b_state": state, "b_error": error}
-        return self._count(self.sql.end.fail, params) == 1
+        fail = self.sql.end.fail
+        return bool(self._on(connection, lambda c: c.execute(fail, params).rowcount == 1))
 
     def replace(self, job_id: str, token: int) -> bool:
         """End the job as ``replaced`` (``Task.replace``): its id goes to the replacement,
         which a later register or claim takes over. Fenced by ``token``."""
         return self._count(self.sql.end.replace, {"b_id": job_id, "b_token": token}) == 1
 
-    def hand_back(self, job_id: str, token: int, *, reap_in: float | None) -> str | None:
+    def hand_back(
+        self, job_id: str, token: int, *, reap_in: float | None, connection: Any = None
+    ) -> str | None:
         """Give the lease back, fenced by ``token``: the job's state after it (``queued``, or
         ``cancelled`` when an operator had cancelled it), None if this attempt lost the lease.
 
@@ -306,7 +382,7 @@ class Worker(Client):
         it is already on its way (a Celery retry).
         """
         params = {"b_id": job_id, "b_token": token, "b_reap_in": reap_in}
-        return self._handed_back(self.sql.end.hand_back, params)
+        return self._handed_back(self.sql.end.hand_back, params, connection)
 
     def hand_back_retry(
         self, job_id: str, token: int, message: Message, *, reap_in: float
@@ -321,14 +397,23 @@ class Worker(Client):
             "b_version": message.version,
             "b_message": message.dumps(),
         }
-        return self._handed_back(self.sql.end.hand_back_retry, params)
+        return self._handed_back(self.sql.end.hand_back_retry, params, refused=ArgumentsError)
 
-    def _handed_back(self, stmt: Any, params: dict[str, Any]) -> str | None:
+    def _handed_back(
+        self,
+        stmt: Any,
+        params: dict[str, Any],
+        connection: Any = None,
+        *,
+        refused: type[LeaseError] = LeaseError,
+    ) -> str | None:
         def run(c: Connection) -> str | None:
             found = self.dialect.rows(c, stmt, params, read_back=self.sql.end.state_of)
             return str(found[0][0]) if found and found[0] else None
 
-        return self._hot(run, reads_back=True)  # type: ignore[no-any-return]
+        return self._on(  # type: ignore[no-any-return]
+            connection, run, reads_back=True, refused=refused
+        )
 
     def hand_back_owned(
         self, job_id: str, owner: str, *, reap_in: float
@@ -353,41 +438,9 @@ class Worker(Client):
 
         return self._hot(run, reads_back=True)  # type: ignore[no-any-return]
 
-    # -- lease keys: the follow-up -----------------------------------------------------------
 
-    def start_followup(self, job_id: str) -> Message | None:
-        """Hand the lease key of the ended job ``job_id`` to its follow-up, if a trigger
-        waits for one: in one transaction, the follow-up is cleared from the ended job and
-        recorded as a job of its own, so the key is never free in between (a trigger meanwhile
-        waits, then is served by the follow-up). The message to publish, or None (none
-        waits, or another caller recorded it)."""
-        settings, keys = self.settings, self.sql.keys
-
-        def hand_over(c: Any) -> Message | None:
-            found = c.execute(keys.followup_of, {"b_id": job_id}).first()
-            if found is None:
-                return None
-            text, followup_id = found
-            c.execute(keys.clear_followup, {"b_id": job_id, "b_followup_id": followup_id})
-            try:
-                followup = rows.load_message(text, followup_id)
-            except CorruptJob:
-                return None  # nothing can run it: dropped with the mark
-            eta = followup.eta_in()
-            countdown = max(eta, 0.0) if eta else None
-            # Its message goes out right after this; if that publish is lost (the caller
-            # dies), the reaper sends it once this has passed.
-            wait = (countdown or 0.0) + (settings.queued_timeout or settings.reap_grace)
-            params = job_params(followup, text) | {
-                "b_id": checked_id(followup.id),
-                "b_countdown": countdown,
-                "b_expires_in": wait,
-            }
-            return followup if self._insert(c, self.sql.record.register, params) else None
-
-        if not self._schema_ready:
-            self.check_schema()
-        return self.db.run(hand_over, single=False, direct=True)  # type: ignore[no-any-return]
+def facts_id(params: dict[str, Any]) -> str:
+    return str(params["b_id"])
 
 
 __all__ = ["IDLE_WRITE_GUARD", "Worker"]

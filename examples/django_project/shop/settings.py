@@ -1,6 +1,7 @@
 """Settings of the example project. The database comes from SHOP_DATABASE: ``sqlite`` (the
 default, ``db.sqlite3`` here), ``postgres`` or ``mariadb`` (SHOP_DB_* say where)."""
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -20,6 +21,10 @@ INSTALLED_APPS = [
     "celery_leases.contrib.django",  # the jobs table's migrations and admin
     "billing",
 ]
+if importlib.util.find_spec("django_celery_beat"):
+    # beat's schedule in the database: celery -A shop beat -S django_celery_beat.schedulers:
+    # DatabaseScheduler (the reaper's entry, from schedule_reaper, is stored there too).
+    INSTALLED_APPS.append("django_celery_beat")
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
@@ -86,6 +91,10 @@ else:
         }
     }
 
+# SHOP_ATOMIC_REQUESTS=1: each request in one transaction; a task run eagerly in a view
+# (SHOP_EAGER=1) then runs inside it, and commits or rolls back with the request.
+DATABASES["default"]["ATOMIC_REQUESTS"] = os.environ.get("SHOP_ATOMIC_REQUESTS") == "1"
+
 if os.environ.get("SHOP_LEASES_DB_NAME"):
     # The leases in a database of their own (an SQLite file here): migrate it with
     # ``manage.py migrate --database leases``; checkpoints then join atomic(using="leases").
@@ -106,6 +115,8 @@ CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/
 CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND") or None
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_TASK_DEFAULT_QUEUE", "shop")
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# SHOP_EAGER=1: tasks run in the caller, as some test settings do.
+CELERY_TASK_ALWAYS_EAGER = os.environ.get("SHOP_EAGER") == "1"
 # celery-leases: the leases live in DATABASES["default"] (CELERY_LEASES_DATABASE_ALIAS);
 # CELERY_LEASES_* are the leases_* settings.
 CELERY_LEASES_TABLE = os.environ.get("SHOP_LEASES_TABLE", "celery_leases_jobs")

@@ -482,10 +482,16 @@ class Demo:
             )
         self.console.say(text)
         if job.id == self.seen.sync_id:
-            for name, worker in self.workers.items():
-                line = self.find_log_line(worker, rf"job {job.id}: ended; the follow-up", 0.0)
-                if line:
-                    self.console.detail(line, f"{name} log: ")
+            # The worker that ended the sync settles the triggers that waited on its key.
+            pattern = rf"lease key {re.escape(job.lease_key or '')}: the triggers that waited on it"
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                for name, worker in self.workers.items():
+                    line = self.find_log_line(worker, pattern, 0.0)
+                    if line:
+                        self.console.detail(line, f"{name} log: ")
+                        return
+                time.sleep(0.05)
 
     def kill_lease_holder(self, job: Any) -> None:
         from celery_leases import get_job

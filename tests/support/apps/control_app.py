@@ -41,7 +41,7 @@ from celery import Celery, Task
 from celery.exceptions import Reject
 
 from celery_leases import LeasedTask
-from celery_leases.db.clock import db_now
+from celery_leases.db.functions import db_now
 from tests.support.apps import factory
 from tests.support.apps.factory import table_of
 from tests.support.apps.leased_app import make_app as make_leased_app

@@ -15,6 +15,10 @@ Tasks (all write the unit log, see ``tests/support/unit_log.py``):
 - ``e2e.bad_checkpoint()``: saves ``{"next": 1}``, then checkpoints a non-JSON object.
 - ``e2e.plain_units(count, unit_seconds)``: plain Celery (no lease), always from unit 0, each
   unit committed on its own, for comparison.
+- ``e2e.time_limited(pause)``: ``soft_time_limit=1``; checkpoints ``{"next": n}`` in a loop
+  (``pause`` seconds apart) until the limit, catches ``SoftTimeLimitExceeded`` and saves a last
+  checkpoint ``{"next": n, "last": True, "landed": where}``, ``where`` being ``"checkpoint"``
+  when the limit interrupted a checkpoint, else ``"pause"``. Returns that last checkpoint.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import time
 import uuid
 from collections.abc import Mapping
 
+from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery, Task
 
 from celery_leases import LeasedTask
@@ -159,6 +164,29 @@ def make_app(
             with log.engine.begin() as connection:
                 log.end(connection, row)
         return count
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name="e2e.time_limited",
+        soft_time_limit=1,
+        time_limit=60,
+    )
+    def time_limited(self: Task, pause: float) -> dict[str, object]:
+        done = (self.lease.checkpoint or {}).get("next", 0)
+        where = "pause"
+        try:
+            while True:
+                where = "checkpoint"
+                self.checkpoint({"next": done + 1})
+                where = "pause"
+                done += 1
+                time.sleep(pause)
+        except SoftTimeLimitExceeded:
+            last = {"next": done, "last": True, "landed": where}
+            self.checkpoint(last)
+            return last
 
     return app
 
