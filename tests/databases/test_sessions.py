@@ -148,6 +148,29 @@ def test_a_holders_renewal_keeps_its_jobs_without_writing_them(store: Store) -> 
     session.close()
 
 
+def test_a_job_whose_holder_row_is_gone_still_ends_with_its_own_lease(store: Store) -> None:
+    # Given a job kept by a holder whose row is gone (deleted by hand, say), and whose own
+    # last claim or checkpoint is older than its lease (by the database's clock)
+    session = store.db.session()
+    holder = hold(store, session)
+    claim_here(store, "unkept-1", holder)
+    with store.engine.begin() as connection:
+        t, h = store.table, store.holders
+        connection.execute(h.delete().where(h.c.id == holder))
+        connection.execute(t.update().values(renewed_at=t.c.renewed_at - LEASE - 5))
+    job = store.get("unkept-1")
+    assert job is not None and job.state == "running" and job.expires_in < 0
+
+    # When the reaper releases stale leases, then the job's lease ends, unbound, and the
+    # expiry search finds it: it is not running forever with nobody to end it
+    assert store.release_stale() == 1
+    job = store.get("unkept-1")
+    assert job is not None and job.holder is None
+    reaped = store.collect_expired(batch=10, grace=0.0, max_stalled=None, max_attempts=None)
+    assert [j.id for j in reaped.republish] == ["unkept-1"]
+    session.close()
+
+
 def test_a_hand_back_unbinds_the_job(store: Store) -> None:
     # Given a job kept by this process's holder
     session = store.db.session()

@@ -52,15 +52,16 @@ class Reaper:
         self.jobs_held = sa.select(t.c.id, t.c.owner).where(held_by).with_for_update()
         #: Those jobs' leases ended now, no longer bound (the expiry path re-publishes them).
         self.release_held = sa.update(t).where(held_by).values(holder=None, expires_at=now)
-        #: Running jobs whose holder stopped renewing and whose lease has run out: their
-        #: leases end now, no longer bound (a frozen or cut-off worker's jobs).
+        # A holder that keeps its jobs' leases: its row is there and renewed in time.
+        kept = sa.exists().where(h.c.id == t.c.holder, h.c.expires_at > clock)
+        #: Running jobs no live holder keeps and whose lease has run out: their leases end
+        #: now, no longer bound (a frozen or cut-off worker's jobs; one whose holder row is
+        #: gone; one with neither a holder nor an expiry). The expiry path then re-publishes
+        #: them; without this, a lease with no ``expires_at`` and no live holder would never
+        #: be found by the search on ``expires_at``.
         self.release_stale = (
             sa.update(t)
-            .where(
-                t.c.state == RUNNING,
-                t.c.holder.in_(sa.select(h.c.id).where(h.c.expires_at <= clock)),
-                p.lease_end <= now,
-            )
+            .where(t.c.state == RUNNING, t.c.expires_at.is_(None), ~kept, p.lease_end <= now)
             .values(holder=None, expires_at=now)
         )
         #: Holders no keeper renewed for ``b_idle`` seconds that hold no running job, deleted

@@ -42,9 +42,9 @@ class Reaper(StoreBase):
         return self._run(run)  # type: ignore[no-any-return]
 
     def release_stale(self) -> int:
-        """End now the leases of the running jobs whose holder stopped renewing and whose
-        leases have run out (a frozen worker, one cut off from the database): the expiry path
-        then re-publishes them. The number of jobs."""
+        """End now the leases of the running jobs no live holder keeps and whose leases have
+        run out (a frozen worker, one cut off from the database, a holder row that is gone):
+        the expiry path then re-publishes them. The number of jobs."""
         release = self.sql.reaper.release_stale
         return int(self._run(lambda c: c.execute(release).rowcount, single=True))
 
