@@ -164,10 +164,11 @@ class Driver:
                 self._compiled.clear()
             compiled = self._compiled[statement] = Compiled(statement, self.dialect, self.family)
         sql, parameters = compiled.parameters(params or {})
-        cursor = self._dbapi_connection.cursor()
+        cursor = None  # taken inside: a connection that died refuses even a cursor
         try:
             with interrupted(self.discard, (self.dialect.loaded_dbapi.Error,)):
                 self.family.check_size(sql, parameters, self.dialect)
+                cursor = self._dbapi_connection.cursor()
                 cursor.execute(sql, parameters, **compiled.execute_options)
                 if cursor.description is None:
                     return Result([], cursor.rowcount)
@@ -176,21 +177,24 @@ class Driver:
         except self.dialect.loaded_dbapi.Error as exc:
             raise self._wrapped(exc, sql, parameters, cursor) from exc
         finally:
-            with contextlib.suppress(Exception):
-                cursor.close()
+            if cursor is not None:
+                with contextlib.suppress(Exception):
+                    cursor.close()
 
     def query(self, sql: str, parameters: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         """Rows of ``sql`` (the driver's SQL and parameters), for statements of no table."""
-        cursor = self._dbapi_connection.cursor()
+        cursor = None
         try:
             with interrupted(self.discard, (self.dialect.loaded_dbapi.Error,)):
+                cursor = self._dbapi_connection.cursor()
                 cursor.execute(sql, parameters)
                 return [tuple(r) for r in cursor.fetchall()] if cursor.description else []
         except self.dialect.loaded_dbapi.Error as exc:
             raise self._wrapped(exc, sql, parameters, cursor) from exc
         finally:
-            with contextlib.suppress(Exception):
-                cursor.close()
+            if cursor is not None:
+                with contextlib.suppress(Exception):
+                    cursor.close()
 
     def discard(self) -> None:
         """A statement was interrupted (``errors.interrupted``): the connection is in an

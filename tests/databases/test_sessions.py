@@ -422,3 +422,31 @@ def _hold_until_told(settings: Settings, job_id: str, done: Connection, stop: Co
     except BaseException as exc:
         done.send((None, repr(exc)))
     os._exit(0)
+
+
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
+def test_a_connection_the_server_ended_raises_the_stores_error_on_every_later_use(
+    store: Store,
+) -> None:
+    # Given a session whose connection the server ended (an administrator, a failover)
+    session = store.db.session()
+    ident = session.ident()
+    other = store.db.session()
+    kill = "SELECT pg_terminate_backend(%s)" if store.dialect.name == "postgresql" else "KILL %s"
+    other.run(lambda c: c.query(kill, (ident,)))
+    other.close()
+
+    # When statements meet it, the first and every later one (a keeper's tick after the task's
+    # checkpoint met it first: the driver then refuses even a cursor), then each raises
+    # SQLAlchemy's error marked as a lost connection, which the store's callers classify
+    direct = session._direct
+    assert direct is not None
+    for _ in range(2):
+        with pytest.raises(sa.exc.DBAPIError) as raised:
+            direct.query("SELECT 1")
+        assert raised.value.connection_invalidated and direct.broken
+
+    # And the session's next operation runs on a new connection
+    assert session.run(lambda c: c.query("SELECT 1")) == [(1,)]
+    assert session.ident() != ident
+    session.close()
