@@ -291,3 +291,23 @@ def test_a_starting_worker_migrates_only_with_leases_migrate_on_start(
         assert (fresh_table_name in tables(store)) is setting
     finally:
         store.engine.dispose()
+
+
+def test_processes_connecting_at_once_to_a_new_sqlite_file_all_connect(tmp_path: Any) -> None:
+    # Given new SQLite files, each met by eight connections at once (a worker's pool processes
+    # and beat starting together): the first connection of each switches the file to WAL,
+    # which needs the file to itself; SQLite refuses the others at once, without a busy wait
+    def connect(path: str) -> Any:
+        def open_one(_: int) -> Any:
+            own = new_store(f"sqlite:///{path}", "leases_jobs")
+            try:
+                with own.engine.connect() as connection:
+                    return connection.exec_driver_sql("PRAGMA journal_mode").scalar()
+            finally:
+                own.engine.dispose()
+
+        return open_one
+
+    # When they connect, then every one does, and finds the file in WAL mode
+    for n in range(40):
+        assert at_once(8, connect(str(tmp_path / f"new-{n}.sqlite3"))) == ["wal"] * 8

@@ -13,6 +13,7 @@ import fcntl
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -53,12 +54,32 @@ def _greatest(element: Any, compiler: Any, **kw: Any) -> str:
     return f"max({compiler.process(element.clauses, **kw)})"
 
 
+#: Seconds a connection waits for a lock another holds (``busy_timeout``).
+BUSY_TIMEOUT = 30.0
+
+
 def _on_connect(dbapi_connection: Any, record: Any) -> None:
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT * 1000)}")
+    _wal(cursor)
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.close()
+
+
+def _wal(cursor: Any) -> None:
+    """Put the file in WAL mode (it stays so: later connections find it there). Switching
+    needs the file to itself and SQLite answers "database is locked" at once, without its busy
+    wait, when another connection holds it: processes starting together on a new file (a
+    worker and beat) wait their turn here instead of failing."""
+    deadline = time.monotonic() + BUSY_TIMEOUT
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _begin(connection: sa.Connection) -> None:
