@@ -26,6 +26,11 @@ GAVE_UP_CORRUPT = "gave up: its stored message or checkpoint cannot be read"
 CANCELLED_TEXT = "cancelled by an operator"
 
 
+#: A claim's fencing token is at least the database clock in milliseconds times this (the
+#: claims one row may take in one millisecond before its tokens run ahead of the clock).
+TOKENS_PER_MS = 1024
+
+
 def param(name: str, type_: Any = None) -> Any:
     """The bind parameter ``b_<name>``."""
     return sa.bindparam(f"b_{name}", type_=type_)
@@ -52,6 +57,8 @@ class Parts:
         self.dialect = dialect
         self.keys = keys
         self.now = db_now()
+        # The database clock as a token (milliseconds, TOKENS_PER_MS apart).
+        self._clock_token = sa.cast(self.now * 1000, sa.BigInteger) * TOKENS_PER_MS
         #: The lease's length, in seconds.
         self.seconds = param("duration", sa.Double())
         #: The job ``b_id``.
@@ -85,6 +92,17 @@ class Parts:
         self.bound_holder = (
             sa.select(h.c.id).where(h.c.id == param("holder", h.c.id.type), alive).scalar_subquery()
         )
+
+    def token_after(self, previous: Any) -> Any:
+        """The fencing token a claim (or a take-over) writes after ``previous``: one more,
+        and at least the database clock in milliseconds (``TOKENS_PER_MS`` apart). Within one
+        history that is still one more than the last; across a failover to a replica that
+        missed the last commits, it is above any token the lost history handed out (those
+        were handed out before the primary failed, by a clock the promoted server's agrees
+        with to well within a failover's seconds), so a live attempt of the lost history
+        never shares its token with a new one, and a write fenced by ``last_token <=
+        token`` elsewhere orders them the same way."""
+        return greatest(previous + 1, self._clock_token)
 
     def new_job(self) -> dict[str, Any]:
         """A new job's message, and its counters reset (a new id, or one taken over)."""

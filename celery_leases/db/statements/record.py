@@ -19,20 +19,22 @@ class Record:
         )
         #: A message no client recorded (sent by name from elsewhere): the job created claimed.
         self.create_claimed = d.insert_unless_exists(
-            t, {"id": param("id"), "token": 1} | p.new_job() | p.claimed()
+            t,
+            {"id": param("id"), "token": p.token_after(sa.literal(0))} | p.new_job() | p.claimed(),
         )
         # Fenced by what the deciding read saw (``facts``).
         as_seen = sa.and_(
             p.by_id, t.c.token == param("seen_token"), t.c.state == param("seen_state")
         )
-        taken = {"token": t.c.token + 1} | p.new_job() | p.fresh()
+        taken = {"token": p.token_after(t.c.token)} | p.new_job() | p.fresh()
         #: Another job takes the id over (``identity.takes_over``), queued.
         self.take_over = sa.update(t).where(as_seen).values(taken | p.queued())
         #: Another job takes the id over, claimed by the delivery that brought it.
         self.take_over_claimed = d.with_returning(
             sa.update(t).where(as_seen).values(taken | p.claimed()), t.c.token
         )
-        #: The token a take-over wrote (read back where there is no RETURNING).
+        #: The token a take-over or a created claim wrote (read back where there is no
+        #: RETURNING, and after a created claim).
         self.token_of = sa.select(t.c.token).where(p.by_id)
         #: What a claim that matched no row reads to decide (``identity.Facts``).
         self.facts = sa.select(
@@ -57,7 +59,7 @@ class Record:
         claim = sa.update(t).ordered_values(
             (t.c.expires_at, p.unbound_expiry()),
             (t.c.holder, p.bound_holder),
-            (t.c.token, t.c.token + 1),
+            (t.c.token, p.token_after(t.c.token)),
             (t.c.attempts, t.c.attempts + 1),
             (t.c.state, RUNNING),
             (t.c.owner, param("owner", t.c.owner.type)),

@@ -107,12 +107,16 @@ class Worker(Client):
         facts = self._on(connection, lambda c: c.execute(record.facts, params).first())
         if facts is None:
             created = params | job_params(delivery, delivery.dumps())
-            inserted = self._on(
-                connection,
-                lambda c: self._insert(c, record.create_claimed, created),
-                refused=ArgumentsError,
-            )
-            return Claimed(1, 1, None, None, created=True, bound=False) if inserted else None
+
+            def create(c: Connection) -> int | None:
+                if not self._insert(c, record.create_claimed, created):
+                    return None
+                return int(c.execute(record.token_of, params).scalar_one())
+
+            token = self._on(connection, create, refused=ArgumentsError)
+            if token is None:
+                return None
+            return Claimed(token, 1, None, None, created=True, bound=False)
         facts = Facts(*facts)
         lease_over = facts.state == QUEUED or (facts.expires_in or 0.0) <= 0
         if facts.state == RUNNING and not lease_over:
