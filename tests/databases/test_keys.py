@@ -149,6 +149,28 @@ def test_a_trigger_of_another_key_or_none_is_a_job_of_its_own(store: Store) -> N
     assert store.register(job_message("t4", "tests.sync")).outcome == "new"
 
 
+def test_a_trigger_in_the_same_tick_as_the_runs_start_is_not_served_by_that_run(
+    store: Store,
+) -> None:
+    # Given a run of the key that started, and a trigger kept while it ran, both at the same
+    # reading of the database clock (SQLite's ticks in milliseconds): the run may well have
+    # started before the trigger
+    first = trigger("t1")
+    store.register(first)
+    lease = claimed(store, first)
+    store.register(trigger("t2"))
+    t, k = store.table, store.keys
+    with store.engine.begin() as connection:
+        started = sa.select(t.c.started_at).where(t.c.id == "t1").scalar_subquery()
+        connection.execute(sa.update(k).where(k.c.lease_key == KEY).values(pending_at=started))
+
+    # When the run ends done, then a run for the trigger starts: the trigger is never taken
+    # as served by a run that may have started before it
+    assert store.finish("t1", lease.token, result=None)
+    followup = store.settle(KEY).followup
+    assert followup is not None and followup.id == "t2"
+
+
 def test_the_run_for_waiting_triggers_starts_when_the_run_ends_and_only_once(
     store: Store,
 ) -> None:

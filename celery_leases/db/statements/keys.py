@@ -85,13 +85,15 @@ class Keys:
             .where(by_key, k.c.pending_id == param("pending_id", k.c.pending_id.type))
             .values(pending_id=None, pending=None, pending_at=None)
         )
-        #: The run of key ``b_key`` that started at ``b_since`` or later and serves the
-        #: triggers of that moment: (id, state, result, error). A live one first (they wait
-        #: for its end), then the first that ended done; one that ended otherwise serves
-        #: nothing (it is only returned when no run did better).
+        #: The run of key ``b_key`` that started after ``b_since`` and serves the triggers of
+        #: that moment: (id, state, result, error). A live one first (they wait for its end),
+        #: then the first that ended done; one that ended otherwise serves nothing (it is only
+        #: returned when no run did better). Strictly after: a run that started in the same
+        #: tick of the clock (SQLite's is a millisecond) may have started before the trigger,
+        #: and serving it then would lose it; not counting it costs one more run at most.
         self.started_since = (
             sa.select(t.c.id, t.c.state, t.c.result, t.c.error)
-            .where(t.c.lease_key == param("key"), t.c.started_at >= param("since", sa.Double()))
+            .where(t.c.lease_key == param("key"), t.c.started_at > param("since", sa.Double()))
             .order_by(
                 sa.case((t.c.state.in_(LIVE_STATES), 0), (t.c.state == DONE, 1), else_=2),
                 t.c.started_at,
