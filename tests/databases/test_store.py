@@ -109,17 +109,37 @@ def test_a_claim_on_a_queued_job_wins_and_bumps_token_and_attempts(store: Store)
 
     outcome = claimed(store, "j1")
 
-    assert (outcome.token, outcome.attempt, outcome.checkpoint, outcome.created) == (
-        1,
-        1,
-        None,
-        False,
-    )
-    assert outcome.checkpoint_age is None
+    assert (outcome.attempt, outcome.checkpoint, outcome.created) == (1, None, False)
+    assert outcome.token > 0 and outcome.checkpoint_age is None
     job = store.get("j1")
     assert job is not None
-    assert (job.state, job.owner, job.token, job.attempts) == ("running", OWNER, 1, 1)
+    assert (job.state, job.owner, job.token, job.attempts) == ("running", OWNER, outcome.token, 1)
     assert job.expires_in is not None and 29 < job.expires_in <= 30
+
+
+def test_a_claims_token_is_above_the_database_clock_and_one_more_than_a_later_token(
+    store: Store,
+) -> None:
+    # Given a job whose row remembers an old token: a database promoted from a replica that
+    # missed the claims after token 5, while an attempt of the lost history still holds one
+    register(store, "j1")
+    t = store.table
+    with store.engine.begin() as connection:
+        connection.execute(sa.update(t).where(t.c.id == "j1").values(token=5))
+
+    # When it is claimed, then its token is at least the database clock in milliseconds
+    # (x 1024): above any the lost history handed out before the primary failed
+    now_ms = store.ping() * 1000
+    first = claimed(store, "j1")
+    assert first.token >= int(now_ms) * 1024 - 1024
+
+    # And a row whose token is ahead of the clock (claims made in the same millisecond) gets
+    # one more
+    move_back(store, "j1")
+    ahead = first.token + 10**9
+    with store.engine.begin() as connection:
+        connection.execute(sa.update(t).where(t.c.id == "j1").values(token=ahead))
+    assert claimed(store, "j1", owner="worker-b/2").token == ahead + 1
 
 
 def test_a_second_claim_while_the_lease_is_live_is_refused_as_held(store: Store) -> None:
@@ -132,7 +152,7 @@ def test_a_second_claim_while_the_lease_is_live_is_refused_as_held(store: Store)
     assert (outcome.reason, outcome.owner) == ("held", OWNER)
     assert outcome.expires_in is not None and 29 < outcome.expires_in <= 30
     job = store.get("j1")
-    assert job is not None and (job.token, job.attempts, job.owner) == (1, 1, OWNER)
+    assert job is not None and (job.attempts, job.owner) == (1, OWNER)
 
 
 def test_a_claim_after_the_lease_expired_wins_with_the_next_token_and_sees_the_checkpoint(
@@ -145,10 +165,11 @@ def test_a_claim_after_the_lease_expired_wins_with_the_next_token_and_sees_the_c
 
     second = claimed(store, "j1", owner="worker-b/2")
 
-    assert (second.token, second.attempt, second.checkpoint) == (2, 2, {"step": 7})
+    assert (second.attempt, second.checkpoint) == (2, {"step": 7})
+    assert second.token > first.token
     assert second.checkpoint_age is not None and 0 <= second.checkpoint_age < 5
     job = store.get("j1")
-    assert job is not None and (job.owner, job.token) == ("worker-b/2", 2)
+    assert job is not None and (job.owner, job.token) == ("worker-b/2", second.token)
 
 
 def test_a_stale_token_can_neither_renew_nor_checkpoint_nor_end_the_job(store: Store) -> None:
@@ -198,18 +219,13 @@ def test_a_finished_job_is_done_and_a_later_claim_is_refused_as_done(store: Stor
 def test_a_claim_of_an_unknown_id_creates_the_job_already_claimed(store: Store) -> None:
     outcome = claimed(store, "sent-by-name")
 
-    assert (outcome.token, outcome.attempt, outcome.checkpoint, outcome.created) == (
-        1,
-        1,
-        None,
-        True,
-    )
+    assert (outcome.attempt, outcome.checkpoint, outcome.created) == (1, None, True)
     job = store.get("sent-by-name")
     assert job is not None
     assert (job.state, job.owner, job.token, job.attempts, job.task, job.args) == (
         "running",
         OWNER,
-        1,
+        outcome.token,
         1,
         "tests.job",
         [1],
@@ -228,7 +244,7 @@ def test_a_released_job_is_queued_again_and_claimable_with_its_checkpoint(store:
     assert job is not None
     assert (job.state, job.owner, job.expires_in, job.checkpoint) == ("queued", None, None, [3])
     again = claimed(store, "j1")
-    assert (again.token, again.checkpoint) == (2, [3])
+    assert again.token > lease.token and again.checkpoint == [3]
 
 
 def test_a_release_with_a_reap_delay_sets_when_the_reaper_takes_the_job(store: Store) -> None:
@@ -286,12 +302,12 @@ def test_the_database_clock_has_sub_second_resolution(store: Store) -> None:
 
 def test_lease_expiry_is_computed_by_the_database_clock(store: Store) -> None:
     register(store, "j1")
-    claimed(store, "j1", duration=0.3)
+    first = claimed(store, "j1", duration=0.3)
     assert isinstance(claim(store, "j1", owner="worker-b/2"), Refused)
 
     time.sleep(0.5)
 
-    assert claimed(store, "j1", owner="worker-b/2").token == 2
+    assert claimed(store, "j1", owner="worker-b/2").token > first.token
 
 
 # -- renewals and stop requests -----------------------------------------------------------------
@@ -669,10 +685,9 @@ def test_purge_deletes_only_finished_jobs_older_than_the_retention(store: Store)
     # Given old and recent jobs in every state
     for job_id in ("old-done", "old-failed", "new-done", "old-running", "old-queued"):
         register(store, job_id)
-    for job_id in ("old-done", "new-done", "old-running"):
-        claimed(store, job_id)
-    store.finish("old-done", 1, result=None)
-    store.finish("new-done", 1, result=None)
+    leases = {job_id: claimed(store, job_id) for job_id in ("old-done", "new-done", "old-running")}
+    store.finish("old-done", leases["old-done"].token, result=None)
+    store.finish("new-done", leases["new-done"].token, result=None)
     lease = claimed(store, "old-failed")
     store.fail("old-failed", lease.token, error="boom")
     for job_id in ("old-done", "old-failed"):

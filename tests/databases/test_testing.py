@@ -57,7 +57,7 @@ def test_a_task_that_resumes_from_its_checkpoint_passes(app: Celery) -> None:
     assert run.attempts == 3
     assert run.resumed_from == [None, {"page": 2}, {"page": 3}]
     assert stored == [0, 1, 2, 3, 4, 5]  # the crashed run stored every page once
-    assert run.job is not None and (run.job.state, run.job.token) == ("done", 3)
+    assert run.job is not None and (run.job.state, run.job.attempts) == ("done", 3)
 
 
 def test_a_task_that_starts_over_after_a_crash_is_caught(app: Celery) -> None:

@@ -352,7 +352,7 @@ def test_a_transactional_checkpoint_on_a_connection_the_database_dropped_is_stor
         proxied.register(sent)
         claimed = proxied.claim(sent, owner="me", duration=30)
         token = getattr(claimed, "token", None)
-        assert token == 1, claimed
+        assert isinstance(token, int), claimed
 
         # When the checkpoint joins that transaction
         with pytest.raises(StoreUnavailable) as raised, proxied.engine.begin() as connection:

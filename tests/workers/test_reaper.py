@@ -328,7 +328,7 @@ def test_two_reapers_at_once_republish_an_expired_job_once(
     jobs = [s.send("e2e.units", 2, 0.05) for _ in range(5)]
     for job_id in jobs:
         claimed = s.store.claim(s.job(job_id).message, owner="dead@host/1", duration=2.0)
-        assert getattr(claimed, "token", None) == 1, claimed
+        assert isinstance(getattr(claimed, "token", None), int), claimed
         assert s.store.release(job_id)
     queued_before = queue_length(s)
 
