@@ -15,7 +15,7 @@ class Reaper:
     """The statements of a reaper pass."""
 
     def __init__(self, p: Parts) -> None:
-        t, h, d, now = p.table, p.holders, p.dialect, p.now
+        t, now = p.table, p.now
         self.table = t
         # The clock read once per statement (an InitPlan on PostgreSQL), so the search on
         # (state, expires_at) is an index range and not a filter.
@@ -30,46 +30,7 @@ class Reaper:
             .limit(param("batch"))
             .with_for_update(skip_locked=True)
         )
-        # Holders whose session is gone: their process died (or its connection was cut).
-        gone = d.session_gone(h)
-        #: Whether the database tells a gone session in SQL (else ``Dialect.holder_gone``).
-        self.sessions_in_sql = gone is not None
-        gone_sql = gone if gone is not None else sa.true()
-        #: Holders bound to a session that is gone (where the database cannot tell: every
-        #: holder bound to one, for ``Dialect.holder_gone`` to judge), locked.
-        self.gone_holders = d.locking_candidates(
-            sa.select(h.c.id, h.c.owner, h.c.session)
-            .where(h.c.session.is_not(None), gone_sql)
-            .order_by(h.c.renewed_at)
-            .limit(param("batch"))
-        )
-        #: A gone holder deleted, if it is still bound as read (and still gone).
-        self.drop_holder = sa.delete(h).where(
-            h.c.id == param("holder", h.c.id.type), h.c.session == param("session"), gone_sql
-        )
-        held_by = sa.and_(t.c.holder == param("holder", h.c.id.type), t.c.state == RUNNING)
-        #: The running jobs of a holder (id, owner), locked.
-        self.jobs_held = sa.select(t.c.id, t.c.owner).where(held_by).with_for_update()
-        #: Those jobs' leases ended now, no longer bound (the expiry path re-publishes them).
-        self.release_held = sa.update(t).where(held_by).values(holder=None, expires_at=now)
-        # A holder that keeps its jobs' leases: its row is there and renewed in time.
-        kept = sa.exists().where(h.c.id == t.c.holder, h.c.expires_at > clock)
-        #: Running jobs no live holder keeps and whose lease has run out: their leases end
-        #: now, no longer bound (a frozen or cut-off worker's jobs; one whose holder row is
-        #: gone; one with neither a holder nor an expiry). The expiry path then re-publishes
-        #: them; without this, a lease with no ``expires_at`` and no live holder would never
-        #: be found by the search on ``expires_at``.
-        self.release_stale = (
-            sa.update(t)
-            .where(t.c.state == RUNNING, t.c.expires_at.is_(None), ~kept, p.lease_end <= now)
-            .values(holder=None, expires_at=now)
-        )
-        #: Holders no keeper renewed for ``b_idle`` seconds that hold no running job, deleted
-        #: (a live keeper renews its row at least hourly).
-        self.prune_holders = sa.delete(h).where(
-            h.c.renewed_at <= now - param("idle", sa.Double()),
-            ~sa.exists().where(t.c.holder == h.c.id, t.c.state == RUNNING),
-        )
+        self._holders(p, clock)
         #: SQL true for a running attempt that saved no checkpoint.
         self.no_progress = sa.and_(
             t.c.state == RUNNING,
@@ -117,6 +78,50 @@ class Reaper:
         self.clear_notices = sa.update(t).where(t.c.id.in_(ids)).values(notify=None)
         #: The doubling wait of a queued job sent again (``Parts.backoff``).
         self.backoff = p.backoff
+
+    def _holders(self, p: Parts, clock: Any) -> None:
+        """The statements on holders: gone, stale or idle ones, and the jobs they held."""
+        t, h, d, now = p.table, p.holders, p.dialect, p.now
+        # Holders whose session is gone: their process died (or its connection was cut).
+        gone = d.session_gone(h)
+        #: Whether the database tells a gone session in SQL (else ``Dialect.holder_gone``).
+        self.sessions_in_sql = gone is not None
+        gone_sql = gone if gone is not None else sa.true()
+        #: Holders bound to a session that is gone (where the database cannot tell: every
+        #: holder bound to one, for ``Dialect.holder_gone`` to judge), locked.
+        self.gone_holders = d.locking_candidates(
+            sa.select(h.c.id, h.c.owner, h.c.session)
+            .where(h.c.session.is_not(None), gone_sql)
+            .order_by(h.c.renewed_at)
+            .limit(param("batch"))
+        )
+        #: A gone holder deleted, if it is still bound as read (and still gone).
+        self.drop_holder = sa.delete(h).where(
+            h.c.id == param("holder", h.c.id.type), h.c.session == param("session"), gone_sql
+        )
+        held_by = sa.and_(t.c.holder == param("holder", h.c.id.type), t.c.state == RUNNING)
+        #: The running jobs of a holder (id, owner), locked.
+        self.jobs_held = sa.select(t.c.id, t.c.owner).where(held_by).with_for_update()
+        #: Those jobs' leases ended now, no longer bound (the expiry path re-publishes them).
+        self.release_held = sa.update(t).where(held_by).values(holder=None, expires_at=now)
+        # A holder that keeps its jobs' leases: its row is there and renewed in time.
+        kept = sa.exists().where(h.c.id == t.c.holder, h.c.expires_at > clock)
+        #: Running jobs no live holder keeps and whose lease has run out: their leases end
+        #: now, no longer bound (a frozen or cut-off worker's jobs; one whose holder row is
+        #: gone; one with neither a holder nor an expiry). The expiry path then re-publishes
+        #: them; without this, a lease with no ``expires_at`` and no live holder would never
+        #: be found by the search on ``expires_at``.
+        self.release_stale = (
+            sa.update(t)
+            .where(t.c.state == RUNNING, t.c.expires_at.is_(None), ~kept, p.lease_end <= now)
+            .values(holder=None, expires_at=now)
+        )
+        #: Holders no keeper renewed for ``b_idle`` seconds that hold no running job, deleted
+        #: (a live keeper renews its row at least hourly).
+        self.prune_holders = sa.delete(h).where(
+            h.c.renewed_at <= now - param("idle", sa.Double()),
+            ~sa.exists().where(t.c.holder == h.c.id, t.c.state == RUNNING),
+        )
 
     def expired_batch(
         self, ids: list[str], *, grace: float, max_stalled: int | None, max_attempts: int | None
