@@ -216,8 +216,7 @@ def watch_frame(
         jobs = jobs[:room]
     if not jobs:
         return [*lines, "no running jobs"]
-    columns = [c for c in JOB_COLUMNS if c.header != "TOKEN"]
-    lines += job_table(out, facts, jobs, columns, min_bar=10, max_bar=30)
+    lines += job_table(out, facts, jobs, JOB_COLUMNS, min_bar=10, max_bar=30)
     if hidden:
         lines.append(f"... and {hidden} more running (not shown: the terminal is full)")
     lines += stall_note(facts, jobs)

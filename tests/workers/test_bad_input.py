@@ -200,7 +200,7 @@ def test_renewals_that_fail_for_less_than_the_lease_keep_the_attempt_and_change_
 
     # Then renewals failed, then worked again, and the same attempt finished the job
     job = o.finished(job_id, timeout=30)
-    assert (job.state, job.attempts, job.token, job.result) == ("done", 1, 1, 3), job
+    assert (job.state, job.attempts, job.result) == ("done", 1, 3), job
     log = worker.log_text()
     assert "cannot renew leases" in log and "renewals work again" in log
     assert "lease lost" not in log
@@ -230,7 +230,7 @@ def test_an_outage_longer_than_the_lease_stops_the_attempt_and_the_job_resumes_a
     assert (job.state, job.attempts, job.result) == ("done", 2, 2), job
     log = worker.log_text()
     assert f"lease lost on job {job_id}: renewals failed until it expired" in log
-    assert f"job {job_id}: attempt with token 1 stopped, lease lost" in log
+    assert re.search(rf"job {job_id}: attempt with token \d+ stopped, lease lost", log), log
     runs = check_unit_log(o.log.rows(job_id), 2, crashes=1)
     assert [r.first.unit for r in runs] == [0, 1]
     assert_no_password(o)

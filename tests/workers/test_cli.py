@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,12 +115,12 @@ def test_list_shows_every_state_with_progress_and_marks_a_stalled_job(
     output = cli.ok("list")
 
     assert output.splitlines()[0].split() == [
-        "ID", "STATE", "TASK", "OWNER", "TRY", "TOKEN", "LEASE", "CKPT", "PROGRESS"
+        "ID", "STATE", "TASK", "OWNER", "TRY", "LEASE", "CKPT", "PROGRESS"
     ]  # fmt: skip
     for label in ("queued", "running", "done", "failed", "cancelled", "stalled"):
         assert line_of(output, ids[label]).split()[1] == label
     running = line_of(output, ids["running"]).split()
-    assert running[3:6] == ["w1/100", "1", "1"]
+    assert running[3:5] == ["w1/100", "1"]
     assert running[-1] == "25%"
     assert line_of(output, ids["failed"]).endswith(" 60%")
     assert "10m" in line_of(output, ids["stalled"])
@@ -161,7 +162,7 @@ def test_show_prints_the_job_and_its_checkpoint_as_pretty_json(cli: Cli, store: 
     assert output.splitlines()[0] == f"job {ids['failed']}"
     assert "  state       failed" in output
     assert "  error       RuntimeError: disk full" in output
-    assert "  attempts    1 (token 1)" in output
+    assert re.search(r"^  attempts    1 \(token \d+\)$", output, re.MULTILINE), output
     assert 'checkpoint:\n  {\n    "i": 3,\n    "sum": 3\n  }' in output
     assert "60%  (3 / 5)" in output
     assert by_prefix.splitlines()[0] == f"job {ids['failed']}"

@@ -125,7 +125,7 @@ def test_renewal_keeps_a_1s_lease_alive_through_a_4s_task(
         watcher.join()
 
     # Then the lease never expired: the duplicate was refused, the job ended done at attempt 1
-    assert (job.state, job.attempts, job.token) == ("done", 1, 1), job
+    assert (job.state, job.attempts) == ("done", 1), job
     assert "a live lease holds it" in s.logs()
     assert len(seen) > 20 and min(seen) > 0, f"lease seconds left seen: {seen}"
     check_unit_log(s.log.rows(job_id), 1, crashes=0)

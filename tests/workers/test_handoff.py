@@ -193,7 +193,7 @@ def test_a_celery_retry_hands_the_lease_back_and_the_retry_resumes_from_the_chec
     # Then the retry message claims the lease the first attempt handed back (no waiting for a
     # 30 s expiry) and resumes after unit 2
     job = s.wait_finished(job_id, timeout=20)
-    assert (job.state, job.attempts, job.token) == ("done", 2, 2), job
+    assert (job.state, job.attempts) == ("done", 2), job
     assert job.result == {"resumed_from": 3, "retries": 1}
 
 

@@ -216,7 +216,9 @@ def test_a_frozen_worker_job_moves_and_the_woken_attempt_writes_nothing(
         moved = s.wait_unit(job_id, unit=0, run_other_than=row.run, timeout=30)
     finally:
         thaw(frozen)
-    frozen.wait_for_log(rf"job {job_id}: attempt with token 1 stopped, lease lost", timeout=10)
+    frozen.wait_for_log(
+        rf"job {job_id}: attempt with token {row.token} stopped, lease lost", timeout=10
+    )
 
     # Then the job resumed on the other worker, and the woken attempt wrote nothing: its unit
     # in progress stays uncommitted, and it started no other

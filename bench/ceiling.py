@@ -1,0 +1,325 @@
+"""The leases database's ceiling: job lifecycles per second one PostgreSQL sustains as worker
+processes grow, straight to the server and behind PgBouncer (transaction mode).
+
+N real OS processes (1, 2, 4, 8, 16 by default), spawned, each with its own Store and
+connections, loop job lifecycles on jobs of their own, as fast as they can (a closed loop):
+record (``Store.register``, what ``apply_async`` sends), claim (bound to the process's
+holder row, as a worker's claim is), one checkpoint of 100 B, finish; every call timed. They
+are *simulated* workers: the store's lifecycle loop, as ``bench.operations`` calls it, without
+Celery, its broker or a task body. Each also renews its holder row every renew interval (the
+default, a third of the 30 s lease) between two lifecycles, as a prefork pool process's keeper
+takes its turn on the process's connection: on the keeper's session, bound to it, straight to
+the server; unbound behind PgBouncer, as the library's keeper renews there.
+
+Each cell (a number of processes, a way in) starts on an emptied table, after a CHECKPOINT;
+the processes connect and run 20 lifecycles each (past psycopg's preparing of statements)
+before the window opens, then loop for ``--seconds``. The cells run the two ways in alternating
+order at each number of processes.
+
+CPU over the window is read from ``/proc`` (2 cores, shared by the server and the clients):
+``server_cores`` is every ``postgres`` process (its backends, WAL writer, checkpointer,
+autovacuum), ``backends_cores`` the backends serving this run (by ``application_name`` in
+``pg_stat_activity``), ``pgbouncer_cores`` and ``clients_cores`` the simulated workers';
+``busy_cores`` the whole machine (``/proc/stat``, steal left out), ``server_share`` the
+server's part of it. ``server_ms`` is the server's CPU per lifecycle, ``per_server_core``
+lifecycles per second of the server's CPU: lifecycles / server CPU seconds. WAL bytes and WAL
+syncs per lifecycle come from ``pg_current_wal_lsn()`` and ``pg_stat_wal`` (the whole
+cluster's). Latencies in ms, each store call timed around it in the process.
+
+    python -m bench.ceiling [--quick] [--processes 1 2 4 8 16] [--seconds S]
+        [--via direct pgbouncer]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import statistics
+import time
+import uuid
+from array import array
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+
+from bench.common import available, parser, report, row, scratch
+from bench.operations import (
+    checkpoint,
+    claim,
+    engine,
+    finish,
+    keeper_session,
+    open_store,
+    register,
+    renew_holder,
+    state_text,
+)
+
+STATEMENTS = ("record", "claim", "checkpoint", "finish")
+#: Lifecycles each process runs before the window (psycopg prepares a statement at its 6th run).
+WARM_UP = 20
+CHECKPOINT_BYTES = 100
+#: Seconds to wait for the processes to start and warm up, and to report after the window.
+START_TIMEOUT = 180.0
+TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
+
+COLUMNS = (
+    "via processes lifecycles lifecycles_per_s"
+    + "".join(f" {s}_p50 {s}_p99" for s in STATEMENTS)
+    + " ticks tick_p50 server_cores backends_cores pgbouncer_cores clients_cores busy_cores"
+    + " server_share server_ms per_server_core wal_bytes wal_syncs"
+)
+
+
+# -- a simulated worker process --------------------------------------------------------------
+
+
+def simulate(
+    url: str, table: str, via: str, index: int, processes: int, seconds: float,
+    app_name: str, ready: Any, start: Any, results: Any,
+) -> None:  # fmt: skip
+    """One simulated worker: open a Store, warm up, wait for ``start``, loop lifecycles for
+    ``seconds``; put what it measured on ``results``."""
+    options = {"connect_args": {"application_name": app_name}}
+    store = open_store(url, table, engine_options=options)
+    session = keeper_session(store) if via == "direct" else None
+    holder = f"ceiling-{index}-{uuid.uuid4().hex[:6]}"
+    renew_holder(store, holder, session)
+    state = state_text(CHECKPOINT_BYTES)
+    times = {name: array("d") for name in STATEMENTS}
+    for n in range(WARM_UP):
+        lifecycle(store, f"warm-{index}-{n}", holder, state, None)
+    engine(store).pool.dispose()  # the migrations' pooled connection: a worker keeps none
+    ready.put(os.getpid())
+    start.wait()
+    clock = time.perf_counter
+    began = clock()
+    deadline = began + seconds
+    interval = store.settings.renew_interval
+    next_tick = began + interval * (index + 1) / (processes + 1)  # keepers out of phase
+    ticks = array("d")
+    done = n = 0
+    while clock() < deadline:
+        if clock() >= next_tick:
+            started = clock()
+            renew_holder(store, holder, session)
+            ticks.append(clock() - started)
+            next_tick += interval
+        lifecycle(store, f"p{index}-{n}", holder, state, times)
+        n += 1
+        done += clock() <= deadline
+    results.put(
+        {
+            "index": index,
+            "lifecycles": done,
+            "times": {name: values.tobytes() for name, values in times.items()},
+            "ticks": ticks.tobytes(),
+        }
+    )
+    if session is not None:
+        session.close()
+    engine(store).dispose()
+
+
+def lifecycle(
+    store: Any, job_id: str, holder: str, state: str, times: dict[str, array[float]] | None
+) -> None:
+    """Record, claim, checkpoint and finish the job ``job_id``; each call's seconds appended
+    to ``times[statement]`` (None: untimed)."""
+    clock = time.perf_counter
+    t0 = clock()
+    register(store, job_id)
+    t1 = clock()
+    token = claim(store, job_id, holder)
+    t2 = clock()
+    checkpoint(store, job_id, token, state)
+    t3 = clock()
+    finish(store, job_id, token)
+    t4 = clock()
+    if times is not None:
+        for name, seconds in zip(STATEMENTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            times[name].append(seconds)
+
+
+# -- what the server and the machine did over the window -------------------------------------
+
+
+def cpu_ticks() -> dict[int, tuple[str, int]]:
+    """Every process's command name and CPU time so far (user + system, clock ticks)."""
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as file:
+                text = file.read()
+        except OSError:
+            continue  # it ended meanwhile
+        name, fields = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :]
+        utime, stime = fields.split()[11:13]
+        found[int(entry.name)] = (name, int(utime) + int(stime))
+    return found
+
+
+def machine_busy() -> int:
+    """Clock ticks the machine's cores spent busy so far (``/proc/stat``; steal left out)."""
+    with open("/proc/stat") as file:
+        user, nice, system, _idle, _wait, irq, softirq = map(int, file.readline().split()[1:8])
+    return user + nice + system + irq + softirq
+
+
+def server_counters(connection: sa.Connection) -> tuple[int, int]:
+    """The cluster's WAL position (bytes) and WAL syncs so far."""
+    lsn = connection.execute(sa.text("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")).scalar_one()
+    syncs = connection.execute(sa.text("SELECT wal_sync FROM pg_stat_wal")).scalar_one()
+    return int(lsn), int(syncs)
+
+
+def backends(connection: sa.Connection, app_name: str) -> set[int]:
+    """The server processes whose session last said ``app_name``: this cell's backends."""
+    sql = "SELECT pid FROM pg_stat_activity WHERE application_name = :name"
+    return set(connection.execute(sa.text(sql), {"name": app_name}).scalars())
+
+
+def cores(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]],
+          pids: set[int] | None, name: str | None, seconds: float) -> float:  # fmt: skip
+    """Cores the processes ``pids`` (None: any) named ``name`` (None: any) kept busy."""
+    ticks = 0
+    for pid, (comm, now) in after.items():
+        if (pids is None or pid in pids) and (name is None or comm == name):
+            earlier = before.get(pid)
+            ticks += now - (earlier[1] if earlier and earlier[0] == comm else 0)
+    return ticks / TICKS_PER_SECOND / seconds
+
+
+# -- a cell: N processes, one way in -----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def admin(url: str) -> Iterator[sa.Connection]:
+    """A connection of the bench's own to the server, in autocommit."""
+    connection_engine = sa.create_engine(url, connect_args={"application_name": "bench-ceiling"})
+    try:
+        with connection_engine.connect() as connection:
+            yield connection.execution_options(isolation_level="AUTOCOMMIT")
+    finally:
+        connection_engine.dispose()
+
+
+def empty(connection: sa.Connection, table: str) -> None:
+    """Empty the jobs, holders and keys tables, and checkpoint: each cell starts the same."""
+    connection.execute(sa.text(f"TRUNCATE {table}, {table}_holders, {table}_keys"))
+    connection.execute(sa.text("CHECKPOINT"))
+
+
+def cell(
+    server: sa.Connection, url: str, table: str, via: str, processes: int, seconds: float
+) -> dict[str, Any]:
+    """Run ``processes`` simulated workers through ``url`` for ``seconds``; the row."""
+    empty(server, table)
+    app_name = f"bench-ceiling-{uuid.uuid4().hex[:8]}"
+    context = multiprocessing.get_context("spawn")
+    ready, results, start = context.Queue(), context.Queue(), context.Event()
+    workers = [
+        context.Process(
+            target=simulate,
+            args=(url, table, via, i, processes, seconds, app_name, ready, start, results),
+            daemon=True,
+        )
+        for i in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        clients = {ready.get(timeout=START_TIMEOUT) for _ in workers}
+        ours = backends(server, app_name)
+        cpu, busy, counters = cpu_ticks(), machine_busy(), server_counters(server)
+        start.set()
+        time.sleep(seconds)
+        cpu_after, busy_after, counters_after = cpu_ticks(), machine_busy(), server_counters(server)
+        ours |= backends(server, app_name)
+        measured = [results.get(timeout=START_TIMEOUT) for _ in workers]
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
+    done = sum(m["lifecycles"] for m in measured)
+    latencies = []
+    for name in STATEMENTS:
+        seen = merged(m["times"][name] for m in measured)
+        latencies += [percentile(seen, 50), percentile(seen, 99)]
+    ticks = merged(m["ticks"] for m in measured)
+    server_cores = cores(cpu, cpu_after, None, "postgres", seconds)
+    busy_cores = (busy_after - busy) / TICKS_PER_SECOND / seconds
+    wal = (counters_after[0] - counters[0]) / max(done, 1)
+    syncs = (counters_after[1] - counters[1]) / max(done, 1)
+    values = (
+        via, processes, done, done / seconds, *latencies,
+        len(ticks), percentile(ticks, 50),
+        server_cores,
+        cores(cpu, cpu_after, ours, "postgres", seconds),
+        cores(cpu, cpu_after, None, "pgbouncer", seconds) if via == "pgbouncer" else None,
+        cores(cpu, cpu_after, clients, None, seconds),
+        busy_cores,
+        server_cores / busy_cores if busy_cores else None,
+        server_cores * seconds * 1000 / max(done, 1),
+        done / (server_cores * seconds) if server_cores else None,
+        wal, syncs,
+    )  # fmt: skip
+    return row(COLUMNS, *values)
+
+
+def merged(parts: Iterator[bytes]) -> list[float]:
+    values = array("d")
+    for part in parts:
+        values.frombytes(part)
+    return sorted(values)
+
+
+def percentile(ordered: list[float], p: int) -> float | None:
+    """The ``p``-th percentile of ``ordered`` (seconds), in ms (None: no value)."""
+    if not ordered:
+        return None
+    if len(ordered) == 1:
+        return ordered[0] * 1000
+    return statistics.quantiles(ordered, n=100, method="inclusive")[p - 1] * 1000
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    command = parser(__doc__)
+    command.add_argument("--processes", nargs="+", type=int, default=(1, 2, 4, 8, 16))
+    command.add_argument("--seconds", type=float, help="window per cell (default 25; quick 5)")
+    command.add_argument(
+        "--via", nargs="+", choices=("direct", "pgbouncer"), default=("direct", "pgbouncer")
+    )
+    args = command.parse_args(argv)
+    seconds = args.seconds or (5.0 if args.quick else 25.0)
+    direct = available("postgres")
+    if direct is None:
+        raise SystemExit("PostgreSQL does not answer")
+    urls = {"direct": direct, "pgbouncer": available("pgbouncer")}
+    vias = [via for via in args.via if urls[via]]
+    rows = []
+    started = time.monotonic()
+    with scratch(direct, "ceiling") as table, admin(direct) as server:
+        for round_number, processes in enumerate(args.processes):
+            shift = round_number % len(vias)
+            for via in vias[shift:] + vias[:shift]:
+                print(f"  {via}, {processes} processes, {seconds:g} s...", flush=True)
+                rows.append(cell(server, urls[via], table, via, processes, seconds))  # type: ignore[arg-type]
+    title = (
+        "Job lifecycles (record, claim, 100 B checkpoint, finish) per second from N simulated"
+        " worker processes, PostgreSQL straight and behind PgBouncer; latencies in ms"
+    )
+    report(
+        "ceiling", rows, quick=args.quick, title=title, seconds=seconds, warm_up=WARM_UP,
+        checkpoint_bytes=CHECKPOINT_BYTES, processes=args.processes, vias=vias,
+        run_seconds=time.monotonic() - started,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
