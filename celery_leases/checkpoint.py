@@ -162,7 +162,11 @@ def _encoded(task: Any, lease: Lease, state: Any, what: str) -> str:
 
 
 def stop_point(lease: Lease) -> None:
-    """Raise :class:`Cancelled` or :class:`Preempted` if ``lease``'s job was asked to stop."""
+    """Raise :class:`Cancelled` or :class:`Preempted` if ``lease``'s job was asked to stop,
+    :class:`LeaseLost` if the lease is lost (renewals failed until it ended, or another
+    attempt took the job): code between checkpoints stops there, not only at the next one."""
+    if lease.lost:
+        raise LeaseLost(f"job {lease.job_id}: this attempt lost its lease; stop")
     if lease.stop_requested == "cancel":
         raise Cancelled(f"job {lease.job_id} was cancelled; stopped at its checkpoint")
     if lease.stop_requested == "preempt":

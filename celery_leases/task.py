@@ -129,7 +129,8 @@ class LeasedTask(Task):  # type: ignore[misc]
         return keys.key_of(self, self.lease_key, args, kwargs)
 
     def stop_point(self) -> None:
-        """Raise :class:`Cancelled` or :class:`Preempted` if the job was asked to stop.
+        """Raise :class:`Cancelled` or :class:`Preempted` if the job was asked to stop, and
+        :class:`LeaseLost` if this attempt lost its lease (its renewals failed until it ended).
 
         ``checkpoint()`` calls it after saving; with ``checkpoint(..., connection=conn)`` call it
         yourself once your transaction has committed, so the job stops right there.

@@ -82,7 +82,12 @@ class Database:
         # No pre-ping: run() retries once on a connection the server closed, which saves a
         # round trip on every operation (docs/benchmarks.md).
         options: dict[str, Any] = {"pool_pre_ping": False, **self.dialect.engine_options()}
+        # The user's options win; their connect_args key by key, over the dialect's.
+        connect_args = {**options.get("connect_args", {})}
+        connect_args.update(self.engine_options.get("connect_args") or {})
         options.update(self.engine_options)
+        if connect_args:
+            options["connect_args"] = connect_args
         try:
             engine = sa.create_engine(self.url, **options)
         except (sa.exc.ArgumentError, ImportError) as exc:

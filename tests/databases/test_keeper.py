@@ -6,15 +6,19 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import pytest
 
+from celery_leases.checkpoint import stop_point
 from celery_leases.db.rows import Claimed
 from celery_leases.db.store import Store
+from celery_leases.errors import LeaseLost
 from celery_leases.lease import Lease
 from celery_leases.settings import DEFAULTS, validate
 from celery_leases.worker.keeper import Keeper
 from tests.support.message import job_message
+from tests.support.proxy import TcpProxy
 from tests.support.scenario import wait_for
 
 RENEW = 0.3  # seconds between renew ticks in these tests
@@ -161,3 +165,39 @@ def test_a_job_bound_to_the_holder_that_no_attempt_holds_is_let_go_by_the_sweep(
     # Then the unheld job is let go; the held one is still kept
     assert holder_of(store, "unheld") is None
     assert holder_of(store, "kept") == keeper.holder
+
+
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
+def test_a_lease_whose_renewals_fail_until_its_end_stops_the_attempt_at_its_next_stop_point(
+    database_url: str, table_name: str
+) -> None:
+    # Given a job held by a keeper whose database then goes away (a proxy in between, stopped:
+    # every renewal fails), on a short lease
+    target = urlsplit(database_url)
+    proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 0)
+    proxy.start()
+    proxied = database_url.replace(f"{target.hostname}:{target.port}", f"127.0.0.1:{proxy.port}")
+    settings = DEFAULTS | {"database_url": proxied, "table": table_name, "db_retry_max_delay": 0.2}
+    store = Store(validate(settings))
+    keeper = Keeper(store)
+    try:
+        lease = held_lease(store, keeper, "cut-1")
+        lease.duration, lease.deadline = 1.0, time.monotonic() + 1.0
+        keeper.add(lease)
+        stop_point(lease)  # a live lease: nothing to stop for
+        proxy.stop()
+
+        # When the keeper ticks past the lease's end, its renewals failing
+        deadline = time.monotonic() + 10
+        while not lease.lost and time.monotonic() < deadline:
+            keeper.tick()
+            time.sleep(0.2)
+
+        # Then the lease counts as lost, and the attempt's next stop point raises LeaseLost,
+        # before any checkpoint: code between checkpoints stops there
+        assert lease.lost
+        with pytest.raises(LeaseLost):
+            stop_point(lease)
+    finally:
+        proxy.stop()
+        store.engine.dispose()

@@ -450,3 +450,46 @@ def test_a_connection_the_server_ended_raises_the_stores_error_on_every_later_us
     assert session.run(lambda c: c.query("SELECT 1")) == [(1,)]
     assert session.ident() != ident
     session.close()
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+def test_postgresql_connections_end_on_a_silent_network_and_the_users_socket_options_win(
+    database_url: str, table_name: str
+) -> None:
+    # Given a store with the library's socket options, and one whose engine options set one
+    # of them and another of libpq's own
+    own = {"connect_args": {"tcp_user_timeout": 2_500, "application_name": "billing"}}
+    plain = Store(validate(DEFAULTS | {"database_url": database_url, "table": table_name}))
+    tuned = Store(
+        validate(
+            DEFAULTS | {"database_url": database_url, "table": table_name, "engine_options": own}
+        )
+    )
+    try:
+        # When each opens its connection, then a network that drops everything ends it (data
+        # unacknowledged for 10 s, or a silent peer after keepalive probes) instead of
+        # holding a renewal, a checkpoint and the pool slot until it heals
+        def parameters(store: Store) -> dict[str, str]:
+            session = store.db.session()
+            try:
+                return session.run(lambda c: c.connection.info.get_parameters())
+            finally:
+                session.close()
+
+        expected = {
+            "tcp_user_timeout": "10000",
+            "keepalives": "1",
+            "keepalives_idle": "10",
+            "keepalives_interval": "5",
+            "keepalives_count": "3",
+            "connect_timeout": "10",
+        }
+        assert parameters(plain).items() >= expected.items()
+        # And the user's options win key by key; the library's others stay
+        tuned_parameters = parameters(tuned)
+        assert tuned_parameters["tcp_user_timeout"] == "2500"
+        assert tuned_parameters["application_name"] == "billing"
+        assert tuned_parameters["keepalives_idle"] == "10"
+    finally:
+        plain.engine.dispose()
+        tuned.engine.dispose()

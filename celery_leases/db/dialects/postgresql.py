@@ -30,6 +30,19 @@ REFUSED_CLASSES = ("22", "23")
 REFUSED_STATES = ("54000",)
 #: Execution option of a statement the driver must never prepare (False).
 NOT_PREPARED = "leases_prepare"
+#: libpq's socket options on every connection (``leases_engine_options``' ``connect_args``
+#: override each): a network that drops packets without an error (a partition) ends a
+#: connection instead of holding a renewal, a checkpoint and the pool slot until it heals.
+#: Data unacknowledged for 10 s, or a silent peer for 10 s + 3 x 5 s of keepalive probes,
+#: ends it; a long statement on a live server is not affected (its kernel answers).
+SOCKET_OPTIONS = {
+    "connect_timeout": 10,
+    "tcp_user_timeout": 10_000,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+}
 
 
 @compiles(db_now, "postgresql")
@@ -42,6 +55,9 @@ class PostgreSQL(Dialect):
     names: ClassVar[tuple[str, ...]] = ("postgresql",)
 
     # -- connecting --------------------------------------------------------------------------
+
+    def engine_options(self) -> dict[str, Any]:
+        return {"connect_args": dict(SOCKET_OPTIONS)}
 
     def prepare_engine(self, engine: sa.engine.Engine, database: Any) -> None:
         database.pooler = None
