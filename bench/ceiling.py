@@ -11,22 +11,27 @@ default, a third of the 30 s lease) between two lifecycles, as a prefork pool pr
 takes its turn on the process's connection: on the keeper's session, bound to it, straight to
 the server; unbound behind PgBouncer, as the library's keeper renews there.
 
-Each cell (a number of processes, a way in) starts on an emptied table, after a CHECKPOINT;
-the processes connect and run 20 lifecycles each (past psycopg's preparing of statements)
-before the window opens, then loop for ``--seconds``. The cells run the two ways in alternating
-order at each number of processes.
+Each window (a number of processes, a way in) starts on an emptied table, after a
+CHECKPOINT, with new processes; they connect and run 20 lifecycles each (past psycopg's
+preparing of statements) before the window opens, then loop for ``--seconds`` (default 15;
+quick 5). Each cell has ``--rounds`` windows (default 2; quick 1), every other round from the
+most processes down, the two ways in alternating; a row is all its windows together
+(``per_round``: each one's rate).
 
-CPU over the window is read from ``/proc`` (2 cores, shared by the server and the clients):
+CPU over the window is read from ``/proc`` (2 cores, shared by the server and the clients), as
+the scheduler's run time of each process's threads (``schedstat``; the workers keep their
+connections, so their backends, until it has been read):
 ``server_cores`` is every ``postgres`` process (its backends, WAL writer, checkpointer,
 autovacuum), ``backends_cores`` the backends serving this run (by ``application_name`` in
-``pg_stat_activity``), ``pgbouncer_cores`` and ``clients_cores`` the simulated workers';
-``busy_cores`` the whole machine (``/proc/stat``, steal left out), ``server_share`` the
-server's part of it. ``server_ms`` is the server's CPU per lifecycle, ``per_server_core``
-lifecycles per second of the server's CPU: lifecycles / server CPU seconds. WAL bytes and WAL
-syncs per lifecycle come from ``pg_current_wal_lsn()`` and ``pg_stat_wal`` (the whole
-cluster's). Latencies in ms, each store call timed around it in the process.
+``pg_stat_activity``), ``pgbouncer_cores`` PgBouncer's, ``clients_cores`` the simulated
+workers'; ``busy_cores`` the whole machine (``/proc/stat``, steal left out: ``steal_cores``
+is what the host took), ``server_share`` the server's part of it. ``server_ms`` is the
+server's CPU per lifecycle, ``per_server_core`` lifecycles per second of the server's CPU:
+lifecycles / server CPU seconds. WAL bytes and WAL syncs per lifecycle come from
+``pg_current_wal_lsn()`` and ``pg_stat_wal`` (the whole cluster's). Latencies in ms, each
+store call timed around it in the process.
 
-    python -m bench.ceiling [--quick] [--processes 1 2 4 8 16] [--seconds S]
+    python -m bench.ceiling [--quick] [--processes 1 2 4 8 16] [--seconds S] [--rounds R]
         [--via direct pgbouncer]
 """
 
@@ -39,7 +44,7 @@ import statistics
 import time
 import uuid
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -66,9 +71,10 @@ START_TIMEOUT = 180.0
 TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 
 COLUMNS = (
-    "via processes lifecycles lifecycles_per_s"
+    "via processes lifecycles lifecycles_per_s per_round"
     + "".join(f" {s}_p50 {s}_p99" for s in STATEMENTS)
     + " ticks tick_p50 server_cores backends_cores pgbouncer_cores clients_cores busy_cores"
+    + " steal_cores"
     + " server_share server_ms per_server_core wal_bytes wal_syncs"
 )
 
@@ -78,10 +84,11 @@ COLUMNS = (
 
 def simulate(
     url: str, table: str, via: str, index: int, processes: int, seconds: float,
-    app_name: str, ready: Any, start: Any, results: Any,
+    app_name: str, ready: Any, start: Any, results: Any, release: Any,
 ) -> None:  # fmt: skip
     """One simulated worker: open a Store, warm up, wait for ``start``, loop lifecycles for
-    ``seconds``; put what it measured on ``results``."""
+    ``seconds``; put what it measured on ``results``; close its connections at ``release``
+    (their backends' CPU time goes when they end, so not before it has been read)."""
     options = {"connect_args": {"application_name": app_name}}
     store = open_store(url, table, engine_options=options)
     session = keeper_session(store) if via == "direct" else None
@@ -118,6 +125,7 @@ def simulate(
             "ticks": ticks.tobytes(),
         }
     )
+    release.wait()
     if session is not None:
         session.close()
     engine(store).dispose()
@@ -146,28 +154,35 @@ def lifecycle(
 # -- what the server and the machine did over the window -------------------------------------
 
 
-def cpu_ticks() -> dict[int, tuple[str, int]]:
-    """Every process's command name and CPU time so far (user + system, clock ticks)."""
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """Every process's command name and CPU time so far, in seconds: the scheduler's run time
+    of each of its threads (``/proc/<pid>/task/*/schedstat``). Not ``utime`` and ``stime``:
+    this kernel samples those at its clock ticks, which miss processes that run for a tenth of
+    a millisecond at a time, as a backend serving one statement does (they read 0 here)."""
     found = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            with open(f"/proc/{entry.name}/stat") as file:
-                text = file.read()
+            with open(f"/proc/{entry.name}/comm") as file:
+                name = file.read().strip()
+            nanoseconds = 0
+            for task in os.scandir(f"/proc/{entry.name}/task"):
+                with open(f"{task.path}/schedstat") as file:
+                    nanoseconds += int(file.read().split()[0])
         except OSError:
             continue  # it ended meanwhile
-        name, fields = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :]
-        utime, stime = fields.split()[11:13]
-        found[int(entry.name)] = (name, int(utime) + int(stime))
+        found[int(entry.name)] = (name, nanoseconds / 1e9)
     return found
 
 
-def machine_busy() -> int:
-    """Clock ticks the machine's cores spent busy so far (``/proc/stat``; steal left out)."""
+def machine_idle() -> tuple[float, float]:
+    """Seconds the machine's cores spent idle (or waiting for I/O), and stolen by the host,
+    so far (``/proc/stat``: idle time there is measured, not sampled)."""
     with open("/proc/stat") as file:
-        user, nice, system, _idle, _wait, irq, softirq = map(int, file.readline().split()[1:8])
-    return user + nice + system + irq + softirq
+        fields = list(map(int, file.readline().split()[1:9]))
+    idle, wait, steal = fields[3], fields[4], fields[7]
+    return (idle + wait) / TICKS_PER_SECOND, steal / TICKS_PER_SECOND
 
 
 def server_counters(connection: sa.Connection) -> tuple[int, int]:
@@ -183,15 +198,15 @@ def backends(connection: sa.Connection, app_name: str) -> set[int]:
     return set(connection.execute(sa.text(sql), {"name": app_name}).scalars())
 
 
-def cores(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]],
+def cores(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
           pids: set[int] | None, name: str | None, seconds: float) -> float:  # fmt: skip
     """Cores the processes ``pids`` (None: any) named ``name`` (None: any) kept busy."""
-    ticks = 0
+    used = 0.0
     for pid, (comm, now) in after.items():
         if (pids is None or pid in pids) and (name is None or comm == name):
             earlier = before.get(pid)
-            ticks += now - (earlier[1] if earlier and earlier[0] == comm else 0)
-    return ticks / TICKS_PER_SECOND / seconds
+            used += now - (earlier[1] if earlier and earlier[0] == comm else 0.0)
+    return used / seconds
 
 
 # -- a cell: N processes, one way in -----------------------------------------------------------
@@ -214,18 +229,20 @@ def empty(connection: sa.Connection, table: str) -> None:
     connection.execute(sa.text("CHECKPOINT"))
 
 
-def cell(
+def window(
     server: sa.Connection, url: str, table: str, via: str, processes: int, seconds: float
 ) -> dict[str, Any]:
-    """Run ``processes`` simulated workers through ``url`` for ``seconds``; the row."""
+    """Run ``processes`` simulated workers through ``url`` for ``seconds``: what they and the
+    machine did (lifecycles, each call's seconds, cores used, WAL)."""
     empty(server, table)
     app_name = f"bench-ceiling-{uuid.uuid4().hex[:8]}"
     context = multiprocessing.get_context("spawn")
-    ready, results, start = context.Queue(), context.Queue(), context.Event()
+    ready, results = context.Queue(), context.Queue()
+    start, release = context.Event(), context.Event()
     workers = [
         context.Process(
             target=simulate,
-            args=(url, table, via, i, processes, seconds, app_name, ready, start, results),
+            args=(url, table, via, i, processes, seconds, app_name, ready, start, results, release),
             daemon=True,
         )
         for i in range(processes)
@@ -235,44 +252,68 @@ def cell(
     try:
         clients = {ready.get(timeout=START_TIMEOUT) for _ in workers}
         ours = backends(server, app_name)
-        cpu, busy, counters = cpu_ticks(), machine_busy(), server_counters(server)
+        counters, idle, steal = server_counters(server), *machine_idle()
+        cpu = cpu_seconds()
+        opened = time.monotonic()
         start.set()
         time.sleep(seconds)
-        cpu_after, busy_after, counters_after = cpu_ticks(), machine_busy(), server_counters(server)
+        cpu_after, (idle_after, steal_after) = cpu_seconds(), machine_idle()
+        elapsed = time.monotonic() - opened
+        counters_after = server_counters(server)
         ours |= backends(server, app_name)
         measured = [results.get(timeout=START_TIMEOUT) for _ in workers]
     finally:
+        release.set()
         for worker in workers:
             worker.join(timeout=30)
             if worker.is_alive():
                 worker.kill()
-    done = sum(m["lifecycles"] for m in measured)
+    return {
+        "lifecycles": sum(m["lifecycles"] for m in measured),
+        "seconds": seconds,
+        "times": {name: b"".join(m["times"][name] for m in measured) for name in STATEMENTS},
+        "ticks": b"".join(m["ticks"] for m in measured),
+        "server": cores(cpu, cpu_after, None, "postgres", elapsed),
+        "backends": cores(cpu, cpu_after, ours, "postgres", elapsed),
+        "pgbouncer": cores(cpu, cpu_after, None, "pgbouncer", elapsed),
+        "clients": cores(cpu, cpu_after, clients, None, elapsed),
+        "busy": (os.cpu_count() or 1) - (idle_after - idle + steal_after - steal) / elapsed,
+        "steal": (steal_after - steal) / elapsed,
+        "wal": counters_after[0] - counters[0],
+        "syncs": counters_after[1] - counters[1],
+    }
+
+
+def summary(via: str, processes: int, windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The row of ``windows`` of one cell: lifecycles and CPU over all of them, percentiles
+    of all their calls."""
+    done = sum(w["lifecycles"] for w in windows)
+    seconds = sum(w["seconds"] for w in windows)
+
+    def mean(key: str) -> float:
+        return float(sum(w[key] * w["seconds"] for w in windows) / seconds)
+
     latencies = []
     for name in STATEMENTS:
-        seen = merged(m["times"][name] for m in measured)
+        seen = merged(w["times"][name] for w in windows)
         latencies += [percentile(seen, 50), percentile(seen, 99)]
-    ticks = merged(m["ticks"] for m in measured)
-    server_cores = cores(cpu, cpu_after, None, "postgres", seconds)
-    busy_cores = (busy_after - busy) / TICKS_PER_SECOND / seconds
-    wal = (counters_after[0] - counters[0]) / max(done, 1)
-    syncs = (counters_after[1] - counters[1]) / max(done, 1)
+    ticks = merged(w["ticks"] for w in windows)
+    server, busy = mean("server"), mean("busy")
+    per_round = " / ".join(f"{w['lifecycles'] / w['seconds']:,.0f}" for w in windows)
     values = (
-        via, processes, done, done / seconds, *latencies,
+        via, processes, done, done / seconds, per_round, *latencies,
         len(ticks), percentile(ticks, 50),
-        server_cores,
-        cores(cpu, cpu_after, ours, "postgres", seconds),
-        cores(cpu, cpu_after, None, "pgbouncer", seconds) if via == "pgbouncer" else None,
-        cores(cpu, cpu_after, clients, None, seconds),
-        busy_cores,
-        server_cores / busy_cores if busy_cores else None,
-        server_cores * seconds * 1000 / max(done, 1),
-        done / (server_cores * seconds) if server_cores else None,
-        wal, syncs,
+        server, mean("backends"), mean("pgbouncer") if via == "pgbouncer" else None,
+        mean("clients"), busy, mean("steal"), server / busy if busy else None,
+        server * seconds * 1000 / max(done, 1),
+        done / (server * seconds) if server else None,
+        sum(w["wal"] for w in windows) / max(done, 1),
+        sum(w["syncs"] for w in windows) / max(done, 1),
     )  # fmt: skip
     return row(COLUMNS, *values)
 
 
-def merged(parts: Iterator[bytes]) -> list[float]:
+def merged(parts: Iterable[bytes]) -> list[float]:
     values = array("d")
     for part in parts:
         values.frombytes(part)
@@ -291,32 +332,44 @@ def percentile(ordered: list[float], p: int) -> float | None:
 def main(argv: Sequence[str] | None = None) -> None:
     command = parser(__doc__)
     command.add_argument("--processes", nargs="+", type=int, default=(1, 2, 4, 8, 16))
-    command.add_argument("--seconds", type=float, help="window per cell (default 25; quick 5)")
+    command.add_argument("--seconds", type=float, help="window per cell (default 15; quick 5)")
+    command.add_argument("--rounds", type=int, help="windows per cell (default 2; quick 1)")
     command.add_argument(
         "--via", nargs="+", choices=("direct", "pgbouncer"), default=("direct", "pgbouncer")
     )
     args = command.parse_args(argv)
-    seconds = args.seconds or (5.0 if args.quick else 25.0)
+    seconds = args.seconds or (5.0 if args.quick else 15.0)
+    rounds = args.rounds or (1 if args.quick else 2)
     direct = available("postgres")
     if direct is None:
         raise SystemExit("PostgreSQL does not answer")
-    urls = {"direct": direct, "pgbouncer": available("pgbouncer")}
-    vias = [via for via in args.via if urls[via]]
-    rows = []
+    found = {"direct": direct, "pgbouncer": available("pgbouncer")}
+    urls = {via: url for via, url in found.items() if url is not None and via in args.via}
+    vias = list(urls)
+    windows: dict[tuple[str, int], list[dict[str, Any]]] = {}
     started = time.monotonic()
     with scratch(direct, "ceiling") as table, admin(direct) as server:
-        for round_number, processes in enumerate(args.processes):
-            shift = round_number % len(vias)
-            for via in vias[shift:] + vias[:shift]:
-                print(f"  {via}, {processes} processes, {seconds:g} s...", flush=True)
-                rows.append(cell(server, urls[via], table, via, processes, seconds))  # type: ignore[arg-type]
+        for round_number in range(rounds):
+            # Every other round runs from the most processes down; the ways in alternate.
+            order = args.processes if round_number % 2 == 0 else args.processes[::-1]
+            for step, processes in enumerate(order):
+                shift = (step + round_number) % len(vias)
+                for via in vias[shift:] + vias[:shift]:
+                    print(f"  round {round_number + 1}: {via}, {processes} processes", flush=True)
+                    measured = window(server, urls[via], table, via, processes, seconds)
+                    windows.setdefault((via, processes), []).append(measured)
+    rows = [
+        summary(via, processes, windows[via, processes])
+        for processes in args.processes
+        for via in vias
+    ]
     title = (
         "Job lifecycles (record, claim, 100 B checkpoint, finish) per second from N simulated"
         " worker processes, PostgreSQL straight and behind PgBouncer; latencies in ms"
     )
     report(
         "ceiling", rows, quick=args.quick, title=title, seconds=seconds, warm_up=WARM_UP,
-        checkpoint_bytes=CHECKPOINT_BYTES, processes=args.processes, vias=vias,
+        checkpoint_bytes=CHECKPOINT_BYTES, processes=args.processes, vias=vias, rounds=rounds,
         run_seconds=time.monotonic() - started,
     )  # fmt: skip
 

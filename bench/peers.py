@@ -465,6 +465,32 @@ def dispatch(url: str, dsn: str, table: str, *, calls: int, block: int) -> dict[
     return times
 
 
+def defer_round_trips(dsn: str) -> float:
+    """Round trips of one synchronous ``defer()`` to PostgreSQL (libpq's trace: its
+    ``ReadyForQuery`` messages), on a pool of one connection."""
+    from bench.procrastinate_app import make_app
+
+    app = make_app(dsn, min_size=1, max_size=1)
+    task = app.tasks["peers.noop"]
+    app.open()
+    try:
+        task.defer()
+        with app.connector.get_sync_connector().pool.connection() as connection:
+            pgconn = connection.pgconn
+        with tempfile.TemporaryFile("w+") as trace:
+            pgconn.trace(os.dup(trace.fileno()))  # libpq keeps a FILE on the descriptor
+            try:
+                for _ in range(3):
+                    task.defer()
+            finally:
+                pgconn.untrace()
+            trace.seek(0)
+            return sum("ReadyForQuery" in line for line in trace) / 3
+    finally:
+        app.close()
+        reset_procrastinate(dsn)
+
+
 # -- the table --------------------------------------------------------------------------------
 
 
@@ -485,6 +511,7 @@ def rows_of(
     crashes: dict[str, list[dict[str, Any]]],
     progress: dict[str, list[float]],
     sends: dict[str, list[float]],
+    defer_trips: float,
 ) -> list[dict[str, Any]]:
     rows = []
     for cell, found in rates.items():
@@ -551,6 +578,7 @@ def rows_of(
     user = median_ms(progress["user UPDATE"])
     in_unit = median_ms(progress["unit + checkpoint"]) - unit
     user_in_unit = median_ms(progress["unit + user UPDATE"]) - unit
+    same = median_ms(progress["unit + same statement"]) - unit
     p90 = {name: p90_ms(v) for name, v in progress.items()}
     rows.append(
         row(
@@ -573,7 +601,7 @@ def rows_of(
             None,
             _ratio(in_unit, user_in_unit),
             None,
-            f"unit alone {unit:.2f} ms; with it {unit + in_unit:.2f} / {unit + user_in_unit:.2f}",
+            f"unit alone {unit:.2f} ms; the checkpoint's statement by hand adds {same:.2f}",
         )
     )
     call = {name: median_ms(sends[name]) for name in SYSTEMS}
@@ -584,7 +612,9 @@ def rows_of(
             *(call[name] for name in SYSTEMS),
             _ratio(call["celery-leases"], call["procrastinate"]),
             _ratio(call["celery-leases"], call["plain Celery"]),
-            "p90 " + " / ".join(f"{p90_ms(sends[name]):.2f}" for name in SYSTEMS),
+            "p90 "
+            + " / ".join(f"{p90_ms(sends[name]):.2f}" for name in SYSTEMS)
+            + f"; a defer is {defer_trips:g} round trips, a leased dispatch 1 and a publish",
         )
     )
     rows.append(
@@ -615,10 +645,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.monotonic()
     with database() as (url, dsn), scratch(url, "peers") as table:
         sends = dispatch(url, dsn, table, calls=calls, block=block)
+        defer_trips = defer_round_trips(dsn)
         progress = progress_write(url, table, calls=progress_calls, block=progress_block)
         rates = throughput(url, dsn, table, counts=counts, repeats=repeats)
         crashes = recovery(url, dsn, runs=runs)
-    rows = rows_of(rates, crashes, progress, sends)
+    rows = rows_of(rates, crashes, progress, sends, defer_trips)
     title = (
         "celery-leases, procrastinate and plain Celery (Redis broker), same PostgreSQL "
         f"(medians; {repeats} runs a throughput cell, {runs} crashes a system)"
@@ -642,6 +673,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         recovery=crashes,
         progress_ms={name: median_ms(v) for name, v in progress.items()},
         dispatch_ms={name: median_ms(v) for name, v in sends.items()},
+        defer_round_trips=defer_trips,
         seconds=time.monotonic() - started,
     )
 

@@ -11,7 +11,10 @@ times a durable progress write in a real worker's pool process.
   on a psycopg connection of the user's own in autocommit (one statement, one commit);
 - ``unit + checkpoint``, ``unit + user UPDATE``, ``unit alone``: a unit of work's transaction
   (``with engine.begin()``: one ``INSERT`` into a table of the user's), with the checkpoint
-  (``connection=`` that transaction) or the user's ``UPDATE`` in it, or nothing more.
+  (``connection=`` that transaction) or the user's ``UPDATE`` in it, or nothing more;
+- ``unit + same statement``: the statement that checkpoint sent (its text and driver
+  parameters, read once), sent by hand in that transaction: what the library's Python costs
+  around its statement.
 
 It writes the seconds of every call to ``out_path`` (JSON).
 """
@@ -39,7 +42,6 @@ def add_progress_task(app: Celery) -> None:
         engine = sa.create_engine(url)
         dsn = url.set(drivername="postgresql").render_as_string(False)
         job_id = self.request.id
-        state = [json.dumps({"next": i}) for i in range(calls + 1)]
         user = psycopg.connect(dsn, autocommit=True)
         update = f"UPDATE {user_table} SET state = %s WHERE job_id = %s"
         user.execute(f"INSERT INTO {user_table} VALUES (%s, '{{}}')", (job_id,))
@@ -50,7 +52,7 @@ def add_progress_task(app: Celery) -> None:
             self.checkpoint({"next": i})
 
         def user_update(i: int) -> None:
-            user.execute(update, (state[i], job_id))
+            user.execute(update, (json.dumps({"next": i}), job_id))
 
         def unit_checkpoint(i: int) -> None:
             with engine.begin() as connection:
@@ -60,7 +62,12 @@ def add_progress_task(app: Celery) -> None:
         def unit_update(i: int) -> None:
             with engine.begin() as connection:
                 connection.execute(insert, {"job": job_id, "n": i})
-                connection.execute(update_sa, {"state": state[i], "job": job_id})
+                connection.execute(update_sa, {"state": json.dumps({"next": i}), "job": job_id})
+
+        def unit_same(i: int) -> None:
+            with engine.begin() as connection:
+                connection.execute(insert, {"job": job_id, "n": i})
+                connection.exec_driver_sql(*same)
 
         def unit_alone(i: int) -> None:
             with engine.begin() as connection:
@@ -71,10 +78,12 @@ def add_progress_task(app: Celery) -> None:
             "user UPDATE": user_update,
             "unit + checkpoint": unit_checkpoint,
             "unit + user UPDATE": unit_update,
+            "unit + same statement": unit_same,
             "unit alone": unit_alone,
         }
         try:
-            for call in variants.values():  # connections, prepared statements
+            same = sent_by(engine, lambda: unit_checkpoint(calls))
+            for call in variants.values():  # connections, prepared statements, SQLAlchemy's cache
                 for i in range(10):
                     call(i)
             blocks = {name: steady(call) for name, call in variants.items()}
@@ -82,8 +91,28 @@ def add_progress_task(app: Celery) -> None:
         finally:
             user.close()
             engine.dispose()
-        with open(out_path, "w") as out:
+        with open(f"{out_path}.part", "w") as out:
             json.dump(times, out)
+        os.replace(f"{out_path}.part", out_path)  # whole, or not there
+
+
+def sent_by(engine: sa.engine.Engine, call: Any) -> tuple[str, Any]:
+    """The checkpoint's statement as ``call`` sent it on ``engine`` (its text and driver
+    parameters: what the ``same statement`` variant sends by hand, through
+    ``exec_driver_sql``): the one statement after the unit's ``INSERT``."""
+    seen: list[tuple[str, Any]] = []
+
+    def record(conn: Any, cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        seen.append((statement, parameters))
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    try:
+        call()
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", record)
+    if len(seen) != 2:  # the unit's INSERT, then one statement, or this is not like for like
+        raise RuntimeError(f"a checkpoint in a transaction sent {len(seen) - 1} statements")
+    return seen[1]
 
 
 if CONFIG in os.environ:

@@ -72,10 +72,10 @@ def unit_log(table: str) -> UnitLog:
     return _logs[table]
 
 
-def make_app(dsn: str) -> procrastinate.App:
+def make_app(dsn: str, **pool: Any) -> procrastinate.App:
     """The app on the database ``dsn`` (libpq conninfo), its connector procrastinate's
-    psycopg one with its default pool."""
-    app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=dsn))
+    psycopg one with its default pool (``pool``: other arguments of the pool)."""
+    app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=dsn, **pool))
 
     @app.task(name="peers.noop")
     def noop() -> None:
