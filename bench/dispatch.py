@@ -4,6 +4,10 @@ Redis broker, PostgreSQL store, no worker; alternating blocks, medians and p90 i
 floor of a leased dispatch is a plain one plus its INSERT: ``raw INSERT`` sends the statement
 the library sent (its text and parameters, read at the driver, a new id each call) by hand on
 the same connection in autocommit, so ``leased - plain - raw INSERT`` is the library's own work.
+``leased, async commit`` is a LeasedTask of a second app whose leases URL sets PostgreSQL's
+``synchronous_commit = off`` for its sessions (``?options=-c synchronous_commit=off``): its
+INSERT returns before the WAL reaches the disk (docs/benchmarks.md, section 2, says what a
+database crash can then lose).
 
     python -m bench.dispatch [--quick]
 """
@@ -22,6 +26,8 @@ from tests.support.driver import executed
 from tests.support.scenario import close_app
 from tests.support.service import POSTGRES_URL, private_redis_url
 
+#: The same database, each session's commits asynchronous.
+ASYNC_COMMIT_URL = POSTGRES_URL + "?options=-c%20synchronous_commit%3Doff"
 COLUMNS = "task median_ms p90_ms mean_ms median/plain added_ms raw_insert_ms library_own_ms"
 
 
@@ -56,6 +62,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             {"broker_url": broker, "leases_database_url": POSTGRES_URL, "leases_table": table}
         )
         tasks = {name: app.tasks[f"bench.{name}_noop"] for name in ("plain", "leased")}
+        fast = make_app(
+            {"broker_url": broker, "leases_database_url": ASYNC_COMMIT_URL, "leases_table": table}
+        )
+        tasks["leased, async commit"] = fast.tasks["bench.leased_noop"]
         try:
             for _ in range(20):  # connections, schema check, compiled statements
                 for task in tasks.values():
@@ -65,14 +75,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             times = interleaved(variants, calls=calls, block=block)
         finally:
             close_app(app)
+            close_app(fast)
     plain, insert = median_ms(times["plain"]), median_ms(times["raw INSERT"])
     rows = []
-    for name in ("plain", "leased"):
+    for name in ("plain", "leased", "leased, async commit"):
         seconds = times[name]
         median = median_ms(seconds)
         mean = statistics.fmean(seconds) * 1000
         added = median - plain
-        own = added - insert if name == "leased" else 0.0
+        own = added - insert if name == "leased" else None
         values = (name, median, p90_ms(seconds), mean, median / plain, added, insert, own)
         rows.append(row(COLUMNS, *values))
     title = f"apply_async, Redis broker, PostgreSQL store ({calls} calls each, ms)"
