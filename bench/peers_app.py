@@ -33,6 +33,7 @@ from celery import Celery, Task
 from bench.common import interleaved, steady
 from bench.worker_app import CONFIG, make_app
 from celery_leases import LeasedTask
+from tests.support.driver import executed
 
 
 def add_progress_task(app: Celery) -> None:
@@ -97,22 +98,16 @@ def add_progress_task(app: Celery) -> None:
 
 
 def sent_by(engine: sa.engine.Engine, call: Any) -> tuple[str, Any]:
-    """The checkpoint's statement as ``call`` sent it on ``engine`` (its text and driver
-    parameters: what the ``same statement`` variant sends by hand, through
-    ``exec_driver_sql``): the one statement after the unit's ``INSERT``."""
-    seen: list[tuple[str, Any]] = []
-
-    def record(conn: Any, cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
-        seen.append((statement, parameters))
-
-    sa.event.listen(engine, "before_cursor_execute", record)
-    try:
+    """The checkpoint's statement as ``call`` sent it in a transaction on ``engine`` (its
+    text and driver parameters, read at the driver: what the ``same statement`` variant
+    sends by hand, through ``exec_driver_sql``). The store runs it on the transaction's
+    DBAPI connection, not through SQLAlchemy's execution."""
+    with executed() as seen:
         call()
-    finally:
-        sa.event.remove(engine, "before_cursor_execute", record)
-    if len(seen) != 2:  # the unit's INSERT, then one statement, or this is not like for like
-        raise RuntimeError(f"a checkpoint in a transaction sent {len(seen) - 1} statements")
-    return seen[1]
+    if len(seen) != 1:  # one statement, or this is not like for like
+        raise RuntimeError(f"a checkpoint in a transaction sent {len(seen)} statements")
+    _, compiled, params = seen[0]
+    return compiled.parameters(params)  # type: ignore[no-any-return]
 
 
 if CONFIG in os.environ:

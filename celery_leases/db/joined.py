@@ -55,6 +55,9 @@ class Joined:
     executor: Any
     info: dict[str, Any] = field(default_factory=dict)
     guard_idle: bool = True
+    #: The SQLAlchemy pool the connection goes back to (where a bound the store set on the
+    #: session is given back), or None.
+    pool: Any = None
 
     @property
     def dialect(self) -> Any:
@@ -82,11 +85,25 @@ def joined(store: Any, connection: Any = None) -> Joined | None:
     if isinstance(connection, Joined):
         return connection
     if isinstance(connection, sa.engine.Connection):
-        return Joined(Guarded(connection), connection.info)
+        return _sqlalchemy(store, connection)
     if isinstance(connection, Foreign):
         return Joined(connection, connection.info)
     dbapi = _dbapi(connection)
     return Joined(store.foreign(dbapi, _info_of(dbapi)), _info_of(dbapi))
+
+
+def _sqlalchemy(store: Any, connection: sa.engine.Connection) -> Joined:
+    """An SQLAlchemy connection's transaction. In one it has begun, on the store's driver,
+    the store's statements run on its DBAPI connection as on any other caller's (compiled
+    once, no SQLAlchemy execution around them: a tenth of a millisecond less a write), and
+    an interruption invalidates it. Otherwise (no transaction begun yet, which only
+    SQLAlchemy would begin; another driver) they run through it (``Guarded``)."""
+    begun = connection.in_transaction() and not connection.invalidated
+    if begun and connection.dialect.driver == store.db.engine.dialect.driver:
+        foreign = store.foreign(connection.connection.dbapi_connection, connection.info)
+        foreign.on_discard = connection.invalidate
+        return Joined(foreign, connection.info, pool=connection.engine.pool)
+    return Joined(Guarded(connection), connection.info, pool=connection.engine.pool)
 
 
 def ambient(store: Any) -> Joined | None:

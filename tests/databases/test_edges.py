@@ -110,6 +110,37 @@ def test_a_statement_a_soft_time_limit_interrupts_leaves_no_connection_in_use(
 
 
 @pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
+def test_a_soft_time_limit_inside_a_checkpoint_in_the_callers_transaction_invalidates_it(
+    store: Store,
+) -> None:
+    # Given a job held by this process and a unit's transaction of the caller's, on an
+    # SQLAlchemy connection of the caller's own engine, whose checkpoint meets a row lock
+    token = held(store, "j1")
+    engine = sa.create_engine(store.db.engine.url)
+    blocker, blocking = _blocking(store, "j1")
+    try:
+        with engine.connect() as connection:
+            connection.begin()
+            # When the soft time limit lands inside the checkpoint's statement
+            _soft_time_limit_in(0.5)
+            try:
+                with pytest.raises(SoftTimeLimitExceeded):
+                    store.checkpoint("j1", token, '"interrupted"', connection=connection)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            # Then the caller's connection is invalidated: SQLAlchemy never hands it out
+            # again, and the transaction is gone with it
+            assert connection.invalidated
+    finally:
+        blocking.rollback()
+        blocker.close()
+    with engine.begin() as connection:  # the engine's next connection is a fresh one
+        assert store.checkpoint("j1", token, '"next"', connection=connection) == (True, None)
+    assert store.get("j1").checkpoint == "next"  # type: ignore[union-attr]
+    engine.dispose()
+
+
+@pytest.mark.parametrize("database_url", ["postgres", "mariadb"], indirect=True)
 def test_a_keeper_whose_session_an_interrupted_statement_ended_binds_a_new_one_at_once(
     store: Store,
 ) -> None:

@@ -324,7 +324,7 @@ class Worker(Client):
         if not self.dialect.guard_idle_writes(joined.executor, seconds):
             return idle_limit
         joined.info[IDLE_WRITE_GUARD] = seconds
-        pool = getattr(getattr(joined.executor, "engine", None), "pool", None)
+        pool = joined.pool
         if pool is not None and not sa.event.contains(pool, "checkin", self._unguard_on_checkin):
             sa.event.listen(pool, "checkin", self._unguard_on_checkin)
         return idle_limit
