@@ -18,6 +18,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_task_logger
 
 from . import keys, metrics
+from .checkpoint import lost_commits
 from .db import Store, rows
 from .db.errors import conflict_in, ended_idle_transaction, first_line
 from .db.joined import Joined, ambient
@@ -439,13 +440,14 @@ class Attempt:
         )
         if not ended:
             metrics.count("leases_lost", task=self.task.name)
-            logger.warning(
-                "job %s: attempt with token %d finished after losing its lease; "
-                "its result is dropped",
-                lease.job_id,
-                lease.token,
-                extra=lease_fields(lease),
-            )
+            if not lost_commits(self.task, lease, "its result is dropped"):
+                logger.warning(
+                    "job %s: attempt with token %d finished after losing its lease; "
+                    "its result is dropped",
+                    lease.job_id,
+                    lease.token,
+                    extra=lease_fields(lease),
+                )
             raise Ignore()
         self.ended(lease)
 

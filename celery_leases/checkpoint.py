@@ -11,7 +11,7 @@ from celery.utils.log import get_task_logger
 from . import event, metrics
 from .db import rows
 from .db.joined import Joined, joined
-from .errors import Cancelled, CheckpointError, LeaseLost, Preempted
+from .errors import Cancelled, CheckpointError, LeaseError, LeaseLost, Preempted
 from .lease import Lease, until_deadline
 from .log import job_fields, lease_fields
 from .signals import checkpoint_saved
@@ -131,14 +131,39 @@ def fenced_out(task: Any, lease: Lease, what: str) -> NoReturn:
     """A write of ``lease``'s attempt found a newer token: it lost the lease (LeaseLost)."""
     lease.lost = True
     metrics.count("leases_lost", task=task.name)
-    logger.warning(
-        "lease lost on job %s (token %s): another attempt holds it; %s not saved",
-        lease.job_id,
-        lease.token,
-        what,
-        extra=lease_fields(lease),
-    )
+    if not lost_commits(task, lease, f"{what} not saved"):
+        logger.warning(
+            "lease lost on job %s (token %s): another attempt holds it; %s not saved",
+            lease.job_id,
+            lease.token,
+            what,
+            extra=lease_fields(lease),
+        )
     raise LeaseLost(f"job {lease.job_id}: another attempt holds the lease; stop")
+
+
+def lost_commits(task: Any, lease: Lease, what: str) -> bool:
+    """After a fenced write of ``lease``'s attempt was refused: whether the database went
+    back behind it (the job gone, or at an older token: a failover to a replica that missed
+    commits, or a restore), said at ERROR, with the ``lost_commits`` counter. The job's
+    stored checkpoint may then be older than this attempt's last one. One read, on this
+    refusal only; False when it cannot tell (the database is down)."""
+    try:
+        behind = task.lease_store.lost_commits(lease.job_id, lease.token)
+    except LeaseError:
+        return False
+    if behind:
+        metrics.count("lost_commits", task=task.name)
+        logger.error(
+            "job %s: the database is behind this attempt (token %s): it lost commits (a "
+            "failover to a replica that missed them, or a restore); its checkpoint may have "
+            "gone back; %s, this attempt stops",
+            lease.job_id,
+            lease.token,
+            what,
+            extra=lease_fields(lease),
+        )
+    return bool(behind)
 
 
 def _encoded(task: Any, lease: Lease, state: Any, what: str) -> str:

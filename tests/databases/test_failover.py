@@ -119,6 +119,9 @@ def test_a_failover_to_a_replica_that_missed_a_claim_never_issues_its_token_agai
     assert pair.serving_port() == pair.replica.port
     assert (promoted.state, promoted.token, promoted.checkpoint) == ("running", a.token, {"n": 1})
     assert lease_over(promoted)
+    # And B's attempt, whose writes are refused there, can tell why: the database is behind it
+    assert checkpoint(store, b.token, {"n": 3, "by": "B"}) == (False, None)
+    assert store.lost_commits(JOB, b.token)
 
     # And attempt C claims the job there and checkpoints
     c = claim(store, message, "worker-c/1/1", LEASE)
@@ -133,6 +136,7 @@ def test_a_failover_to_a_replica_that_missed_a_claim_never_issues_its_token_agai
     # And B, unaware of the failover, is fenced out: its checkpoint and its finish are refused
     assert checkpoint(store, b.token, {"n": 3, "by": "B"}) == (False, None)
     assert store.finish(JOB, b.token, result=json.dumps("B")) is False
+    assert not store.lost_commits(JOB, b.token)  # now a newer attempt's token refuses them
 
     # And the job runs under C's lease, with C's checkpoint
     final = job(store)

@@ -104,3 +104,38 @@ def test_a_stale_attempts_transactional_checkpoint_rolls_back_its_own_writes(app
     with store.engine.connect() as connection:
         assert connection.execute(sa.select(sa.func.count()).select_from(accounts)).scalar() == 0
     assert store.get("job").checkpoint is None
+
+
+def test_a_refused_write_that_finds_the_database_behind_the_attempt_says_it_lost_commits(
+    app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    @app.task(base=LeasedTask, bind=True, shared=False)
+    def step(self: LeasedTask) -> None:
+        pass
+
+    store = store_for(settings_for(app))
+    first, second = two_attempts(store)
+    # Given the database went back behind the second attempt, as after a failover to a
+    # replica that missed its claim: the job is at the first attempt's token again
+    t = store.table
+    with store.engine.begin() as connection:
+        connection.execute(sa.update(t).where(t.c.id == "job").values(token=first.token))
+    assert store.lost_commits("job", second.token)
+    assert not store.lost_commits("job", first.token)
+
+    # When the second attempt checkpoints
+    live = Lease("job", second.token, 2, None, "b/2", 30.0, 10.0)
+    current.stack.append(live)
+    try:
+        with pytest.raises(LeaseLost), caplog.at_level("ERROR", logger="celery_leases"):
+            step.checkpoint({"page": 3})
+    finally:
+        current.stack.remove(live)
+
+    # Then its refusal says the database lost commits, not that another attempt holds the job
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert "the database is behind this attempt" in record.getMessage()
+    assert "checkpoint not saved" in record.getMessage()
+
+    # And a refusal by a newer attempt's claim is not taken for it
+    assert not store.lost_commits("job", first.token - 1)

@@ -27,6 +27,15 @@ class Operator(StoreBase):
         found = self._hot(lambda c: c.execute(job_by_id, {"b_id": job_id}).mappings())
         return rows.job(found[0]) if found else None
 
+    def lost_commits(self, job_id: str, token: int) -> bool:
+        """Whether the database lost what the attempt holding ``token`` wrote: the job is
+        gone, or at a token below ``token`` (tokens only grow, so only a database that lost
+        commits goes back: a failover to a replica that missed them, a restore). Read when
+        a fenced write of that attempt was refused, to tell that from another attempt's
+        claim."""
+        job = self.get(job_id)
+        return job is None or job.token is None or job.token < token
+
     def list_jobs(
         self, *, states: Iterable[str] = (), task: str | None = None, limit: int = 50
     ) -> list[Job]:
