@@ -39,6 +39,7 @@ from .log import job_fields, lease_fields
 from .message import CONFLICT_HEADER, DB_RETRY_HEADER, KEY_HEADER, Message
 from .process import owner_name
 from .worker.keeper import Keeper, keeper_for
+from .worker.limits import body_over
 
 T = TypeVar("T")
 
@@ -87,6 +88,7 @@ class Attempt:
         finally:
             if keeper is not None:
                 keeper.remove(lease)
+            body_over()  # a soft time limit from now on is Celery's to ignore
 
     def outer_transaction(self) -> Joined | None:
         """The transaction this attempt starts inside, on the leases' database (``db.joined``:
@@ -327,13 +329,16 @@ class Attempt:
         _, message, countdown = held_back
         wait = self.settings.queued_timeout or self.settings.reap_grace
         try:
-            state = until_deadline(
-                lease,
-                lambda: self.store.hand_back_retry(
-                    lease.job_id, lease.token, message, reap_in=countdown + wait
+            state = recorded(
+                already=lambda: self.queued_by(lease),
+                write=lambda: until_deadline(
+                    lease,
+                    lambda: self.store.hand_back_retry(
+                        lease.job_id, lease.token, message, reap_in=countdown + wait
+                    ),
+                    waiting=f"the retry of job {lease.job_id} waits for the database",
+                    gave_up=f"job {lease.job_id}: the database stayed down; its retry is not sent",
                 ),
-                waiting=f"the retry of job {lease.job_id} waits for the database",
-                gave_up=f"job {lease.job_id}: the database stayed down; its retry is not sent",
             )
         except LeaseError as exc:
             logger.warning(
@@ -462,8 +467,11 @@ class Attempt:
     def hand_back(self, lease: Lease, *, reap_in: float | None) -> str | None:
         """Give the lease back; the job's state after it (None: not handed back)."""
         try:
-            state = self.store.hand_back(
-                lease.job_id, lease.token, reap_in=reap_in, connection=lease.joined
+            state = recorded(
+                already=lambda: self.queued_by(lease),
+                write=lambda: self.store.hand_back(
+                    lease.job_id, lease.token, reap_in=reap_in, connection=lease.joined
+                ),
             )
         except LeaseError as exc:
             logger.warning(
@@ -481,6 +489,17 @@ class Attempt:
             self.ended(lease)
         return state
 
+    def queued_by(self, lease: Lease) -> str | None:
+        """After a hand-back a soft time limit interrupted and a second one refused: QUEUED if
+        the first was made (the server ran it before the cancel reached it: the job is queued
+        under this attempt's token, which only a hand-back of it or an expiry of its lease
+        leaves), else None. Outside a caller's transaction only (that one is gone)."""
+        if lease.joined is not None:
+            return None
+        job = self.store.get(lease.job_id)
+        mine = job is not None and job.state == QUEUED and job.token == lease.token
+        return QUEUED if mine else None
+
     def revoked(self, reason: str) -> None:
         """Store REVOKED for the job, as Celery does for a revoked task (chord part counted)."""
         request = self.request
@@ -494,17 +513,22 @@ class Attempt:
             )
 
 
-def recorded(write: Callable[[], T]) -> T:
-    """Run ``write``, the record of the attempt's end; if a soft time limit lands inside it,
-    run it again (once, on a new connection: the interrupted one is closed): the body is over,
-    and its end must be recorded as it is, not as the limit. Ends are fenced and idempotent
-    for their token (a done job is done again, a failed one failed again), so a first write
-    the server committed before the interruption changes nothing."""
+def recorded(write: Callable[[], T], already: Callable[[], T] | None = None) -> T:
+    """Run ``write``, the record of the attempt's end (done, failed, handed back for a retry
+    or at a stop); if a soft time limit lands inside it, run it again (once, on a new
+    connection: the interrupted one is closed): the body is over, and its end must be
+    recorded as it is, not as the limit. Done and failed are idempotent for their token (a
+    done job is done again), so a first write the server committed before the interruption
+    changes nothing. A hand-back is not (the second finds the job queued): when the second
+    write is refused, ``already`` tells whether the first was made."""
     try:
         return write()
     except SoftTimeLimitExceeded:
         logger.warning("the soft time limit came while the attempt's end was recorded; again")
-        return write()
+        outcome = write()
+        if not outcome and already is not None:
+            return already()
+        return outcome
 
 
 def _refusal_text(refused: Refused) -> str:

@@ -12,6 +12,8 @@ from typing import Any
 from celery import current_app
 from celery.signals import (
     task_failure,
+    task_postrun,
+    task_prerun,
     task_revoked,
     task_unknown,
     worker_init,
@@ -30,6 +32,7 @@ from ..log import job_fields, lease_fields
 from ..process import owner_prefix
 from .deaths import deaths
 from .keeper import all_keepers
+from .limits import execution_ends, execution_starts
 
 logger = logging.getLogger("celery_leases")
 
@@ -227,4 +230,7 @@ RECEIVERS = (
     (task_unknown, wait_for_a_worker_that_knows),
     (task_revoked, record_revoke),
     (task_failure, record_failure_in_main_process),
+    # A leased execution gets its soft time limit once (billiard resends it at shutdown).
+    (task_prerun, execution_starts),
+    (task_postrun, execution_ends),
 )

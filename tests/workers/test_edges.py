@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import signal
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -90,6 +91,94 @@ def test_a_soft_time_limit_inside_a_checkpoint_leaves_the_process_fit_for_its_ne
     assert {row.pid for row in s.log.rows(second)} <= set(pool), (pool, s.log.rows(second))
     log = worker.log_text()
     assert "unreachable" not in log and "lease lost" not in log, worker.log_tail(40)
+
+
+def test_a_soft_time_limit_the_task_caught_is_not_raised_again_when_the_worker_shuts_down(
+    scenario: MakeScenario, celery_settings: dict[str, Any]
+) -> None:
+    # Given a prefork worker running a leased task with soft_time_limit=1 that catches the
+    # limit, saves a last checkpoint and then cleans up for 4 s
+    s = scenario(celery_settings, lease_seconds=4.0, renew_seconds=0.5)
+    (worker,) = s.start_workers(1)
+    job_id = s.send("e2e.time_limited", 0.05, 4.0)
+    wait_for(
+        lambda: (s.job(job_id).checkpoint or {}).get("last") is True,
+        timeout=30,
+        interval=0.02,
+        what="the task to catch its soft time limit",
+    )
+
+    # When the worker is told to shut down (warm: it waits for the task) during the cleanup,
+    # and billiard's pool checks the running job's limits once more as it closes
+    worker.signal(signal.SIGTERM)
+
+    # Then the second limit is not raised into the task's cleanup: the job ends as its
+    # handler decided, done at its first attempt (it failed with the limit it had caught)
+    job = s.wait_finished(job_id, timeout=30)
+    assert (job.state, job.attempts) == ("done", 1), (job, worker.log_tail(30))
+    assert job.result == job.checkpoint and job.result["last"] is True, job
+    worker.wait(timeout=30)
+    sent = re.findall(r"Soft time limit \([\d.]+s\) exceeded", worker.log_text())
+    assert len(sent) == 2, f"the limit was sent {len(sent)} time(s): {worker.log_tail(30)}"
+    assert "soft time limit came a second time" in worker.log_text()
+
+
+def test_a_soft_time_limit_inside_the_hand_back_for_a_retry_still_hands_it_back(
+    scenario: MakeScenario, celery_settings: dict[str, Any], tmp_path: Any
+) -> None:
+    # Given a leased task with soft_time_limit=1 whose first attempt checkpoints, then asks
+    # for a retry once the test says so
+    s = scenario(celery_settings, lease_seconds=30.0, renew_seconds=0.5)
+    (worker,) = s.start_workers(1)
+    marker = tmp_path / "retry"
+    job_id = s.send("e2e.retry_at", str(marker))
+    wait_for(lambda: s.job(job_id).checkpoint is not None, timeout=30, interval=0.01, what="ckpt")
+
+    # When the hand-back of its lease for that retry waits behind a lock on the job's row
+    # until the soft time limit has come (it lands inside the hand-back's statement)
+    t = s.store.table
+    with s.store.engine.connect() as connection, connection.begin():
+        connection.execute(sa.select(t.c.id).where(t.c.id == job_id).with_for_update())
+        marker.touch()
+        worker.wait_for_log(r"Soft time limit \([\d.]+s\) exceeded for e2e\.retry_at")
+
+    # Then the hand-back is made once the lock is gone, and the retry runs at once (not after
+    # its 30 s lease): done at the second attempt, and Celery was told of a retry, not of a
+    # failure with the limit
+    job = s.wait_finished(job_id, timeout=20)
+    assert (job.state, job.attempts, job.result) == ("done", 2, {"asked": "retry"}), job
+    log = worker.log_text()
+    assert "raised unexpected: SoftTimeLimitExceeded" not in log, worker.log_tail(40)
+    assert "the soft time limit came while the attempt's end was recorded" in log, log[-3000:]
+
+
+def test_a_soft_time_limit_after_the_task_returned_leaves_celery_its_success(
+    scenario: MakeScenario, celery_settings: dict[str, Any], result_backend: str
+) -> None:
+    # Given a leased task with soft_time_limit=1 that returns at once, sent with a link to a
+    # leased task whose record, when Celery's trace publishes it, waits behind an uncommitted
+    # row of the same id (so the limit comes there, after the job's end is recorded)
+    s = scenario(celery_settings, result_backend=result_backend)
+    (worker,) = s.start_workers(1)
+    link_id = f"link-{uuid.uuid4().hex}"
+    t = s.store.table
+    with s.store.engine.connect() as connection, connection.begin() as blocking:
+        row = {"id": link_id, "task": "e2e.echo", "message": "{}", "state": "done"}
+        connection.execute(sa.insert(t).values(row | {"created_at": 0.0}))
+        link = s.app.signature("e2e.echo").set(task_id=link_id)
+        job_id = s.app.tasks["e2e.slow_success"].apply_async(link=link).id
+        worker.wait_for_log(r"Soft time limit \([\d.]+s\) exceeded for e2e\.slow_success")
+        blocking.rollback()
+
+    # Then the limit is not raised into Celery's work: the caller gets SUCCESS, as the table
+    # says, and the link runs with the result
+    job = s.wait_finished(job_id, timeout=20)
+    assert (job.state, job.result) == ("done", "ok"), job
+    result = s.app.AsyncResult(job_id)
+    wait_for(lambda: result.state != "PENDING", timeout=10, what="the job's result")
+    assert (result.state, result.result) == ("SUCCESS", "ok"), (result.state, worker.log_tail(30))
+    assert s.wait_finished(link_id, timeout=20).result == "ok"
+    assert "came after it returned" in worker.log_text()
 
 
 # -- 5. a trigger of a lease key whose job ends before it starts ---------------------------------

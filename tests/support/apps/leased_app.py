@@ -18,7 +18,15 @@ Tasks (all write the unit log, see ``tests/support/unit_log.py``):
 - ``e2e.time_limited(pause)``: ``soft_time_limit=1``; checkpoints ``{"next": n}`` in a loop
   (``pause`` seconds apart) until the limit, catches ``SoftTimeLimitExceeded`` and saves a last
   checkpoint ``{"next": n, "last": True, "landed": where}``, ``where`` being ``"checkpoint"``
-  when the limit interrupted a checkpoint, else ``"pause"``. Returns that last checkpoint.
+  when the limit interrupted a checkpoint, else ``"pause"``; then cleans up for ``cleanup``
+  seconds (a sleep) and returns that last checkpoint.
+- ``e2e.retry_at(marker)``: ``soft_time_limit=1``; its first attempt saves a checkpoint in a
+  transaction of its own (so its retry is held back until the body has raised), waits for the
+  file ``marker``, then asks for a retry (``self.retry(countdown=0)``); a later attempt returns
+  its checkpoint.
+- ``e2e.slow_success()``: ``soft_time_limit=1``; returns ``"ok"`` at once (for a limit that
+  comes in Celery's own work after it: publishing its links).
+- ``e2e.echo(value)``: returns ``value`` (a link's target).
 """
 
 from __future__ import annotations
@@ -173,7 +181,7 @@ def make_app(
         soft_time_limit=1,
         time_limit=60,
     )
-    def time_limited(self: Task, pause: float) -> dict[str, object]:
+    def time_limited(self: Task, pause: float, cleanup: float = 0.0) -> dict[str, object]:
         done = (self.lease.checkpoint or {}).get("next", 0)
         where = "pause"
         try:
@@ -186,7 +194,40 @@ def make_app(
         except SoftTimeLimitExceeded:
             last = {"next": done, "last": True, "landed": where}
             self.checkpoint(last)
+            time.sleep(cleanup)
             return last
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name="e2e.retry_at",
+        soft_time_limit=1,
+        time_limit=60,
+    )
+    def retry_at(self: Task, marker: str) -> object:
+        if self.lease.checkpoint is not None:
+            return self.lease.checkpoint
+        with log.engine.begin() as connection:  # the retry is then held back to the end
+            self.checkpoint({"asked": "retry"}, connection=connection)
+        while not os.path.exists(marker):
+            time.sleep(0.01)
+        raise self.retry(countdown=0)
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name="e2e.slow_success",
+        soft_time_limit=1,
+        time_limit=60,
+    )
+    def slow_success(self: Task) -> str:
+        return "ok"
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="e2e.echo")
+    def echo(self: Task, value: object) -> object:
+        return value
 
     return app
 
