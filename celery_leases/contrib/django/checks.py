@@ -126,7 +126,7 @@ def check_reaper(app_configs: Any = None, **_: Any) -> list[checks.CheckMessage]
                 id="celery_leases.E006",
             )
         ]
-    if not uses_leases(app) or reaper_scheduled(app):
+    if app is None or not uses_leases(app) or reaper_scheduled(app):
         return []
     hint = (
         f"call celery_leases.schedule_reaper(app, every=10.0) in your celery module, and run "

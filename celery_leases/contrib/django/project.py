@@ -20,11 +20,12 @@ from ...errors import ConfigurationError
 APP_SETTING = "CELERY_LEASES_APP"
 
 
-def celery_app() -> Any:
+def celery_app() -> Any | None:
     """The project's Celery app (``CELERY_LEASES_APP``, else Celery's current app after
-    importing ``<settings package>.celery``). Raises :class:`ConfigurationError` when
-    ``CELERY_LEASES_APP`` names nothing importable or not a Celery app."""
-    from celery import Celery, current_app
+    importing ``<settings package>.celery``; None when no app was made). Raises
+    :class:`ConfigurationError` when ``CELERY_LEASES_APP`` names nothing importable or not a
+    Celery app."""
+    from celery import Celery, _state, current_app
     from django.conf import settings
 
     path = getattr(settings, APP_SETTING, None)
@@ -38,6 +39,8 @@ def celery_app() -> Any:
     module = _celery_module()
     if module is not None:
         importlib.import_module(module)
+    if _state._tls.current_app is None and _state.default_app is None:
+        return None  # no app was made: current_app would be an empty one made now
     return current_app._get_current_object()
 
 
@@ -66,4 +69,13 @@ def _celery_module() -> str | None:
         return None
 
 
-__all__ = ["APP_SETTING", "celery_app"]
+def missing_app_hint() -> str:
+    """What to do when :func:`celery_app` finds no app."""
+    package = os.environ.get("DJANGO_SETTINGS_MODULE", "proj.settings").rpartition(".")[0]
+    return (
+        f"set {APP_SETTING} = 'proj.celery.app' in Django's settings (no Celery app was "
+        f"made by Django's start or by importing {package or 'proj'}.celery)"
+    )
+
+
+__all__ = ["APP_SETTING", "celery_app", "missing_app_hint"]
