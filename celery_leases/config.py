@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .errors import ConfigurationError
@@ -119,8 +119,9 @@ _CHANGE_KEYS: dict[str | None, tuple[str, ...]] = {}
 
 _LEASES_KEY = re.compile(r"^(?P<prefix>[a-z0-9_]*?_)?leases_(?P<name>\w+)$", re.IGNORECASE)
 #: ``leases_*`` settings read by an integration rather than ``Settings``: the Django database
-#: alias (``CELERY_LEASES_DATABASE_ALIAS``, ``celery_leases.contrib.django``).
-READ_ELSEWHERE = ("database_alias",)
+#: alias (``CELERY_LEASES_DATABASE_ALIAS``) and the project's Celery app (``CELERY_LEASES_APP``)
+#: of ``celery_leases.contrib.django``.
+READ_ELSEWHERE = ("database_alias", "app")
 
 
 def unread_settings(app: Any) -> list[str]:
@@ -130,10 +131,16 @@ def unread_settings(app: Any) -> list[str]:
     ``CELERY``). Empty when every such key is read. Keys with any other prefix
     (``myapp_leases_x``) are not celery-leases' and are left alone."""
     conf = loaded_conf(app)
-    prefix = conf.prefix or ""
+    return unread_keys({str(k) for k in conf}, prefix=conf.prefix or "")
+
+
+def unread_keys(keys: Iterable[str], *, prefix: str = "") -> list[str]:
+    """What :func:`unread_settings` finds wrong in ``keys``, the keys of a configuration that
+    Celery reads with the namespace ``prefix`` (``"CELERY_"`` for
+    ``config_from_object("django.conf:settings", namespace="CELERY")``; ``""``: none)."""
     ours = {"", "celery_", prefix.lower()}
     problems = []
-    for key in sorted({str(k) for k in conf}):
+    for key in sorted(set(keys)):
         found = _LEASES_KEY.match(key)
         if found is None or (found["prefix"] or "").lower() not in ours:
             continue
@@ -210,6 +217,7 @@ __all__ = [
     "register_default_url",
     "reread_settings",
     "settings_for",
+    "unread_keys",
     "unread_settings",
     "uses_leases",
 ]

@@ -212,6 +212,16 @@ def _current_reap_task() -> Any:
 reap_task: Any = Proxy(_current_reap_task)
 
 
+def reaper_scheduled(app: Any) -> bool:
+    """Whether ``app``'s beat schedule (``beat_schedule``, where :func:`schedule_reaper` adds
+    it) runs ``celery_leases.reap``. Entries a scheduler keeps elsewhere (django-celery-beat's
+    database) are not seen."""
+    schedule = app.conf.beat_schedule or {}
+    return any(
+        isinstance(entry, dict) and entry.get("task") == REAP_TASK for entry in schedule.values()
+    )
+
+
 def schedule_reaper(app: Any, every: float = 10.0, *, queue: str | None = None) -> None:
     """Add ``celery_leases.reap`` to ``app``'s beat schedule every ``every`` seconds.
 

@@ -19,13 +19,18 @@ from sqlalchemy.exc import ArgumentError
 
 from .errors import ConfigurationError
 
+#: A setting's check: ``check(key, value)`` returns the value to keep or raises
+#: ``ConfigurationError`` naming ``key``, the setting as the user wrote it (``leases_duration``,
+#: ``CELERY_LEASES_DURATION``).
 Check = Callable[[str, Any], Any]
+#: How a setting is named in messages, from its name without the prefix (``duration``).
+Spelling = Callable[[str], str]
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,47}$")
 
 
 def _fail(name: str, what: str, value: Any) -> ConfigurationError:
-    return ConfigurationError(f"leases_{name} must be {what}, not {value!r}")
+    return ConfigurationError(f"{name} must be {what}, not {value!r}")
 
 
 def seconds(name: str, value: Any) -> float:
@@ -60,7 +65,7 @@ def database_url(name: str, value: Any) -> str:
     except (ArgumentError, ValueError):  # ValueError: a port that is not a number
         pass
     raise ConfigurationError(
-        f"leases_{name} must be an SQLAlchemy URL such as 'postgresql+psycopg://host/db', "
+        f"{name} must be an SQLAlchemy URL such as 'postgresql+psycopg://host/db', "
         f"not {redact(value)!r}"
     )
 
@@ -200,12 +205,18 @@ DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Settings)}
 TASK_OPTIONS = tuple(f.name for f in fields(Settings) if f.metadata["per_task"])
 
 
-def validate(raw: dict[str, Any], *, where: str = "") -> Settings:
-    """Check raw values (names without the ``leases_`` prefix) and build Settings."""
+def celery_key(name: str) -> str:
+    """The setting ``name`` as a Celery app's configuration spells it: ``leases_<name>``."""
+    return f"leases_{name}"
+
+
+def validate(raw: dict[str, Any], *, where: str = "", spell: Spelling = celery_key) -> Settings:
+    """Check raw values (names without the ``leases_`` prefix) and build Settings; an error
+    names the setting as ``spell`` writes it (default ``leases_<name>``)."""
     values: dict[str, Any] = {}
     for f in fields(Settings):
         try:
-            values[f.name] = f.metadata["check"](f.name, raw.get(f.name, f.default))
+            values[f.name] = f.metadata["check"](spell(f.name), raw.get(f.name, f.default))
         except ConfigurationError as exc:
             raise ConfigurationError(f"{where}{exc}") from None
     values["engine_options"] = values["engine_options"] or {}
@@ -213,13 +224,31 @@ def validate(raw: dict[str, Any], *, where: str = "") -> Settings:
     renew = values["renew_interval"] or duration / 3
     if renew >= duration:
         raise ConfigurationError(
-            f"{where}leases_renew_interval ({renew:g} s) must be shorter than "
-            f"leases_duration ({duration:g} s), or every lease expires before it is renewed"
+            f"{where}{spell('renew_interval')} ({renew:g} s) must be shorter than "
+            f"{spell('duration')} ({duration:g} s), or every lease expires before it is renewed"
         )
     values["renew_interval"] = renew
     if values["reap_grace"] is None:
         values["reap_grace"] = max(duration, 5.0)
     return Settings(**values)
+
+
+def problems(raw: dict[str, Any], *, spell: Spelling = celery_key) -> list[str]:
+    """Every reason :func:`validate` would refuse ``raw``, one per impossible setting (then
+    the ones between settings), each naming its setting as ``spell`` writes it; empty when
+    it accepts them."""
+    found = []
+    for f in fields(Settings):
+        try:
+            f.metadata["check"](spell(f.name), raw.get(f.name, f.default))
+        except ConfigurationError as exc:
+            found.append(str(exc))
+    if not found:
+        try:
+            validate(raw, spell=spell)
+        except ConfigurationError as exc:
+            found.append(str(exc))
+    return found
 
 
 def redact(url: Any) -> str:
@@ -253,7 +282,9 @@ __all__ = [
     "DEFAULTS",
     "TASK_OPTIONS",
     "Settings",
+    "celery_key",
     "markdown_table",
+    "problems",
     "redact",
     "validate",
 ]

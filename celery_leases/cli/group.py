@@ -4,6 +4,7 @@ and how an error becomes one line and an exit code."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import click
@@ -110,10 +111,32 @@ def leases() -> None:
     """celery-leases jobs of the -A app: celery -A proj leases COMMAND."""
 
 
+@dataclass(frozen=True)
+class Host:
+    """The group run by another command line than ``celery`` (``manage.py leases``): the
+    root context's ``obj``, in place of Celery's."""
+
+    #: The Celery app the commands act for.
+    app: Any
+    #: How a user runs the group, for the hints commands print (``python manage.py leases``).
+    command: str
+    no_color: bool = False
+
+
+def cli_command() -> str:
+    """How the user runs this group, for hints: ``celery -A proj leases``, or the host's."""
+    root = click.get_current_context().find_root()
+    if isinstance(root.obj, Host):
+        return root.obj.command
+    return f"celery -A {root.params.get('app')} leases"
+
+
 def cli_app() -> Any:
     """The -A app; without -A (or APP / CELERY_APP) celery hands plugins an empty default app."""
     ctx = click.get_current_context()
     root = ctx.find_root()
+    if isinstance(root.obj, Host):
+        return root.obj.app
     if root.params.get("app") is None:
         fail(
             ctx,
@@ -157,9 +180,11 @@ def find_job(store: Store, text: str) -> Job:
 __all__ = [
     "MIN_PREFIX",
     "Duration",
+    "Host",
     "JobId",
     "LeaseKey",
     "cli_app",
+    "cli_command",
     "cli_settings",
     "cli_store",
     "fail",

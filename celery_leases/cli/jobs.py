@@ -12,7 +12,7 @@ from kombu.utils import json as kombu_json
 from ..db import Store, store_for
 from ..db.schema import CANCELLED, FAILED, RUNNING, STATES
 from ..errors import StoreUnavailable
-from .group import JobId, cli_app, cli_settings, find_job
+from .group import JobId, cli_app, cli_command, cli_settings, find_job
 from .view import (
     JOB_COLUMNS,
     JobFacts,
@@ -139,9 +139,8 @@ def show(job_id: str, as_json: bool) -> None:
         for text in json.dumps(job.checkpoint, indent=2, ensure_ascii=False).splitlines():
             click.echo(f"  {text}")
     if job.state in (FAILED, CANCELLED):
-        app = click.get_current_context().find_root().params.get("app")
         again = "to resume it" if job.checkpoint is not None else "to run it again"
-        click.echo(f"{again}: celery -A {app} leases retry {job.id}")
+        click.echo(f"{again}: {cli_command()} retry {job.id}")
 
 
 def _compact(value: Any) -> str:

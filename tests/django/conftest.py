@@ -48,7 +48,13 @@ class Shop:
         return env | self.env | extra
 
     def manage(self, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
+        done = self.try_manage(*args, **extra)
+        assert done.returncode == 0, f"manage.py {' '.join(args)}: {done.stderr}"
+        return done
+
+    def try_manage(self, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        """``manage.py args``, whatever its exit code (``extra``: environment variables)."""
+        return subprocess.run(
             [sys.executable, "manage.py", *args],
             cwd=PROJECT,
             env=self.environment(**extra),
@@ -56,8 +62,6 @@ class Shop:
             text=True,
             timeout=180,
         )
-        assert done.returncode == 0, f"manage.py {' '.join(args)}: {done.stderr}"
-        return done
 
     def run(
         self,

@@ -14,7 +14,8 @@ from celery import Celery
 from celery_leases import ConfigurationError, LeasedTask
 from celery_leases.config import settings_for
 from celery_leases.db.store import Store
-from celery_leases.settings import DEFAULTS, Settings, markdown_table, validate
+from celery_leases.reaper import reaper_scheduled, schedule_reaper
+from celery_leases.settings import DEFAULTS, Settings, markdown_table, problems, validate
 
 
 def settings(**overrides: Any) -> Settings:
@@ -187,3 +188,36 @@ def test_the_docs_table_lists_every_setting_as_it_is_declared(
     # The page shows the table Sphinx renders from the declaration at each build.
     assert "{{ settings_table }}" in page
     assert conf["myst_substitutions"]["settings_table"] == markdown_table()
+
+
+def test_problems_lists_every_impossible_setting_under_the_name_the_user_wrote() -> None:
+    def django(name: str) -> str:
+        return f"CELERY_LEASES_{name.upper()}"
+
+    raw = DEFAULTS | {"duration": -1, "table": "no-dashes"}
+
+    found = problems(raw, spell=django)
+    between = problems(DEFAULTS | {"duration": 30, "renew_interval": 60}, spell=django)
+
+    assert found == [
+        "CELERY_LEASES_TABLE must be a plain SQL identifier (letters, digits, _), not 'no-dashes'",
+        "CELERY_LEASES_DURATION must be a positive number, not -1",
+    ]
+    assert between == [
+        "CELERY_LEASES_RENEW_INTERVAL (60 s) must be shorter than CELERY_LEASES_DURATION "
+        "(30 s), or every lease expires before it is renewed"
+    ]
+    assert problems(DEFAULTS) == []
+    with pytest.raises(ConfigurationError, match=r"^CELERY_LEASES_DURATION must be a positive"):
+        validate(raw | {"table": "jobs"}, spell=django)
+
+
+def test_reaper_scheduled_says_whether_beat_schedule_runs_the_reaper() -> None:
+    app = Celery("reaper_scheduled", set_as_current=False)
+    app.conf.beat_schedule = {"other": {"task": "billing.invoice", "schedule": 60}}
+    assert not reaper_scheduled(app)
+
+    schedule_reaper(app, every=10.0)
+
+    assert reaper_scheduled(app)
+    assert "other" in app.conf.beat_schedule

@@ -8,7 +8,7 @@ import pytest
 from celery import Celery
 
 from celery_leases import ConfigurationError, LeasedTask
-from celery_leases.config import settings_for, unread_settings
+from celery_leases.config import settings_for, unread_keys, unread_settings
 
 
 def app_with(**settings: object) -> Celery:
@@ -121,4 +121,21 @@ def test_a_mistyped_task_option_is_refused_when_the_task_is_made() -> None:
 
     assert str(raised.value).startswith(
         "task 'tests.typo': unknown task option lease_duraton (did you mean lease_duration?)"
+    )
+
+
+def test_keys_of_any_configuration_are_checked_as_celery_would_read_them() -> None:
+    # Django's settings, as the system checks read them (no Celery app made)
+    keys = ["CELERY_LEASES_DURATON", "CELERY_LEASES_TABLE", "LEASES_RETENTION", "DEBUG"]
+
+    found = unread_keys(keys, prefix="CELERY_")
+
+    assert found == [
+        "unknown setting CELERY_LEASES_DURATON (did you mean CELERY_LEASES_DURATION?): "
+        "celery-leases has no such setting",
+        "setting LEASES_RETENTION is never read (with the namespace CELERY, Celery reads "
+        "CELERY_LEASES_RETENTION or leases_retention)",
+    ]
+    assert (
+        unread_keys(["CELERY_LEASES_DATABASE_ALIAS", "CELERY_LEASES_APP"], prefix="CELERY_") == []
     )

@@ -10,7 +10,7 @@ from django.db.models.signals import post_migrate
 
 from ...config import register_default_url
 from ...db.joined import register_ambient, register_unwrap
-from . import transaction
+from . import checks, transaction
 from .database import default_url
 
 
@@ -26,6 +26,7 @@ class LeasesConfig(AppConfig):
         # Without leases_database_url, the leases live in the project's own database, and
         # the fenced writes of a task join its transaction.atomic() blocks there.
         register_default_url(default_url)
+        checks.register()
         register_ambient(transaction.ambient)
         register_unwrap(transaction.unwrap)
         task_postrun.connect(release_after_task, weak=False)

@@ -49,7 +49,7 @@ def url_for(name: str) -> str:
     options = dict(config.get("OPTIONS") or {})
     if engine == "django.db.backends.sqlite3":
         path = str(config["NAME"])
-        if path == ":memory:" or "mode=memory" in path:
+        if in_memory(config):
             raise ConfigurationError(
                 f"database {name!r} is an in-memory SQLite database, which no second "
                 f"connection can see: give it a file (in tests: DATABASES[...]['TEST']['NAME'])"
@@ -71,6 +71,14 @@ def url_for(name: str) -> str:
     raise ConfigurationError(
         f"database {name!r} uses {engine}, which celery-leases does not support: set "
         f"CELERY_LEASES_DATABASE_URL (PostgreSQL, MariaDB/MySQL or SQLite)"
+    )
+
+
+def in_memory(config: dict[str, Any]) -> bool:
+    """Whether the ``DATABASES`` entry ``config`` is an in-memory SQLite database."""
+    path = str(config.get("NAME"))
+    return config.get("ENGINE") == "django.db.backends.sqlite3" and (
+        path == ":memory:" or "mode=memory" in path
     )
 
 
@@ -133,15 +141,24 @@ def in_django_database(url: str) -> bool:
     return url == url_for(alias())
 
 
-def settings() -> Settings:
-    """The leases settings as the Celery app reads them from Django's (``CELERY_LEASES_*``)."""
+def django_key(name: str) -> str:
+    """The Django setting of ``leases_<name>``: ``CELERY_LEASES_<NAME>``."""
+    return f"CELERY_LEASES_{name.upper()}"
+
+
+def raw_settings() -> dict[str, Any]:
+    """The ``CELERY_LEASES_*`` Django settings by name (``duration``), unchecked; each one
+    unset is at its default."""
     from django.conf import settings as django
 
-    raw = {
-        name: getattr(django, f"CELERY_LEASES_{name.upper()}", d) for name, d in DEFAULTS.items()
-    }
+    return {name: getattr(django, django_key(name), d) for name, d in DEFAULTS.items()}
+
+
+def settings() -> Settings:
+    """The leases settings as the Celery app reads them from Django's (``CELERY_LEASES_*``)."""
+    raw = raw_settings()
     raw["database_url"] = leases_url()
-    return validate(raw)
+    return validate(raw, spell=django_key)
 
 
 def store() -> Store:
