@@ -7,6 +7,7 @@ the body makes are ``checkpoint.py``'s.
 
 from __future__ import annotations
 
+import logging
 import random
 import traceback
 from collections.abc import Callable
@@ -15,7 +16,6 @@ from typing import Any, NoReturn, TypeVar
 
 from billiard.exceptions import SoftTimeLimitExceeded
 from celery.exceptions import Ignore, Reject, Retry
-from celery.utils.log import get_task_logger
 
 from . import keys, metrics
 from .checkpoint import lost_commits
@@ -43,7 +43,7 @@ from .worker.limits import body_over
 
 T = TypeVar("T")
 
-logger = get_task_logger("celery_leases")
+logger = logging.getLogger("celery_leases")
 
 #: Times a job whose transaction keeps losing to concurrent ones runs again before it fails.
 CONFLICT_TRIES = 8

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any, NoReturn
-
-from celery.utils.log import get_task_logger
 
 from . import event, metrics
 from .db import rows
@@ -16,7 +15,7 @@ from .lease import Lease, until_deadline
 from .log import job_fields, lease_fields
 from .signals import checkpoint_saved
 
-logger = get_task_logger("celery_leases")
+logger = logging.getLogger("celery_leases")
 
 
 def save(

@@ -6,22 +6,22 @@ with ``celery -A proj leases reap``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Task, current_app, states
 from celery.local import Proxy
-from celery.utils.log import get_task_logger
 
 from . import keys, metrics, worker
 from .config import mark_uses_leases, settings_for
 from .db import store_for
 from .db.schema import REVOKED
 from .errors import LeaseError
-from .log import job_fields
+from .log import QuietPasses, job_fields, quiet
 from .notice import announce_pending
 
-logger = get_task_logger("celery_leases.reaper")
+logger = logging.getLogger("celery_leases.reaper")
 
 #: Largest number of batches one pass handles, so a pass always ends.
 MAX_BATCHES = 100
@@ -54,6 +54,10 @@ class ReapReport:
     #: older releases kept on ended jobs, started.
     followups: list[str] = field(default_factory=list)
     purged: int = 0
+
+    def acted(self) -> bool:
+        """Whether the pass did anything."""
+        return any(self.as_dict().values())
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -167,9 +171,16 @@ def start_followups(app: Any, store: Any, *, batch: int) -> list[str]:
     return done
 
 
+#: Celery's lines about reaper passes that did nothing go to DEBUG (``log.QuietPasses``).
+QUIET_PASSES = QuietPasses(REAP_TASK)
+
+
 def _reap_pass(self: Any) -> dict[str, Any]:
     """One reaper pass, as a task for celery beat."""
-    return reap(self.app).as_dict()
+    report = reap(self.app)
+    if not report.acted():
+        QUIET_PASSES.idle_pass(str(self.request.id))
+    return report.as_dict()
 
 
 class ReaperTask(Task):  # type: ignore[misc]
@@ -194,6 +205,7 @@ def register_reaper(app: Any) -> None:
     """
     mark_uses_leases(app)
     worker.connect()
+    quiet(QUIET_PASSES)
     if REAP_TASK in app._tasks or app.__dict__.get("_celery_leases_reaper"):
         return
     app.__dict__["_celery_leases_reaper"] = True

@@ -9,6 +9,7 @@ with an SQLite store.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 from collections.abc import Callable
@@ -171,7 +172,23 @@ def test_a_killed_workers_job_resumes_at_the_next_reaper_pass_not_at_its_lease_e
     job_id = f"bound-{os.urandom(4).hex()}"
     _, runs, row = crash_and_resume(s, job_id, crash=kill_worker)
     assert s.worker_of(runs[1].first) is not s.worker_of(row)
-    assert f"job {job_id}: its holder's database session is gone" in s.logs()
+    logs = s.logs()
+    assert f"job {job_id}: its holder's database session is gone" in logs
+
+    # And of Celery's lines about reaper passes (one a second), only the success of a pass
+    # that acted is left at INFO: no "received", no beat "Sending due task", no idle success
+    succeeded = re.findall(r"Task celery_leases\.reap\[[^\]]+\] succeeded in [^:]+: (.*)", logs)
+    assert succeeded, "no pass that acted logged its success"
+    assert not any(_idle_report(line) for line in succeeded), succeeded
+    assert not re.search(r"Task celery_leases\.reap\[[^\]]+\] received", logs)
+    assert "(celery_leases.reap)" not in logs
+    # and the library's lines outside a task carry no task prefix Celery cannot fill
+    assert "???[???]" not in logs
+
+
+def _idle_report(line: str) -> bool:
+    """A reaper pass's report (its repr, as Celery logs it) that says it did nothing."""
+    return re.sub(r"'purged': 0", "", line).count("[]") == 7 and "'purged': 0" in line
 
 
 @pytest.mark.parametrize("database_url", ["pgbouncer"], indirect=True)
