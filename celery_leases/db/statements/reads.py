@@ -54,16 +54,14 @@ class Reads:
             .limit(param("cap", sa.Integer()))
             .subquery()
         )
-        newest = (t.c.created_at.desc(),)
+        newest, limit = t.c.created_at.desc(), param("limit", sa.Integer())
         #: The newest ``b_limit`` jobs of state ``b_state``.
-        self.newest = self.select_jobs(t.c.state == param("state"))
-        self.newest = self.newest.order_by(*newest).limit(param("limit", sa.Integer()))
+        self.newest = self.select_jobs(t.c.state == param("state")).order_by(newest).limit(limit)
         #: The newest ``b_limit`` jobs of state ``b_state`` and task ``b_task``.
-        self.newest_of_task = self.select_jobs(
-            t.c.task == param("task"), t.c.state == param("state")
-        )
-        self.newest_of_task = self.newest_of_task.order_by(*newest).limit(
-            param("limit", sa.Integer())
+        self.newest_of_task = (
+            self.select_jobs(t.c.task == param("task"), t.c.state == param("state"))
+            .order_by(newest)
+            .limit(limit)
         )
 
     def select_jobs(self, *where: Any) -> sa.Select[Any]:
