@@ -138,6 +138,63 @@ def finish(store: Store, job_id: str, token: int) -> None:
         raise RuntimeError(f"finish of {job_id} refused")
 
 
+def trigger(store: Store, job_id: str, key: str) -> str:
+    """Record a trigger of lease key ``key`` as a client publishing it would; the outcome
+    (``coalesced`` when a live job holds the key)."""
+    _messages[job_id] = job_message(job_id, TASK, leases_key=key)
+    return store.register(_messages[job_id]).outcome
+
+
+def list_jobs(store: Store, states: Sequence[str] = (), task: str | None = None) -> int:
+    """``leases list``'s read of the newest 50 jobs; how many it found."""
+    return len(store.list_jobs(states=states, task=task, limit=50))
+
+
+def count_states(store: Store, cap: int | None) -> dict[str, int]:
+    """``leases list``'s counts (``cap``) or the whole table's (None: the metrics')."""
+    return store.count_by_state() if cap is None else store.count_states(cap=cap).counts
+
+
+def ids_starting_with(store: Store, prefix: str) -> list[str]:
+    return store.ids_starting_with(prefix, limit=5)
+
+
+def reaper_steps(app: Any) -> dict[str, Callable[[], Any]]:
+    """The store calls of one reaper pass (``celery_leases.reaper.reap``), one by one, as the
+    pass makes them (the settling of waiting triggers: ``keys.settle`` of each key
+    ``pending_keys`` names); the publishes a pass would make are left out."""
+    from celery_leases import keys
+    from celery_leases.config import settings_for
+    from celery_leases.db import store_for
+
+    settings = settings_for(app)
+    store, batch = store_for(settings), settings.reap_batch
+    return {
+        "expire_orphaned": lambda: store.expire_orphaned(batch=batch),
+        "release_stale": store.release_stale,
+        "collect_expired": lambda: store.collect_expired(
+            batch=batch,
+            grace=settings.reap_grace,
+            max_stalled=settings.max_attempts_without_progress,
+            max_attempts=settings.max_attempts,
+        ),
+        "pending_keys + settle each": lambda: [
+            keys.settle(app, store, key) for key in store.pending_keys(batch=batch)
+        ],
+        "followups_pending": lambda: store.followups_pending(batch=batch),
+        "take_notices": lambda: store.take_notices(batch=batch),
+        "purge_all (none past retention)": lambda: store.purge_all(
+            older_than=settings.retention, batch=batch
+        ),
+        "prune_holders": lambda: store.prune_holders(idle=3600.0),
+    }
+
+
+def purge(store: Store, older_than: float, batch: int) -> int:
+    """One batch of the reaper's retention purge (one transaction); the jobs deleted."""
+    return store.purge(older_than=older_than, batch=batch)
+
+
 # -- the measurement ----------------------------------------------------------------------
 
 #: The baseline's rows: one for checkpoints (its text grows as the library's does), one for

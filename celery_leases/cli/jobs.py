@@ -14,11 +14,13 @@ from ..db.schema import CANCELLED, FAILED, RUNNING, STATES
 from ..errors import StoreUnavailable
 from .group import JobId, cli_app, cli_command, cli_settings, find_job
 from .view import (
+    COUNT_CAP,
     JOB_COLUMNS,
     JobFacts,
     Output,
     counts_text,
     job_table,
+    jobs_count,
     span,
     stall_note,
 )
@@ -41,7 +43,8 @@ def list_jobs(states: tuple[str, ...], task: str | None, limit: int, as_json: bo
     """List jobs, newest first, with lease, checkpoint age and progress.
 
     LEASE is the time left on a running job's lease, CKPT the age of its last checkpoint,
-    TRY its attempts; IDs are short prefixes, accepted by the other commands.
+    TRY its attempts; IDs are short prefixes, accepted by the other commands. A finished
+    state is counted up to 10,000 (shown as 10,000+), whatever the table holds.
     """
     settings = cli_settings()
     store = store_for(settings)
@@ -51,15 +54,15 @@ def list_jobs(states: tuple[str, ...], task: str | None, limit: int, as_json: bo
         click.echo(json.dumps([facts.as_dict(job) for job in jobs], indent=2))
         return
     out = Output()
-    counts = store.count_by_state()
-    total = sum(counts.values())
+    counts = store.count_states(cap=COUNT_CAP)
+    total = jobs_count(counts.total, bool(counts.capped))
     if jobs:
         for text in job_table(out, facts, jobs, JOB_COLUMNS, min_bar=8, max_bar=20):
             click.echo(text)
     stalled = sum(1 for job in jobs if job.state == RUNNING and facts.stalled(job))
     dot = " · " if out.unicode else ", "
     summary = dot.join([f"showing {len(jobs)} of {total} jobs", *counts_text(counts, stalled)])
-    click.echo(summary if total else "no jobs yet")
+    click.echo(summary if counts.total else "no jobs yet")
     for note in stall_note(facts, jobs):
         click.echo(note)
 
@@ -199,13 +202,13 @@ def watch_frame(
 ) -> list[str]:
     """One refresh of ``watch``: a summary line and the running jobs."""
     jobs = store.list_jobs(states=[RUNNING], limit=limit)
-    counts = store.count_by_state()
+    counts = store.count_states(cap=COUNT_CAP)
     stalled = sum(1 for job in jobs if facts.stalled(job))
     stamp = time.strftime("%H:%M:%S")
     title = f"celery leases watch: {store.table.name} at {stamp}, every {interval:g}s"
     lines = [
         out.style(title, "header") + " (Ctrl-C stops)",
-        ", ".join(counts_text(counts, stalled)) if counts else "no jobs",
+        ", ".join(counts_text(counts, stalled)) if counts.total else "no jobs",
         "",
     ]
     hidden = 0

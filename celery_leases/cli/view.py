@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from ..db import rows
-from ..db.rows import Job
+from ..db.rows import Job, StateCounts
 from ..db.schema import MAX_ID_LENGTH, RUNNING, STATES
 from ..settings import Settings
 
@@ -273,15 +273,26 @@ def job_table(
     return table(out, columns, rows)
 
 
-def counts_text(counts: dict[str, int], stalled: int) -> list[str]:
-    """``["1 queued", "4 running (1 stalled)", ...]``; running always, other states if any."""
+#: Each finished state is counted up to this many jobs by ``list`` and ``watch`` (shown as
+#: ``10,000+ done``): a count reads at most this many index entries, whatever the table holds.
+COUNT_CAP = 10_000
+
+
+def counts_text(counts: StateCounts, stalled: int) -> list[str]:
+    """``["1 queued", "4 running (1 stalled)", "10,000+ done", ...]``; running always, other
+    states if any; a capped count ends in ``+``."""
     parts = []
     for state in STATES:
-        n = counts.get(state, 0)
+        n = counts.counts.get(state, 0)
         if n or state == RUNNING:
             extra = f" ({stalled} stalled)" if state == RUNNING and stalled else ""
-            parts.append(f"{n} {state}{extra}")
+            parts.append(f"{jobs_count(n, state in counts.capped)} {state}{extra}")
     return parts
+
+
+def jobs_count(n: int, capped: bool) -> str:
+    """``n`` as ``list`` shows it: ``10,000+`` when at least that many."""
+    return f"{n:,}+" if capped else f"{n:,}"
 
 
 def stall_note(facts: JobFacts, jobs: Sequence[Job]) -> list[str]:

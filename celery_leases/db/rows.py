@@ -111,6 +111,20 @@ class Reaped:
     previous_owners: dict[str, str | None] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StateCounts:
+    """Jobs by state (a state without jobs is left out), as ``Store.count_states`` counts
+    them: ``capped`` are the states counted up to a bound, which hold at least their count."""
+
+    counts: dict[str, int]
+    capped: frozenset[str] = frozenset()
+
+    @property
+    def total(self) -> int:
+        """Every count added up: at least that many jobs when any state is capped."""
+        return sum(self.counts.values())
+
+
 def dumps(value: Any) -> str:
     """JSON text of a checkpoint; NaN and Infinity are refused (they are not JSON)."""
     return json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)

@@ -54,7 +54,8 @@ def jobs_table(
         return metadata.tables[name]
     text = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
     live = sa.text(KEY_HELD)
-    one_live_job_per_key = (dialect or Dialect("")).live_key_index(name, live)
+    family = dialect or Dialect("")
+    one_live_job_per_key = family.live_key_index(name, live)
     return sa.Table(
         name,
         metadata,
@@ -115,6 +116,12 @@ def jobs_table(
         sa.Index(f"ix_{name}_expiry", "state", "expires_at"),
         sa.Index(f"ix_{name}_finished", "finished_at"),
         sa.Index(f"ix_{name}_followup", "followup_id"),
+        # ``leases list`` and its counts: the newest jobs of each state, the newest of a task
+        # in each state; ``count_states`` counts a state up to a bound in the first.
+        sa.Index(f"ix_{name}_state_created", "state", "created_at"),
+        sa.Index(f"ix_{name}_task_created", "task", "state", "created_at"),
+        # An id prefix (``leases show 8597f7f3``) where the primary key cannot serve LIKE.
+        *family.id_prefix_index(name),
         sa.Index(
             f"ix_{name}_holder",
             "holder",

@@ -120,6 +120,21 @@ class Dialect:
             ),
         )
 
+    def id_prefix_index(self, table_name: str) -> tuple[sa.Index, ...]:
+        """An index that serves :meth:`id_prefix` where the primary key cannot (none: it
+        can)."""
+        return ()
+
+    def id_prefix(self, column: Any, pattern: Any) -> Any:
+        """SQL true for an id matching ``pattern`` (a value of :meth:`prefix_pattern`), in a
+        form the primary key or :meth:`id_prefix_index` serves. It may match ids in another
+        case too (a case-insensitive collation); the caller keeps the exact ones."""
+        return column.like(pattern, escape="\\")
+
+    def prefix_pattern(self, prefix: str) -> str:
+        """The pattern :meth:`id_prefix` matches ids starting with ``prefix`` by."""
+        return like_prefix(prefix)
+
     def holds_key(self, table: sa.Table, key: Any, live_states: Sequence[str]) -> Any:
         """SQL true for the job that holds the lease key ``key`` (a parameter): one index
         lookup. The states are literals in the text, as in the partial index's predicate: a
@@ -244,6 +259,11 @@ class Dialect:
         """The statements of an ``ALTER TABLE ... ADD COLUMN`` that waits at most 5 s for the
         table's lock, idempotent where the database can say so (a concurrent start)."""
         return [f"ALTER TABLE {table} ADD COLUMN {spec}"]
+
+
+def like_prefix(prefix: str) -> str:
+    """A LIKE pattern (escape character ``\\``) matching values that start with ``prefix``."""
+    return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
 def insert_unless_id_exists(insert: Any, table: sa.Table, values: dict[str, Any]) -> Any:

@@ -54,6 +54,17 @@ def _db_now(element: Any, compiler: Any, **kw: Any) -> str:
 class PostgreSQL(Dialect):
     names: ClassVar[tuple[str, ...]] = ("postgresql",)
 
+    def id_prefix_index(self, table_name: str) -> tuple[sa.Index, ...]:
+        # The primary key's btree serves LIKE only under the "C" collation; an index with
+        # the pattern operator class does under any (it compares bytes).
+        return (
+            sa.Index(
+                f"ix_{table_name}_id_prefix",
+                "id",
+                postgresql_ops={"id": "varchar_pattern_ops"},
+            ),
+        )
+
     # -- connecting --------------------------------------------------------------------------
 
     def engine_options(self) -> dict[str, Any]:

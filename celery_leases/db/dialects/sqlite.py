@@ -98,6 +98,15 @@ class SQLite(Dialect):
     # another did the same meanwhile.
     begin_sql: ClassVar[str] = "BEGIN IMMEDIATE"
 
+    def id_prefix(self, column: Any, pattern: Any) -> Any:
+        # LIKE ignores case here, so its prefix cannot use the primary key's index (of the
+        # BINARY collation); GLOB is case-sensitive and can.
+        return column.op("GLOB")(pattern)
+
+    def prefix_pattern(self, prefix: str) -> str:
+        special = {"*": "[*]", "?": "[?]", "[": "[[]"}
+        return "".join(special.get(char, char) for char in prefix) + "*"
+
     # -- connecting --------------------------------------------------------------------------
 
     def engine_options(self) -> dict[str, Any]:

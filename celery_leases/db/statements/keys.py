@@ -100,10 +100,12 @@ class Keys:
             )
             .limit(1)
         )
-        #: Keys with triggers waiting, the longest waiting first.
+        live_job = sa.exists().where(t.c.lease_key == k.c.lease_key, t.c.state.in_(LIVE_STATES))
+        #: Keys with triggers waiting and no live job, the longest waiting first: a live job
+        #: of the key settles them at its end, so a pass never settles a busy key in vain.
         self.pending_keys = (
             sa.select(k.c.lease_key)
-            .where(k.c.pending_id.is_not(None))
+            .where(k.c.pending_id.is_not(None), ~live_job)
             .order_by(k.c.pending_at)
             .limit(param("batch"))
         )

@@ -6,7 +6,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ..schema import version_table
+from ..schema import LIVE_STATES, version_table
 from .common import Parts, param
 
 #: Columns a reader never sees (internals of the claim and the key index).
@@ -31,15 +31,38 @@ class Reads:
         ]
         #: The job ``b_id``.
         self.job_by_id = self.select_jobs(p.by_id)
-        #: Ids starting with ``b_prefix_like`` (a LIKE pattern).
+        #: Ids starting with ``b_prefix`` (a pattern of ``Dialect.prefix_pattern``), through an
+        #: index; maybe also ids in another case.
         self.ids_starting_with = (
             sa.select(t.c.id)
-            .where(t.c.id.like(param("prefix_like"), escape="\\"))
+            .where(p.dialect.id_prefix(t.c.id, param("prefix")))
             .order_by(t.c.id)
-            .limit(param("limit"))
+            .limit(param("limit", sa.Integer()))
         )
-        #: How many jobs each state has.
+        #: How many jobs each state has (the whole table).
         self.count_by_state = sa.select(t.c.state, sa.func.count()).group_by(t.c.state)
+        #: How many jobs each live state has (through the state index: the live jobs only).
+        self.count_live = (
+            sa.select(t.c.state, sa.func.count())
+            .where(t.c.state.in_(sa.bindparam("live", list(LIVE_STATES), literal_execute=True)))
+            .group_by(t.c.state)
+        )
+        #: How many jobs state ``b_state`` has, counting at most ``b_cap`` (through its index).
+        self.count_up_to = sa.select(sa.func.count()).select_from(
+            sa.select(t.c.id)
+            .where(t.c.state == param("state"))
+            .limit(param("cap", sa.Integer()))
+            .subquery()
+        )
+        newest, limit = t.c.created_at.desc(), param("limit", sa.Integer())
+        #: The newest ``b_limit`` jobs of state ``b_state``.
+        self.newest = self.select_jobs(t.c.state == param("state")).order_by(newest).limit(limit)
+        #: The newest ``b_limit`` jobs of state ``b_state`` and task ``b_task``.
+        self.newest_of_task = (
+            self.select_jobs(t.c.task == param("task"), t.c.state == param("state"))
+            .order_by(newest)
+            .limit(limit)
+        )
 
     def select_jobs(self, *where: Any) -> sa.Select[Any]:
         """A SELECT of whole jobs (as ``rows.job`` reads them)."""

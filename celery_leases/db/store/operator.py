@@ -8,14 +8,10 @@ from typing import Any
 
 from ...errors import InvalidJobState, JobNotFound
 from .. import rows
-from ..rows import Job
-from ..schema import CANCELLED, FAILED
+from ..dialects.base import like_prefix
+from ..rows import Job, StateCounts
+from ..schema import CANCELLED, FAILED, FINISHED_STATES, STATES
 from .base import KeyTaken, StoreBase
-
-
-def like_prefix(prefix: str) -> str:
-    """A LIKE pattern (escape character ``\\``) matching values that start with ``prefix``."""
-    return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
 class Operator(StoreBase):
@@ -39,26 +35,47 @@ class Operator(StoreBase):
     def list_jobs(
         self, *, states: Iterable[str] = (), task: str | None = None, limit: int = 50
     ) -> list[Job]:
-        """Jobs, newest first, filtered by state and task name."""
-        t = self.table
-        where: list[Any] = []
-        if states:
-            where.append(t.c.state.in_(list(states)))
-        if task:
-            where.append(t.c.task == task)
-        stmt = self.sql.reads.select_jobs(*where).order_by(t.c.created_at.desc()).limit(limit)
-        return [rows.job(row._mapping) for row in self._run(lambda c: c.execute(stmt).all())]
+        """Jobs, newest first, filtered by state and task name: the newest ``limit`` of each
+        state asked (default: every state), each through an index, then the newest of those."""
+        reads = self.sql.reads
+        stmt = reads.newest_of_task if task else reads.newest
+        asked = list(dict.fromkeys(states)) or list(STATES)
+
+        def newest(c: Any) -> list[Any]:
+            params = {"b_task": task, "b_limit": limit}
+            return [r for s in asked for r in c.execute(stmt, params | {"b_state": s}).all()]
+
+        found = [rows.job(row._mapping) for row in self._run(newest)]
+        return sorted(found, key=lambda job: job.created_at, reverse=True)[:limit]
 
     def count_by_state(self) -> dict[str, int]:
-        """How many jobs the table holds in each state."""
+        """How many jobs the table holds in each state: every row is counted (a Prometheus
+        scrape's count; ``leases list`` uses :meth:`count_states`)."""
         return dict(self._run(lambda c: c.execute(self.sql.reads.count_by_state).all()))
+
+    def count_states(self, *, cap: int) -> StateCounts:
+        """How many jobs each state has: the live ones exactly, each finished one up to
+        ``cap`` (``capped``: those holding more, counted as ``cap``). Reads the live jobs'
+        index entries and at most ``cap + 1`` per finished state, whatever the table holds."""
+        reads = self.sql.reads
+
+        def count(c: Any) -> dict[str, int]:
+            counts = dict(c.execute(reads.count_live).all())
+            for state in FINISHED_STATES:
+                params = {"b_state": state, "b_cap": cap + 1}
+                counts[state] = c.execute(reads.count_up_to, params).scalar_one()
+            return {state: n for state, n in counts.items() if n}
+
+        counts = self._run(count)
+        capped = frozenset(s for s in FINISHED_STATES if counts.get(s, 0) > cap)
+        return StateCounts({s: min(n, cap) for s, n in counts.items()}, capped)
 
     def ids_starting_with(self, prefix: str, *, limit: int) -> list[str]:
         """Ids of up to ``limit`` jobs whose id starts with ``prefix`` (case-sensitive)."""
-        params = {"b_prefix_like": like_prefix(prefix), "b_limit": limit}
+        params = {"b_prefix": self.dialect.prefix_pattern(prefix), "b_limit": limit}
         stmt = self.sql.reads.ids_starting_with
         found = self._run(lambda c: c.execute(stmt, params).scalars().all())
-        # LIKE ignores case on SQLite and MySQL's default collations.
+        # MySQL's default collations ignore case.
         return [i for i in found if i.startswith(prefix)]
 
     def now(self) -> float:

@@ -130,7 +130,8 @@ class Triggers(StoreBase):
         return Settled(followup=followup if inserted else None)
 
     def pending_keys(self, *, batch: int) -> list[str]:
-        """Keys with triggers waiting, the longest waiting first."""
+        """Keys with triggers waiting and no queued or running job (which settles them when it
+        ends), the longest waiting first."""
         pending = self.sql.keys.pending_keys
         return [r[0] for r in self._run(lambda c: c.execute(pending, {"b_batch": batch}).all())]
 
