@@ -23,6 +23,9 @@ QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
 CANCELLED, REVOKED, REPLACED = "cancelled", "revoked", "replaced"
 STATES = (QUEUED, RUNNING, DONE, FAILED, CANCELLED, REVOKED, REPLACED)
 LIVE_STATES = (QUEUED, RUNNING)
+#: SQL true for a live job (a partial index's predicate: the statements that use the index
+#: write the states as literals, so that a generic plan can prove it).
+LIVE_PREDICATE = "state IN ('queued', 'running')"
 FINISHED_STATES = (DONE, FAILED, CANCELLED, REVOKED, REPLACED)
 
 #: Longest job (task) id the table holds; a longer one is refused, never truncated.
@@ -122,6 +125,7 @@ def jobs_table(
         sa.Index(f"ix_{name}_task_created", "task", "state", "created_at"),
         # An id prefix (``leases show 8597f7f3``) where the primary key cannot serve LIKE.
         *family.id_prefix_index(name),
+        *family.live_expiry_index(name, sa.text(LIVE_PREDICATE)),
         sa.Index(
             f"ix_{name}_holder",
             "holder",

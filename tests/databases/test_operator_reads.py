@@ -69,7 +69,7 @@ def analyze(c: sa.Connection, table: str) -> None:
     )
 
 
-def plan(store: Store, statement: Any, params: dict[str, Any]) -> str:
+def plan(store: Store, statement: Any, params: dict[str, Any], *, bitmaps: bool = True) -> str:
     """The database's plan of ``statement`` with ``params`` as one text. PostgreSQL is told
     to avoid scans of the whole table, which it would pick for a table this small anyway:
     a plan naming an index there means the index serves the query."""
@@ -81,6 +81,8 @@ def plan(store: Store, statement: Any, params: dict[str, Any]) -> str:
     with store.engine.begin() as c:
         if name == "postgresql":
             c.execute(sa.text("SET LOCAL enable_seqscan = off"))
+            if not bitmaps:
+                c.execute(sa.text("SET LOCAL enable_bitmapscan = off"))
         found = c.execute(sa.text(explain + str(compiled))).all()
     return "\n".join(" ".join(str(value) for value in row) for row in found)
 
@@ -198,3 +200,19 @@ def test_an_id_prefix_is_looked_up_in_an_index_of_the_ids(
         assert index(store, "id_prefix") in text and "Index Cond" in text, text
     else:
         assert " range " in f" {text} " and "PRIMARY" in text, text
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+def test_the_reapers_search_for_expired_leases_reads_the_live_jobs_by_expiry_in_order(
+    store: Store, filled: list[dict[str, Any]]
+) -> None:
+    # (SQLite and MariaDB search their expiry index, state and expires_at, a range per state)
+    # PostgreSQL told to avoid bitmaps, which this small a table favours: at 100,000 live jobs
+    # it read them all through one and sorted them (54 ms a pass)
+    statement = store.sql.reaper.expired_candidates.limit(10)
+    text = plan(store, statement, {}, bitmaps=False)
+
+    # The partial index of live jobs by expiry, read in order: nothing sorts the rows, and
+    # the search stops at its batch
+    assert index(store, "live_expiry") in text, text
+    assert "Sort" not in text, text

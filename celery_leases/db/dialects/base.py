@@ -125,6 +125,12 @@ class Dialect:
         can)."""
         return ()
 
+    def live_expiry_index(self, table_name: str, live: sa.TextClause) -> tuple[sa.Index, ...]:
+        """An index of the live jobs (``live``: SQL true for one) by the end of their lease
+        or wait, where the reaper's search for expired ones needs one besides
+        ``ix_<table>_expiry`` (state, expires_at), which serves it here (none)."""
+        return ()
+
     def id_prefix(self, column: Any, pattern: Any) -> Any:
         """SQL true for an id matching ``pattern`` (a value of :meth:`prefix_pattern`), in a
         form the primary key or :meth:`id_prefix_index` serves. It may match ids in another

@@ -54,6 +54,13 @@ def _db_now(element: Any, compiler: Any, **kw: Any) -> str:
 class PostgreSQL(Dialect):
     names: ClassVar[tuple[str, ...]] = ("postgresql",)
 
+    def live_expiry_index(self, table_name: str, live: sa.TextClause) -> tuple[sa.Index, ...]:
+        # The search's estimate of "expires_at <= (the clock)" is a third of the live jobs,
+        # so beside (state, created_at) PostgreSQL read every live job through a bitmap and
+        # sorted them (44 ms a pass at 100,000); a partial index read in order stops at the
+        # batch.
+        return (sa.Index(f"ix_{table_name}_live_expiry", "expires_at", postgresql_where=live),)
+
     def id_prefix_index(self, table_name: str) -> tuple[sa.Index, ...]:
         # The primary key's btree serves LIKE only under the "C" collation; an index with
         # the pattern operator class does under any (it compares bytes).

@@ -22,10 +22,12 @@ class Reaper:
         clock = sa.select(db_now()).scalar_subquery()
         #: SQL true for a live job whose lease (or wait) has expired.
         self.expired = sa.and_(t.c.state.in_(LIVE_STATES), t.c.expires_at <= now)
-        #: A batch of expired jobs, oldest expiry first, locked (skipping locked ones).
+        #: A batch of expired jobs, oldest expiry first, locked (skipping locked ones). The
+        #: states are literals in its text, as in ``ix_<table>_live_expiry``'s predicate.
+        live: Any = sa.bindparam("live", list(LIVE_STATES), literal_execute=True)
         self.expired_candidates = (
             sa.select(t.c.id, t.c.owner)
-            .where(t.c.state.in_(LIVE_STATES), t.c.expires_at <= clock)
+            .where(t.c.state.in_(live), t.c.expires_at <= clock)
             .order_by(t.c.expires_at)
             .limit(param("batch"))
             .with_for_update(skip_locked=True)

@@ -5,6 +5,10 @@
 - ``ix_<table>_task_created`` (``task``, ``state``, ``created_at``): ``leases list --task``.
 - PostgreSQL: ``ix_<table>_id_prefix`` (``id varchar_pattern_ops``): an id prefix (``leases
   show 8597f7f3``), which the primary key serves only under the "C" collation.
+- PostgreSQL: ``ix_<table>_live_expiry`` (``expires_at`` of the live jobs, a partial index):
+  the reaper's search for expired leases, read in order up to its batch. Without it,
+  PostgreSQL met ``state_created`` first and read every live job (54 ms a pass at 100,000
+  live jobs, against 0.07 ms with it).
 
 An index that already exists under its name is left as it is: on a large PostgreSQL table,
 create them by hand with ``CREATE INDEX CONCURRENTLY`` first (docs/operating.md), and this
@@ -20,6 +24,7 @@ import sqlalchemy as sa
 from alembic import op
 
 from celery_leases.db.migrations import table_name
+from celery_leases.db.schema import LIVE_PREDICATE
 
 revision = "0004"
 down_revision = "0003"
@@ -36,6 +41,8 @@ def indexes(name: str, dialect: str) -> list[tuple[str, list[Any], dict[str, Any
     if dialect == "postgresql":
         ops = {"postgresql_ops": {"id": "varchar_pattern_ops"}}
         made.append((f"ix_{name}_id_prefix", ["id"], ops))
+        live = {"postgresql_where": sa.text(LIVE_PREDICATE)}
+        made.append((f"ix_{name}_live_expiry", ["expires_at"], live))
     return made
 
 
