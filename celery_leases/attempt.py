@@ -10,11 +10,9 @@ from __future__ import annotations
 import logging
 import random
 import traceback
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, NoReturn, TypeVar
 
-from billiard.exceptions import SoftTimeLimitExceeded
 from celery.exceptions import Ignore, Reject, Retry
 
 from . import keys, metrics
@@ -34,7 +32,7 @@ from .errors import (
     StoreUnavailable,
     WriteConflict,
 )
-from .lease import Lease, holding, until_deadline
+from .lease import Lease, holding, queued_by, recorded, until_deadline
 from .log import job_fields, lease_fields
 from .message import CONFLICT_HEADER, DB_RETRY_HEADER, KEY_HEADER, Message
 from .process import owner_name
@@ -88,7 +86,6 @@ class Attempt:
         finally:
             if keeper is not None:
                 keeper.remove(lease)
-            body_over()  # a soft time limit from now on is Celery's to ignore
 
     def outer_transaction(self) -> Joined | None:
         """The transaction this attempt starts inside, on the leases' database (``db.joined``:
@@ -235,10 +232,19 @@ class Attempt:
 
     # -- how the attempt ends --------------------------------------------------------------
 
+    def body(self, args: Any, kwargs: Any) -> Any:
+        """The task's body. Once it has returned or raised, what follows is the record of the
+        attempt's end, the library's and then Celery's: a soft time limit from then on is
+        logged and ignored (``worker.limits``), or it would turn that end into another."""
+        try:
+            return self.task.run(*args, **kwargs)
+        finally:
+            body_over()
+
     def outcome(self, lease: Lease, args: Any, kwargs: Any) -> Any:
         store = self.store
         try:
-            result = self.task.run(*args, **kwargs)
+            result = self.body(args, kwargs)
             self.held_back(lease)
         except Retry:
             self.held_back(lease)
@@ -330,7 +336,7 @@ class Attempt:
         wait = self.settings.queued_timeout or self.settings.reap_grace
         try:
             state = recorded(
-                already=lambda: self.queued_by(lease),
+                already=lambda: queued_by(self.store, lease),
                 write=lambda: until_deadline(
                     lease,
                     lambda: self.store.hand_back_retry(
@@ -468,7 +474,7 @@ class Attempt:
         """Give the lease back; the job's state after it (None: not handed back)."""
         try:
             state = recorded(
-                already=lambda: self.queued_by(lease),
+                already=lambda: queued_by(self.store, lease),
                 write=lambda: self.store.hand_back(
                     lease.job_id, lease.token, reap_in=reap_in, connection=lease.joined
                 ),
@@ -489,17 +495,6 @@ class Attempt:
             self.ended(lease)
         return state
 
-    def queued_by(self, lease: Lease) -> str | None:
-        """After a hand-back a soft time limit interrupted and a second one refused: QUEUED if
-        the first was made (the server ran it before the cancel reached it: the job is queued
-        under this attempt's token, which only a hand-back of it or an expiry of its lease
-        leaves), else None. Outside a caller's transaction only (that one is gone)."""
-        if lease.joined is not None:
-            return None
-        job = self.store.get(lease.job_id)
-        mine = job is not None and job.state == QUEUED and job.token == lease.token
-        return QUEUED if mine else None
-
     def revoked(self, reason: str) -> None:
         """Store REVOKED for the job, as Celery does for a revoked task (chord part counted)."""
         request = self.request
@@ -511,24 +506,6 @@ class Attempt:
             logger.error(
                 "job %s: could not store REVOKED: %r", request.id, exc, extra=job_fields(request.id)
             )
-
-
-def recorded(write: Callable[[], T], already: Callable[[], T] | None = None) -> T:
-    """Run ``write``, the record of the attempt's end (done, failed, handed back for a retry
-    or at a stop); if a soft time limit lands inside it, run it again (once, on a new
-    connection: the interrupted one is closed): the body is over, and its end must be
-    recorded as it is, not as the limit. Done and failed are idempotent for their token (a
-    done job is done again), so a first write the server committed before the interruption
-    changes nothing. A hand-back is not (the second finds the job queued): when the second
-    write is refused, ``already`` tells whether the first was made."""
-    try:
-        return write()
-    except SoftTimeLimitExceeded:
-        logger.warning("the soft time limit came while the attempt's end was recorded; again")
-        outcome = write()
-        if not outcome and already is not None:
-            return already()
-        return outcome
 
 
 def _refusal_text(refused: Refused) -> str:

@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from billiard.exceptions import SoftTimeLimitExceeded
+
 from .errors import LeaseError, LeaseLost, StoreUnavailable, WriteConflict
 from .log import lease_fields
 
@@ -167,3 +169,33 @@ def until_deadline(
             logger.warning("%s: %s", waiting, exc, extra=lease_fields(lease))
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+
+def recorded(write: Callable[[], T], already: Callable[[], T] | None = None) -> T:
+    """Run ``write``, a record of how the attempt ends (done, failed, its lease handed back
+    for a retry or at a stop); if a soft time limit lands inside it, run it again (once, on
+    a new connection: the interrupted one is closed): the attempt's end must be recorded as
+    the task made it, not as the limit. Done and failed are idempotent for their token (a
+    done job is done again), so a first write the server committed before the interruption
+    changes nothing. A hand-back is not (the second finds the job queued): when the second
+    write is refused, ``already`` tells whether the first was made."""
+    try:
+        return write()
+    except SoftTimeLimitExceeded:
+        logger.warning("the soft time limit came while the attempt's end was recorded; again")
+        outcome = write()
+        if not outcome and already is not None:
+            return already()
+        return outcome
+
+
+def queued_by(store: Any, lease: Lease) -> str | None:
+    """After a hand-back a soft time limit interrupted and a second one refused: ``queued``
+    if the first was made (the server ran it before the cancel reached it: the job is queued
+    under this attempt's token, which only a hand-back of it or an expiry of its lease
+    leaves), else None. Outside a caller's transaction only (that one is gone)."""
+    if lease.joined is not None:
+        return None
+    job = store.get(lease.job_id)
+    mine = job is not None and job.state == "queued" and job.token == lease.token
+    return "queued" if mine else None

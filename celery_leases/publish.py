@@ -16,7 +16,8 @@ from typing import Any
 from celery import current_task
 
 from .errors import ArgumentsError, Cancelled, StoreUnavailable
-from .lease import held, until_deadline
+from .lease import held, queued_by, until_deadline
+from .lease import recorded as record_end
 from .log import job_fields
 from .message import KEY_HEADER, Message
 
@@ -187,13 +188,17 @@ class Recorder:
         wait = self.settings.queued_timeout or self.settings.reap_grace
         # Retried while the database is down or busy (SQLite's write lock, a lock timeout)
         # and the lease lasts: Celery would turn an error here into a failure of the job.
-        state = until_deadline(
-            lease,
-            lambda: self.store.hand_back_retry(
-                lease.job_id, lease.token, recorded, reap_in=countdown + wait
+        # A soft time limit inside the hand-back does not undo the retry the task asked for
+        state = record_end(
+            write=lambda: until_deadline(
+                lease,
+                lambda: self.store.hand_back_retry(
+                    lease.job_id, lease.token, recorded, reap_in=countdown + wait
+                ),
+                waiting=f"the retry of job {lease.job_id} waits for the database",
+                lost=True,
             ),
-            waiting=f"the retry of job {lease.job_id} waits for the database",
-            lost=True,
+            already=lambda: queued_by(self.store, lease),
         )
         lease.released = state is not None
         if state == "cancelled":

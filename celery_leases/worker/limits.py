@@ -10,14 +10,15 @@ of its end, and the job fails instead of ending as its handler decided (seen in 
 two "Soft time limit exceeded" lines in one millisecond, a job failed with the limit it had
 caught).
 
-The same goes for a limit that comes once the body is over and its end recorded: it would
-land in Celery's own work on the result (storing it, sending the links), which then stores
-FAILURE and calls the errbacks of a job the table has done.
+The same goes for a limit that comes once the body has returned or raised: it would land in
+the record of the attempt's end, the library's (a hand-back for a retry, a failure) or
+Celery's own (storing the result, sending the links), which then stores FAILURE and calls
+the errbacks of a job the table has done.
 
 So in a pool process, the handler is wrapped (:class:`SoftLimitOnce`, installed at the first
 task): during the execution of a leased task (``task_prerun`` to ``task_postrun``, Celery's
 own work on the result and the links included), a second soft limit, or one after the
-attempt has ended (:func:`body_over`), is logged and ignored.
+body has returned or raised (:func:`body_over`), is logged and ignored.
 Other tasks, and processes whose handler is not billiard's (threads, gevent, solo), are left
 as they are. The hard limit (``time_limit``) is untouched.
 """
@@ -44,7 +45,7 @@ class SoftLimitOnce:
         #: The leased execution running now, ``(task id, serial)``, or None.
         self.execution: tuple[str, int] | None = None
         self._raised: tuple[str, int] | None = None
-        #: The leased execution's body is over and its end recorded.
+        #: The leased execution's body has returned or raised.
         self.over = False
 
     def start(self, task_id: str, leased: bool) -> None:
@@ -60,8 +61,8 @@ class SoftLimitOnce:
         if execution is not None:
             if self.over:
                 logger.warning(
-                    "celery-leases: task %s: its soft time limit came after it returned and "
-                    "its end was recorded, while Celery stored its result; ignored",
+                    "celery-leases: task %s: its soft time limit came after it returned or "
+                    "raised, while its end was recorded; ignored",
                     execution[0],
                 )
                 return None
@@ -107,9 +108,10 @@ def execution_starts(sender: Any = None, task_id: str | None = None, **_: Any) -
 
 
 def body_over() -> None:
-    """The running leased execution's body is over and its end recorded (``Attempt.run``):
-    a soft time limit from now on would land in Celery's own work on its result (storing it,
-    sending the links, the ``task_success`` receivers) and make a done job FAILURE there."""
+    """The running leased execution's body has returned or raised (``Attempt.body``): a soft
+    time limit from now on would land in the record of its end, the library's (a hand-back,
+    a failure) or Celery's (storing the result, sending the links), and turn that end into
+    another (a done job FAILURE there, its errbacks called)."""
     if _guard is not None and _guard.execution is not None:
         _guard.over = True
 

@@ -20,10 +20,11 @@ Tasks (all write the unit log, see ``tests/support/unit_log.py``):
   checkpoint ``{"next": n, "last": True, "landed": where}``, ``where`` being ``"checkpoint"``
   when the limit interrupted a checkpoint, else ``"pause"``; then cleans up for ``cleanup``
   seconds (a sleep) and returns that last checkpoint.
-- ``e2e.retry_at(marker)``: ``soft_time_limit=1``; its first attempt saves a checkpoint in a
-  transaction of its own (so its retry is held back until the body has raised), waits for the
-  file ``marker``, then asks for a retry (``self.retry(countdown=0)``); a later attempt returns
-  its checkpoint.
+- ``e2e.retry_at(marker, joined=True)``: ``soft_time_limit=1``; its first attempt saves a
+  checkpoint (``joined``: in a transaction of its own, so its retry is held back until the
+  body has raised; else on the store's connection, so ``self.retry()`` hands the lease back),
+  waits for the file ``marker``, then asks for a retry (``self.retry(countdown=0)``); a later
+  attempt returns its checkpoint.
 - ``e2e.slow_success()``: ``soft_time_limit=1``; returns ``"ok"`` at once (for a limit that
   comes in Celery's own work after it: publishing its links).
 - ``e2e.echo(value)``: returns ``value`` (a link's target).
@@ -205,11 +206,14 @@ def make_app(
         soft_time_limit=1,
         time_limit=60,
     )
-    def retry_at(self: Task, marker: str) -> object:
+    def retry_at(self: Task, marker: str, joined: bool = True) -> object:
         if self.lease.checkpoint is not None:
             return self.lease.checkpoint
-        with log.engine.begin() as connection:  # the retry is then held back to the end
-            self.checkpoint({"asked": "retry"}, connection=connection)
+        if joined:  # the retry is then held back until the body has raised
+            with log.engine.begin() as connection:
+                self.checkpoint({"asked": "retry"}, connection=connection)
+        else:  # the retry hands the lease back inside self.retry()
+            self.checkpoint({"asked": "retry"})
         while not os.path.exists(marker):
             time.sleep(0.01)
         raise self.retry(countdown=0)
