@@ -158,3 +158,23 @@ def test_failover_faults_need_the_private_pair_and_no_restart_of_the_shared_serv
     ]
     refused = problems([*failover_form(30), "--restart-database"])
     assert refused and refused[0].startswith("--restart-database needs the local PostgreSQL")
+
+
+def test_a_machine_without_postgresql_server_binaries_refuses_the_failover_database(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from chaos.driver import start_failover_pair
+    from tests.support import replica
+
+    monkeypatch.setattr(replica, "find_bindir", lambda: None)
+
+    refused = start_failover_pair()
+
+    assert isinstance(refused, str)
+    assert refused.startswith(
+        f"--database {F.FAILOVER_DATABASE}: cannot run a private PostgreSQL primary and "
+        "synchronous standby here"
+    )
+    assert (
+        "PostgreSQL server binaries (initdb, pg_ctl, pg_basebackup, postgres) not found" in refused
+    )
