@@ -53,7 +53,9 @@ bench: venv
 # statements, clients killed between recording and publishing, keyed calls revoked, cancelled
 # or expiring while they wait, half the transactional checkpoints at REPEATABLE READ, while
 # bursts of triggers of keyed jobs (6 accounts) arrive. On SQLite (--database sqlite --broker
-# filesystem) add --namespace-reaper: a reaper in another PID namespace (unshare).
+# filesystem) add --namespace-reaper: a reaper in another PID namespace (unshare). Failovers:
+# --database postgres-failover --failover (a private primary and synchronous standby, promoted
+# mid-run; needs PostgreSQL's server binaries; docs/testing.md).
 CHAOS_ARGS ?= --jobs 500 --units 20 --unit-seconds 0.5 --workers 3 --faults 120 \
 	--keys 6 --triggers 240 --key-units 12 \
 	--broker redis --database postgres --restart-database --restart-broker

@@ -5,7 +5,10 @@ N jobs of M units, seeded random faults while they run, and the invariants check
         --broker redis --database postgres --restart-database --restart-broker
 
 ``--broker`` is ``redis`` (a Redis database no test uses), ``rabbitmq``, ``filesystem`` (the
-embedded broker) or a URL; ``--database`` is ``postgres``, ``sqlite`` or a URL. Half the jobs
+embedded broker) or a URL; ``--database`` is ``postgres``, ``sqlite``, ``postgres-failover`` (a
+private PostgreSQL primary and synchronous standby of the run's own, reached through libpq's
+multi-host URL; with ``--failover``, ``failover`` faults promote the standby: see
+``chaos/fault.py``) or a URL. Half the jobs
 run ``chaos.exactly_once`` (unit row and checkpoint in one transaction), half
 ``chaos.at_least_once`` (unit row committed, then the checkpoint): see
 ``chaos/app.py``. Every job is sent with a ``link`` callback and a
@@ -451,6 +454,9 @@ class Chaos:
     database_url: str
     table: str
     result_backend: str | None = None
+    #: The private primary and standby of ``--database postgres-failover``
+    #: (``tests.support.replica.ReplicatedPostgres``) that ``failover`` faults act on.
+    pair: Any = None
     out: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
 
     def __post_init__(self) -> None:
@@ -920,6 +926,25 @@ class Chaos:
             return f"PostgreSQL restarted in {F.restart_postgres():.1f} s"
         finally:
             self.restarts.append(time.time())
+
+    def _fault_failover(self, fault: F.Fault, worker: Worker | None) -> str:
+        """Crash the pair's primary, promote its standby, build a new standby (see
+        ``ReplicatedPostgres.fail_over``). The database was unreachable from the crash to the
+        promotion: recorded as a restart (the checks' excuse for a lease lost meanwhile)."""
+        if self.pair is None:
+            raise RuntimeError(f"no replicated pair: run with --database {F.FAILOVER_DATABASE}")
+        before = time.time()
+        try:
+            done = self.pair.fail_over()
+        except Exception:  # it may have crashed the primary before it failed
+            self.restarts += [before, time.time()]
+            raise
+        self.restarts += [done.crashed_at, done.promoted_at]
+        return (
+            f"PostgreSQL primary :{done.old_port} crashed, standby :{done.new_port} promoted "
+            f"({done.down_seconds:.1f} s without a primary); a new synchronous standby streams "
+            f"on :{done.old_port} after {done.seconds:.1f} s"
+        )
 
     def _fault_restart_broker(self, fault: F.Fault, worker: Worker | None) -> str:
         keep = _redis_db(self.result_backend)
@@ -1596,7 +1621,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--broker", default="redis", help="redis | rabbitmq | filesystem | a broker URL"
     )
-    parser.add_argument("--database", default="postgres", help="postgres | sqlite | a URL")
+    parser.add_argument(
+        "--database",
+        default="postgres",
+        help=f"postgres | sqlite | {F.FAILOVER_DATABASE} (a private primary and synchronous "
+        "standby of the run's own, on /dev/shm) | a URL",
+    )
     parser.add_argument(
         "--result-backend",
         default="default",
@@ -1617,6 +1647,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--restart-broker",
         action="store_true",
         help="restart the local Redis mid-run, losing its queues (disturbs its other users)",
+    )
+    parser.add_argument(
+        "--failover",
+        action="store_true",
+        help=f"crash the primary and promote the standby mid-run, then build a new standby "
+        f"(--database {F.FAILOVER_DATABASE} only; disturbs nobody else)",
     )
     parser.add_argument(
         "--log-dir", default=None, help="worker and beat logs (default: a temp dir)"
@@ -1672,9 +1708,9 @@ def namespace_reaper(args: argparse.Namespace) -> bool:
 def fault_kinds(args: argparse.Namespace) -> tuple[str, ...]:
     """The fault kinds of a run with the command line ``args``: the worker faults, the
     frozen-in-transaction one where the database bounds an idle transaction (not SQLite), the
-    service restarts asked for, the controls unless ``--no-controls`` (with keyed jobs, the
-    keyed controls too unless ``--no-keyed-controls``), and the dying clients unless
-    ``--no-dying-clients``."""
+    service restarts and failovers asked for, the controls unless ``--no-controls`` (with
+    keyed jobs, the keyed controls too unless ``--no-keyed-controls``), and the dying clients
+    unless ``--no-dying-clients``."""
     kinds = list(F.WORKER_KINDS)
     if not args.database.startswith("sqlite"):
         kinds += F.TRANSACTION_KINDS
@@ -1682,6 +1718,8 @@ def fault_kinds(args: argparse.Namespace) -> tuple[str, ...]:
         kinds.append("restart_database")
     if args.restart_broker:
         kinds.append("restart_broker")
+    if args.failover:
+        kinds.append("failover")
     if not args.no_controls:
         kinds += F.CONTROL_KINDS
         if args.keys and args.triggers and not args.no_keyed_controls:
@@ -1711,15 +1749,24 @@ def main(argv: list[str] | None = None) -> int:
     spawner = Spawner(log_dir=log_dir)
     table = f"leases_chaos_{uuid.uuid4().hex[:8]}"
     database_url = _database_url(args.database, log_dir)
-    problems = check_restartable(config, database_url=database_url, broker=args.broker)
+    problems = check_restartable(
+        config, database_url=database_url, broker=args.broker, database=args.database
+    )
     if problems:
         parser.error("; ".join(problems))
+    pair = start_failover_pair() if args.database == F.FAILOVER_DATABASE else None
+    if isinstance(pair, str):
+        parser.error(pair)
+    if pair is not None:
+        database_url = pair.url
+        print(f"chaos: leases database: a private primary and synchronous standby in {pair.root}")
     with (
+        _closing_pair(pair),
         _broker_settings(args.broker, log_dir) as broker,
         _result_backend(args.result_backend, args.broker, log_dir) as backend,
     ):
         try:
-            report = Chaos(config, spawner, broker, database_url, table, backend).run()
+            report = Chaos(config, spawner, broker, database_url, table, backend, pair).run()
             figures = {
                 "seed": report.seed,
                 "config": asdict(config),
@@ -1736,16 +1783,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"chaos: figures in {log_dir / 'figures.json'}", flush=True)
         finally:
             spawner.stop_all()
-            if not args.keep:
+            if not args.keep and pair is None:  # the pair is removed whole
                 _drop_tables(database_url, table)
     return 0 if report.ok else 1
 
 
-def check_restartable(config: Config, *, database_url: str, broker: str) -> list[str]:
-    """Why the service restarts asked for cannot be done here (empty when they can)."""
+def check_restartable(
+    config: Config, *, database_url: str, broker: str, database: str = ""
+) -> list[str]:
+    """Why the service restarts and failovers asked for cannot be done here (empty when they
+    can). Whether the pair of ``--database postgres-failover`` starts is
+    :func:`start_failover_pair`'s to say."""
     from tests.support.service import REDIS_URL
 
     problems = []
+    if "failover" in config.kinds and database != F.FAILOVER_DATABASE:
+        problems.append(
+            f"--failover needs --database {F.FAILOVER_DATABASE} (a primary and standby of the "
+            "run's own: the shared PostgreSQL is never failed over)"
+        )
     if "restart_database" in config.kinds and not F.can_restart_postgres(database_url):
         problems.append(
             "--restart-database needs the local PostgreSQL (127.0.0.1:5432) and pg_ctlcluster"
@@ -1754,6 +1810,32 @@ def check_restartable(config: Config, *, database_url: str, broker: str) -> list
     if "restart_broker" in config.kinds and not F.can_restart_redis(broker_url):
         problems.append("--restart-broker needs the local Redis (127.0.0.1:6379) and redis-server")
     return problems
+
+
+def start_failover_pair() -> Any:
+    """The started primary and synchronous standby of ``--database postgres-failover``
+    (``tests.support.replica.ReplicatedPostgres``), or why they cannot start here (a str:
+    no PostgreSQL server binaries, or binaries that cannot run them)."""
+    from tests.support.replica import ClusterError, scratch_dir, start_pair
+
+    where = "" if scratch_dir() else " (no room in /dev/shm: on disk, slower)"
+    try:
+        return start_pair(synchronous=True, max_connections=F.FAILOVER_CONNECTIONS)
+    except ClusterError as exc:
+        return (
+            f"--database {F.FAILOVER_DATABASE}: cannot run a private PostgreSQL primary and "
+            f"synchronous standby here{where}: {exc}"
+        )
+
+
+@contextlib.contextmanager
+def _closing_pair(pair: Any) -> Iterator[None]:
+    """Stop and remove ``pair`` (None: nothing) at exit."""
+    try:
+        yield
+    finally:
+        if pair is not None:
+            pair.close()
 
 
 def _database_url(name: str, log_dir: Path) -> str:

@@ -7,6 +7,19 @@ lease, then SIGCONT), ``sigterm`` (warm shutdown, then start a replacement),
 ``restart_broker`` (``redis-cli shutdown nosave`` and a fresh ``redis-server``: the queue is
 lost; the result backend's database is kept, as a persistent result store would be).
 
+``failover`` (``--database postgres-failover --failover``): the run's leases database is a
+private PostgreSQL primary and synchronous standby of its own (``tests/support/replica.py``, on
+``/dev/shm``; the shared server is not touched), every process of the run connecting through
+libpq's multi-host URL of both (``target_session_attrs=read-write``), so it follows a promotion
+by itself. The fault crashes the primary (immediate shutdown: every connection cut, nothing
+flushed), promotes the standby, then builds a new standby from the promoted server
+(pg_basebackup) on the old primary's port and directory and waits until it streams
+synchronously again, so the next ``failover`` can happen. Replication is synchronous: a commit
+returns once the standby flushed it, so a failover loses no committed transaction, and every
+invariant must hold across it. The unit log, the callbacks', triggers', checkpoint, state and
+cursor logs live in the leases database and fail over with it. A service kind: weighted and
+capped as the restarts, landing mid-run.
+
 ``freeze_in_transaction`` is a freeze from inside a transactional checkpoint: the driver leaves
 a request in the run's hold directory, and the next ``chaos.exactly_once`` checkpoint that finds
 it SIGSTOPs its own worker after its checkpoint statement, before the commit (the job's row
@@ -46,7 +59,7 @@ from urllib.parse import urlsplit
 
 WORKER_KINDS = ("kill_child", "kill_worker", "freeze", "sigterm")
 TRANSACTION_KINDS = ("freeze_in_transaction",)
-SERVICE_KINDS = ("restart_database", "restart_broker")
+SERVICE_KINDS = ("restart_database", "restart_broker", "failover")
 CONTROL_KINDS = ("revoke", "cancel")
 KEYED_CONTROL_KINDS = ("revoke_keyed", "cancel_keyed")
 CLIENT_KINDS = ("kill_client",)
@@ -69,6 +82,7 @@ WEIGHTS = {
     "sigterm": 2.0,
     "restart_database": 1.0,
     "restart_broker": 1.0,
+    "failover": 1.0,
     "revoke": 1.5,
     "cancel": 1.5,
     "revoke_keyed": 1.0,
@@ -76,8 +90,16 @@ WEIGHTS = {
     "kill_client": 1.5,
 }
 
-#: A service restart disturbs every client of the server: at most one per this many faults.
+#: A service restart disturbs every client of the server: at most one per this many faults
+#: (of each service kind: a run of 50 faults has at most 2 failovers).
 FAULTS_PER_SERVICE_RESTART = 25
+
+#: ``--database`` of a run whose leases database is a private primary and synchronous
+#: standby (``tests/support/replica.py``): the one ``failover`` faults need.
+FAILOVER_DATABASE = "postgres-failover"
+#: Connections the pair accepts (each worker, its pool processes, beat and the driver keep
+#: a few: more than the harness's default).
+FAILOVER_CONNECTIONS = 300
 
 REDIS_START = [
     "redis-server",

@@ -112,3 +112,69 @@ def test_the_short_forms_have_the_cheap_edges_of_issue_23() -> None:
     assert {"kill_client", "revoke_keyed", "cancel_keyed"} <= set(POSTGRES_KINDS)
     assert {"kill_client", "cancel_keyed"} <= set(SQLITE_KINDS)
     assert POSTGRES_ISOLATION in ("repeatable_read", "mixed")
+
+
+def failover_form(faults: int) -> list[str]:
+    """The medium failover run of docs/testing.md, with ``faults`` faults."""
+    return [
+        "--jobs", "150", "--units", "10", "--unit-seconds", "0.3", "--faults", str(faults),
+        "--keys", "3", "--triggers", "60", "--key-units", "8",
+        "--broker", "redis", "--database", F.FAILOVER_DATABASE, "--failover",
+    ]  # fmt: skip
+
+
+def test_the_failover_form_adds_failovers_to_every_other_fault() -> None:
+    config = config_of(build_parser().parse_args(failover_form(50)))
+
+    assert "failover" in config.kinds and "failover" in F.SERVICE_KINDS
+    assert {"freeze_in_transaction", "kill_worker", "revoke", "kill_client"} <= set(config.kinds)
+    assert "restart_database" not in config.kinds
+
+
+def test_failovers_are_capped_and_land_mid_run_as_service_restarts() -> None:
+    kinds = config_of(build_parser().parse_args(failover_form(50))).kinds
+
+    for seed in range(20):
+        plan = F.plan(random.Random(seed), count=50, kinds=kinds, lease_seconds=3.0)
+        failovers = [f for f in plan if f.kind == "failover"]
+
+        assert 1 <= len(failovers) <= 50 // F.FAULTS_PER_SERVICE_RESTART
+        assert all(0.15 <= f.at <= 0.75 for f in failovers)
+
+
+def test_failover_faults_need_the_private_pair_and_no_restart_of_the_shared_server() -> None:
+    from chaos.driver import check_restartable
+
+    def problems(arguments: list[str]) -> list[str]:
+        args = build_parser().parse_args(arguments)
+        return check_restartable(
+            config_of(args), database_url=args.database, broker="none", database=args.database
+        )
+
+    assert problems(failover_form(30)) == []
+    assert problems(["--failover"]) == [
+        f"--failover needs --database {F.FAILOVER_DATABASE} (a primary and standby of the "
+        "run's own: the shared PostgreSQL is never failed over)"
+    ]
+    refused = problems([*failover_form(30), "--restart-database"])
+    assert refused and refused[0].startswith("--restart-database needs the local PostgreSQL")
+
+
+def test_a_machine_without_postgresql_server_binaries_refuses_the_failover_database(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from chaos.driver import start_failover_pair
+    from tests.support import replica
+
+    monkeypatch.setattr(replica, "find_bindir", lambda: None)
+
+    refused = start_failover_pair()
+
+    assert isinstance(refused, str)
+    assert refused.startswith(
+        f"--database {F.FAILOVER_DATABASE}: cannot run a private PostgreSQL primary and "
+        "synchronous standby here"
+    )
+    assert (
+        "PostgreSQL server binaries (initdb, pg_ctl, pg_basebackup, postgres) not found" in refused
+    )

@@ -8,6 +8,9 @@ checkpoint, then is promoted: there the job is still at attempt A's token. Attem
 and does not know of the failover, so the token the next claim issues there must not be B's:
 B's writes must be refused, and the job's tokens must keep growing.
 
+And a failover of a synchronous pair (the chaos driver's ``--database postgres-failover``) loses
+no commit, and can happen again: the harness builds a new standby after each.
+
 PostgreSQL only (the pair is the test's own: the shared servers are not used).
 """
 
@@ -141,3 +144,44 @@ def test_a_failover_to_a_replica_that_missed_a_claim_never_issues_its_token_agai
     # And the job runs under C's lease, with C's checkpoint
     final = job(store)
     assert (final.state, final.token, final.checkpoint) == ("running", c.token, {"n": 2, "by": "C"})
+
+
+@pytest.fixture
+def synchronous_store() -> Iterator[tuple[ReplicatedPostgres, Store]]:
+    """A synchronous pair of this test's own and a store on both clusters."""
+    with replicated_postgres(synchronous=True) as pair:
+        store = Store(validate(DEFAULTS | {"database_url": pair.url, "table": "leases_sync"}))
+        migrations.upgrade(store)
+        yield pair, store
+        store.engine.dispose()
+
+
+def test_a_failover_of_a_synchronous_pair_loses_no_commit_and_can_happen_again(
+    synchronous_store: tuple[ReplicatedPostgres, Store],
+) -> None:
+    pair, store = synchronous_store
+    first, second = pair.primary.port, pair.replica.port
+    # Given a job claimed and checkpointed on the primary (each commit waited for the standby)
+    message = job_message(JOB)
+    store.register(message)
+    a = claim(store, message, "worker-a/1/1", LEASE)
+    assert checkpoint(store, a.token, {"n": 1}) == (True, None)
+
+    # When the primary crashes and the standby is promoted
+    done = pair.fail_over()
+
+    # Then the promoted server has every commit: the attempt's lease and checkpoint hold there
+    promoted = job_after_failover(store)
+    assert (done.old_port, done.new_port) == (first, second)
+    assert pair.serving_port() == second
+    assert (promoted.state, promoted.token, promoted.checkpoint) == ("running", a.token, {"n": 1})
+    assert checkpoint(store, a.token, {"n": 2}) == (True, None)
+    assert not store.lost_commits(JOB, a.token)
+
+    # And a second failover, to the standby built on the first primary's port, loses nothing
+    again = pair.fail_over()
+    assert (again.old_port, again.new_port) == (second, first)
+    final = job_after_failover(store)
+    assert pair.serving_port() == first
+    assert (final.token, final.checkpoint) == (a.token, {"n": 2})
+    assert pair.synchronous_ready()

@@ -1,4 +1,4 @@
-"""A private PostgreSQL primary and its asynchronous streaming replica, for failover tests.
+"""A private PostgreSQL primary and its streaming replica, for failover tests.
 
 ``replicated_postgres()`` starts both on free ports of 127.0.0.1 in a temporary directory and
 always stops and removes them at exit. A test writes on the primary through ``pair.url``
@@ -19,6 +19,15 @@ or fail it when ``CI=true``.
 Setup takes about a second and teardown a fifth of one: the files go to ``/dev/shm`` when it has
 room (initdb and pg_basebackup write thousands of small files, three times slower on a virtual
 disk), WAL segments are 1 MB, and nothing is synced to disk.
+
+The chaos driver's ``--database postgres-failover`` (``start_pair``) runs the pair with
+``synchronous=True``: a commit on the primary returns once the standby has flushed it, so a
+failover loses no committed transaction. Its ``failover`` fault is
+:meth:`ReplicatedPostgres.fail_over`: the primary crashes, the standby is promoted, and a new
+standby is built from it (pg_basebackup) on the old primary's port and directory, so that
+:attr:`ReplicatedPostgres.url`, which lists both ports, stays valid and the next failover can
+happen. The promoted server commits alone (no
+``synchronous_standby_names``) until the new standby streams; then it waits for it again.
 """
 
 from __future__ import annotations
@@ -55,7 +64,8 @@ RAM_NEEDED = 512 * 1024 * 1024
 TIMEOUT = 30.0
 
 # Settings for speed (nothing here must survive a power cut) and for a streaming replica; no
-# synchronous_standby_names, so the replica is asynchronous: a commit never waits for it.
+# synchronous_standby_names, so the replica is asynchronous: a commit never waits for it (a
+# synchronous pair sets it with ALTER SYSTEM: ReplicatedPostgres._make_synchronous).
 _SETTINGS = """
 listen_addresses = '127.0.0.1'
 port = {port}
@@ -67,7 +77,7 @@ wal_level = replica
 max_wal_senders = 4
 hot_standby = on
 shared_buffers = 16MB
-max_connections = 40
+max_connections = {max_connections}
 logging_collector = off
 """
 # Trust for everyone on this machine, replication included (the replica's own connection).
@@ -163,26 +173,49 @@ class Cluster:
             connection.execute(sql)
 
 
-class ReplicatedPostgres:
-    """A primary and its asynchronous streaming replica under ``root`` (see the module's
-    docstring). Nothing is started until :meth:`start`; :meth:`close` stops both and removes
-    ``root``, whatever state they are in."""
+@dataclass(frozen=True)
+class Failover:
+    """What :meth:`ReplicatedPostgres.fail_over` did: the ports of the crashed primary (now a
+    new standby) and of the promoted one, when the crash and the promotion happened (epoch
+    seconds), how long no server accepted writes, and how long the whole failover took
+    (the new standby streaming)."""
 
-    def __init__(self, bindir: Path, root: Path) -> None:
+    old_port: int
+    new_port: int
+    crashed_at: float
+    promoted_at: float
+    down_seconds: float
+    seconds: float
+
+
+class ReplicatedPostgres:
+    """A primary and its streaming replica under ``root``, asynchronous unless ``synchronous``
+    (see the module's docstring). Nothing is started until :meth:`start`; :meth:`close` stops
+    both and removes ``root``, whatever state they are in."""
+
+    def __init__(
+        self, bindir: Path, root: Path, *, synchronous: bool = False, max_connections: int = 40
+    ) -> None:
         self.bindir = bindir
         self.root = root
+        #: Commits wait for the standby (see the module's docstring), once it streams.
+        self.synchronous = synchronous
+        self.max_connections = max_connections
         primary_port = free_port()
         replica_port = free_port()
         while replica_port == primary_port:
             replica_port = free_port()
         self.primary = Cluster("primary", root / "primary", primary_port, root / "primary.log")
         self.replica = Cluster("replica", root / "replica", replica_port, root / "replica.log")
+        #: Both clusters, in the order :attr:`url` lists them (it never changes, whichever of
+        #: them is the primary after a :meth:`fail_over`).
+        self.clusters = (self.primary, self.replica)
 
     @property
     def url(self) -> str:
         """A SQLAlchemy URL listing both clusters: libpq connects to the first that is up and
         accepts writes, so clients reach the replica once it is promoted."""
-        hosts = "&".join(f"host=127.0.0.1:{c.port}" for c in (self.primary, self.replica))
+        hosts = "&".join(f"host=127.0.0.1:{c.port}" for c in self.clusters)
         return f"postgresql+psycopg://postgres@/{DATABASE}?{hosts}&target_session_attrs=read-write"
 
     def serving_port(self) -> int:
@@ -216,7 +249,9 @@ class ReplicatedPostgres:
 
     def _configure(self, cluster: Cluster) -> None:
         """Append this cluster's settings (later lines win) and write its pg_hba.conf."""
-        settings = _SETTINGS.format(port=cluster.port, sockets=self.root)
+        settings = _SETTINGS.format(
+            port=cluster.port, sockets=self.root, max_connections=self.max_connections
+        )
         with open(cluster.data / "postgresql.conf", "a") as conf:
             conf.write(settings)
         (cluster.data / "pg_hba.conf").write_text(_HBA)
@@ -252,6 +287,8 @@ class ReplicatedPostgres:
         self._configure(self.replica)
         self._start(self.replica)
         self._wait(self._streaming, "the replica to stream from the primary")
+        if self.synchronous:
+            self._make_synchronous()
 
     def _own_root(self) -> None:
         """Give ``root`` to the ``postgres`` user when running as root (PostgreSQL refuses to
@@ -267,6 +304,23 @@ class ReplicatedPostgres:
     def _streaming(self) -> bool:
         sql = "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'"
         return self.primary.query(sql) == 1
+
+    def _make_synchronous(self) -> None:
+        """Make the primary's commits wait for its standby (which streams), and wait until it
+        does. Set with ALTER SYSTEM after the standby was copied, so no standby's copy has it:
+        a promoted standby never waits for a standby that does not exist yet."""
+        self.primary.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
+        self.primary.execute("SELECT pg_reload_conf()")
+        sql = "SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'"
+        self._wait(lambda: self.primary.query(sql) == 1, "the standby to become synchronous")
+
+    def synchronous_ready(self) -> bool:
+        """True when the standby streams from the primary (synchronously, if the pair is)."""
+        state = "sync_state = 'sync'" if self.synchronous else "state = 'streaming'"
+        with contextlib.suppress(psycopg.OperationalError):
+            sql = f"SELECT count(*) FROM pg_stat_replication WHERE {state}"
+            return self.primary.query(sql) == 1
+        return False
 
     @staticmethod
     def _wait(probe: Callable[[], bool], what: str) -> None:
@@ -311,6 +365,55 @@ class ReplicatedPostgres:
             "the promoted replica to accept writes",
         )
 
+    def fail_over(self) -> Failover:
+        """Crash the primary (immediate shutdown), promote the standby, then build a new
+        standby from the promoted server on the old primary's port and directory (a fresh
+        pg_basebackup), start it and wait until it streams (synchronously, if the pair is).
+        :attr:`primary` and :attr:`replica` are swapped; :attr:`url` stays valid.
+        ClusterError, before anything is done, if no standby streams now."""
+        if not self.synchronous_ready():
+            raise ClusterError("no standby streams from the primary: no failover possible")
+        old, new = self.primary, self.replica
+        started = time.monotonic()
+        crashed_at = time.time()
+        self.crash_primary()
+        self.promote_replica()
+        promoted_at = time.time()
+        down = time.monotonic() - started
+        self.primary, self.replica = new, old
+        self._rebuild_standby()
+        if self.synchronous:
+            self._make_synchronous()
+        return Failover(
+            old_port=old.port,
+            new_port=new.port,
+            crashed_at=crashed_at,
+            promoted_at=promoted_at,
+            down_seconds=down,
+            seconds=time.monotonic() - started,
+        )
+
+    def _rebuild_standby(self) -> None:
+        """A new standby of :attr:`primary` in :attr:`replica`'s (stopped) directory."""
+        standby = self.replica
+        shutil.rmtree(standby.data, ignore_errors=True)
+        self._run(
+            "pg_basebackup", "-h", "127.0.0.1", "-p", str(self.primary.port), "-U", "postgres",
+            "-D", str(standby.data), "-R", "-X", "stream", "-c", "fast", "--no-sync",
+        )  # fmt: skip
+        # The copy must not wait for a standby when it is promoted in turn (see
+        # _make_synchronous: the primary is not synchronous yet, this is a safeguard).
+        auto = standby.data / "postgresql.auto.conf"
+        kept = [
+            line
+            for line in auto.read_text().splitlines()
+            if not line.startswith("synchronous_standby_names")
+        ]
+        auto.write_text("\n".join(kept) + "\n")
+        self._configure(standby)
+        self._start(standby)
+        self._wait(self._streaming, "the new standby to stream from the promoted server")
+
     def close(self) -> None:
         """Stop both clusters (immediately: nothing in them is kept) and remove their files."""
         for cluster in (self.primary, self.replica):
@@ -329,8 +432,27 @@ def unavailable(reason: str) -> NoReturn:
     pytest.skip(message)
 
 
+def start_pair(*, synchronous: bool = False, max_connections: int = 40) -> ReplicatedPostgres:
+    """A started pair (see :class:`ReplicatedPostgres`) outside pytest, in ``/dev/shm`` when
+    it has room; the caller closes it. ClusterError saying why it cannot start here (no server
+    binaries, or binaries that cannot start the pair: the files are removed then)."""
+    bindir = find_bindir()
+    if bindir is None:
+        raise ClusterError(f"PostgreSQL server binaries ({', '.join(BINARIES)}) not found")
+    root = Path(tempfile.mkdtemp(prefix="leases-replica-", dir=scratch_dir()))
+    pair = ReplicatedPostgres(
+        bindir, root, synchronous=synchronous, max_connections=max_connections
+    )
+    try:
+        pair.start()
+    except (ClusterError, OSError, psycopg.OperationalError) as exc:
+        pair.close()
+        raise ClusterError(f"{exc} (in {root})") from None
+    return pair
+
+
 @contextlib.contextmanager
-def replicated_postgres() -> Iterator[ReplicatedPostgres]:
+def replicated_postgres(*, synchronous: bool = False) -> Iterator[ReplicatedPostgres]:
     """A started primary and replica (see :class:`ReplicatedPostgres`), stopped and removed
     at exit. Skips the test when PostgreSQL's server binaries are not installed, and when
     they are but cannot start the pair (fails it then under ``CI=true``)."""
@@ -338,7 +460,7 @@ def replicated_postgres() -> Iterator[ReplicatedPostgres]:
     if bindir is None:
         pytest.skip(f"PostgreSQL server binaries ({', '.join(BINARIES)}) not found")
     root = Path(tempfile.mkdtemp(prefix="leases-replica-", dir=scratch_dir()))
-    pair = ReplicatedPostgres(bindir, root)
+    pair = ReplicatedPostgres(bindir, root, synchronous=synchronous)
     try:
         try:
             pair.start()
