@@ -49,6 +49,11 @@ CELERY_STATE = {DONE: "SUCCESS", FAILED: "FAILURE", CANCELLED: "REVOKED", REVOKE
 #: killed between the moment its attempt marks the job done and the moment Celery stores the
 #: result ... leaves the result unstored"): tolerated, and counted apart.
 UNSTORED_WINDOW = 1.0
+#: Seconds after a revoke that terminated a job's attempt (SIGTERM to its pool process, the
+#: job ended ``revoked`` at once in the worker's main process) in which that attempt may still
+#: start a unit, never committed: its own unfenced write of the unit's start, before the
+#: signal ends the process.
+TERMINATING_WINDOW = 1.0
 
 
 @dataclass(frozen=True)
@@ -372,7 +377,9 @@ def _late_units(
     if job is None or job.finished_at is None or job.state not in FINISHED:
         return [], [], []
     end = job.finished_at
-    started = [r for r in rows if r.started_at > end]
+    started = [
+        r for r in rows if r.started_at > end and not _terminating(e, job_id, job.state, r, end)
+    ]
     in_flight: list[Unit] = []
     beyond: list[Unit] = []
     for run in runs_by_token(rows):
@@ -383,6 +390,21 @@ def _late_units(
                 )
                 (in_flight if allowed else beyond).append(r)
     return started, in_flight, beyond
+
+
+def _terminating(e: Evidence, job_id: str, state: str, row: Unit, end: float) -> bool:
+    """``row`` was started by the attempt a revoke was terminating, in the moments before the
+    signal ended its process: the job ended ``revoked`` by that revoke, the unit never
+    committed, started within ``TERMINATING_WINDOW`` of the end."""
+    terminated = any(
+        c.kind == "revoke" and c.detail is not None for c in controls_by_job(e).get(job_id, [])
+    )
+    return (
+        terminated
+        and state == REVOKED
+        and not row.committed
+        and row.started_at - end <= TERMINATING_WINDOW
+    )
 
 
 def _every_job_done(e: Evidence) -> Check:
@@ -706,7 +728,9 @@ def _callbacks(e: Evidence) -> Check:
 
 def _nothing_after_end(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
     """No unit of a job started after its end, and none committed after it but the unit in
-    flight of an at-least-once run (its write is not fenced)."""
+    flight of an at-least-once run (its write is not fenced). A unit the attempt a revoke was
+    terminating started, uncommitted, in the moment before the signal ended its process is
+    not counted (``_terminating``): the end is recorded when the signal is sent."""
     started = in_flight = beyond = 0
     examples: list[str] = []
     for job_id in e.modes:

@@ -315,6 +315,27 @@ def test_a_unit_committed_after_a_revoke_ended_the_job_is_caught_but_not_the_one
         assert AFTER_END in failed and CONTROLS in failed, mode
 
 
+def test_a_unit_the_attempt_a_revoke_was_terminating_started_just_after_the_end_is_allowed() -> (
+    None
+):
+    # Given a job revoked (terminate=True) at 2.5, the end recorded as the signal was sent
+    revoked = {"j": ended("j", "revoked", 1, 2.5, 2)}
+    done_units = run_of("j", 1, range(2), 0)
+
+    # Then its attempt may still start a unit before the signal ends it, never committed
+    soon = [*done_units, unit("j", 2, 1, 2.52, None)]
+    terminated = [Control("j", "revoke", 2.5, "w1@h")]
+    assert failed_checks(evidence(AT_LEAST_ONCE, soon, jobs=revoked, controls=terminated)) == []
+
+    # But not a second later, nor when no worker said it terminated the attempt
+    late = [*done_units, unit("j", 2, 1, 4.0, None)]
+    assert AFTER_END in failed_checks(
+        evidence(AT_LEAST_ONCE, late, jobs=revoked, controls=terminated)
+    )
+    flagged = [Control("j", "revoke", 2.5, None)]
+    assert AFTER_END in failed_checks(evidence(AT_LEAST_ONCE, soon, jobs=revoked, controls=flagged))
+
+
 def test_a_unit_started_after_a_done_job_ended_is_caught() -> None:
     rows = [*run_of("j", 1, range(4), 0), unit("j", 3, 2, END + 1, None)]
 
