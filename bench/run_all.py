@@ -16,7 +16,7 @@ from bench.common import parser, report, row
 
 ORDER = (
     "operations", "dispatch", "throughput", "recovery", "scale", "memory", "column_types", "keys",
-    "ceiling", "peers", "joined", "large",
+    "ceiling", "peers", "large", "joined",
 )  # fmt: skip
 
 
