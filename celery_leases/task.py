@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -136,6 +137,17 @@ class LeasedTask(Task):  # type: ignore[misc]
         yourself once your transaction has committed, so the job stops right there.
         """
         checkpoint.stop_point(self.lease)
+
+    async def aapply_async(self, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`apply_async` for ``async def`` code (an ASGI view, an async worker of your
+        own): the record and the publish run in a thread (``asyncio.to_thread``), so the event
+        loop goes on while the database and the broker answer. Same arguments, same result
+        (an ``AsyncResult``, or the serving job's for a coalesced trigger)."""
+        return await asyncio.to_thread(self.apply_async, *args, **kwargs)
+
+    async def adelay(self, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`delay` for ``async def`` code: ``await task.adelay(account_id)``."""
+        return await self.aapply_async(args, kwargs)
 
     def apply_async(
         self,

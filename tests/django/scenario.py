@@ -458,5 +458,37 @@ def main() -> None:
     print(json.dumps(result, default=str))
 
 
+@scenario
+def adelay_on_commit_in_async_code() -> dict[str, Any]:
+    """A coroutine (an ASGI view) calls invoice_orders: ``delay_on_commit()`` there raises
+    Django's SynchronousOnlyOperation; ``await adelay_on_commit()`` sends it (no transaction
+    is open in async code); ``await adelay()`` returns the job's id."""
+    import asyncio
+
+    from billing.tasks import invoice_orders
+
+    seen: dict[str, Any] = {}
+
+    async def view() -> None:
+        try:
+            invoice_orders.delay_on_commit(f"sync-{uuid.uuid4().hex[:8]}", 1)
+            seen["delay_on_commit"] = "sent"
+        except Exception as exc:
+            seen["delay_on_commit"] = type(exc).__name__
+        batch = f"async-{uuid.uuid4().hex[:8]}"
+        seen["adelay_on_commit"] = await invoice_orders.adelay_on_commit(batch, 1)
+        seen["adelay_on_commit batch"] = batch
+        result = await invoice_orders.adelay(f"async-{uuid.uuid4().hex[:8]}", 1)
+        seen["adelay job"] = result.id
+
+    asyncio.run(view())
+    store = invoice_orders.lease_store
+    job = store.get(seen["adelay job"])
+    seen["adelay state"] = None if job is None else job.state
+    batches = [j.message.args[0] for j in store.list_jobs(task="billing.invoice_orders")]
+    seen["adelay_on_commit recorded"] = seen["adelay_on_commit batch"] in batches
+    return seen
+
+
 if __name__ == "__main__":
     main()

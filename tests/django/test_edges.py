@@ -103,3 +103,16 @@ def test_a_reaper_pass_sent_by_django_celery_beat_database_scheduler_carries_its
     assert seen["published"] == 1
     assert seen["expires in"] is not None, "the reaper pass was sent without an expiry"
     assert 0 < seen["expires in"] <= 20
+
+
+def test_async_code_sends_a_leased_task_with_adelay_and_adelay_on_commit(shop: Shop) -> None:
+    # When a coroutine (an ASGI view) sends invoice_orders (no broker worker: recorded and
+    # published to the in-memory broker)
+    seen = shop.run("adelay_on_commit_in_async_code", timeout=QUICK)
+
+    # Then Django refuses the synchronous delay_on_commit() there, and the async forms work:
+    # adelay_on_commit() returns None, as delay_on_commit() does, and records the job;
+    # adelay() returns the job's id
+    assert seen["delay_on_commit"] == "SynchronousOnlyOperation", seen
+    assert seen["adelay_on_commit"] is None and seen["adelay_on_commit recorded"], seen
+    assert seen["adelay state"] == "queued", seen

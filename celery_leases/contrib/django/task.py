@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from asgiref.sync import sync_to_async
 from celery.contrib.django.task import DjangoTask
 
 from ...task import LeasedTask
@@ -20,3 +23,11 @@ class DjangoLeasedTask(LeasedTask, DjangoTask):  # type: ignore[misc]
     a checkpoint is raised by ``self.stop_point()`` after the block (or by the next
     checkpoint).
     """
+
+    async def adelay_on_commit(self, *args: Any, **kwargs: Any) -> None:
+        """``delay_on_commit()`` from ``async def`` code: registered with ``on_commit()`` in
+        the thread Django runs the ORM's synchronous work in (``sync_to_async``), where the
+        transaction of your ``sync_to_async`` ORM calls is; outside one, sent at once. Like
+        ``delay_on_commit()``, it returns None: ``await task.adelay(...)`` when the view must
+        answer with the job's id."""
+        await sync_to_async(self.delay_on_commit)(*args, **kwargs)
