@@ -172,7 +172,10 @@ def record_revoke(
     if not _is_leased(sender) or not job_id:
         return
     how = "expired" if expired else "terminated" if terminated else "revoked"
-    end_job(sender, job_id, REVOKED, f"{how} in Celery ({getattr(request, 'hostname', None)})")
+    error = f"{how} in Celery ({getattr(request, 'hostname', None)})"
+    # An expired copy of the message of a job an attempt runs under a live lease (the reaper
+    # sent it again meanwhile) leaves that attempt alone, as Celery does a running task.
+    end_job(sender, job_id, REVOKED, error, unheld_only=expired)
 
 
 def record_failure_in_main_process(
@@ -187,10 +190,13 @@ def record_failure_in_main_process(
     end_job(sender, task_id, FAILED, f"failed in the worker's main process: {text}")
 
 
-def end_job(task: Any, job_id: str, state: str, error: str) -> None:
-    """End a live job of ``task`` as Celery decided it (``Store.end_live``), logging it."""
+def end_job(task: Any, job_id: str, state: str, error: str, *, unheld_only: bool = False) -> None:
+    """End a live job of ``task`` as Celery decided it (``Store.end_live``; ``unheld_only``:
+    unless an attempt holds it under a live lease, ``Store.end_unheld``), logging it."""
+    store = store_for(task.lease_settings)
+    end = store.end_unheld if unheld_only else store.end_live
     try:
-        ended = store_for(task.lease_settings).end_live(job_id, state=state, error=error)
+        ended = end(job_id, state=state, error=error)
     except LeaseError as exc:
         logger.error(
             "celery-leases: could not record job %s as %s: %s",

@@ -840,3 +840,31 @@ def test_warming_compiles_the_hot_statements_and_opens_no_connection(store: Stor
     store.checkpoint("j1", lease.token, "1")
     store.finish("j1", lease.token, result="1")
     assert len(compiled) == before
+
+
+def test_an_expired_copy_of_a_message_ends_a_job_only_when_no_live_lease_holds_it(
+    store: Store,
+) -> None:
+    # Given a job an attempt runs under a live lease, one whose lease expired, and a queued one
+    register(store, "held")
+    held = claimed(store, "held")
+    register(store, "lapsed")
+    claimed(store, "lapsed")
+    store.release("lapsed")
+    register(store, "waiting")
+
+    # When a worker discards an expired copy of each one's message (the reaper sent it again)
+    ended = {
+        job_id: store.end_unheld(job_id, state="revoked", error="expired in Celery")
+        for job_id in ("held", "lapsed", "waiting")
+    }
+
+    # Then the running attempt is left alone, as Celery lets a running task go on, and the
+    # other two end revoked
+    assert ended == {"held": False, "lapsed": True, "waiting": True}
+    assert store.checkpoint("held", held.token, "1") == (True, None)
+    assert [store.get(i).state for i in ("held", "lapsed", "waiting")] == [  # type: ignore[union-attr]
+        "running",
+        "revoked",
+        "revoked",
+    ]

@@ -39,6 +39,14 @@ class Operators:
             .where(p.by_id, t.c.state.in_(LIVE_STATES))
             .values(ended_outside | {"state": param("state")})
         )
+        #: A live job no live lease holds, ended as Celery decided (an expired message): a
+        #: job an attempt runs under a live lease is left to it, as Celery lets a running
+        #: task go on when another copy of its message expires.
+        self.end_unheld = (
+            sa.update(t)
+            .where(p.by_id, t.c.state.in_(LIVE_STATES), no_live_lease)
+            .values(ended_outside | {"state": param("state")})
+        )
         #: A queued job whose message a worker discarded (it does not know its task, as an
         #: older worker of a rolling deploy): the reaper sends it again ``b_wait`` seconds from
         #: now (then with doubling waits), and ``b_error`` says why it waits.

@@ -97,6 +97,14 @@ class Operator(StoreBase):
         params = {"b_id": job_id, "b_state": state, "b_error": error, "b_notify": notify}
         return self._count(self.sql.operators.end_live, params) == 1
 
+    def end_unheld(self, job_id: str, *, state: str, error: str) -> bool:
+        """End a live job as ``state`` unless an attempt holds it under a live lease: a
+        worker discarded an expired copy of its message (Celery lets a running task go on
+        when another copy of its message expires). False when a live attempt holds it, or it
+        has ended."""
+        params = {"b_id": job_id, "b_state": state, "b_error": error, "b_notify": None}
+        return self._count(self.sql.operators.end_unheld, params) == 1
+
     def wait_for_worker(self, job_id: str, *, wait: float, error: str) -> bool:
         """A queued job's message was discarded by a worker that does not know its task: the
         reaper sends it again ``wait`` seconds from now (then with doubling waits), until a
