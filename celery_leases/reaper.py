@@ -17,7 +17,7 @@ from . import keys, metrics, worker
 from .config import mark_uses_leases, settings_for
 from .db import store_for
 from .db.schema import REVOKED
-from .errors import LeaseError
+from .errors import LeaseError, StoreUnavailable
 from .log import QuietPasses, job_fields, quiet
 from .notice import announce_pending
 
@@ -79,11 +79,15 @@ def reap(app: Any) -> ReapReport:
     report = ReapReport()
     try:
         orphaned = store.expire_orphaned(batch=settings.reap_batch)
+    except StoreUnavailable:
+        raise  # nothing below can work: one error, not one a step
     except LeaseError as exc:  # never in the way of the paths below (MySQL: no GLOBAL_STATUS)
         logger.error("cannot look for jobs whose holder is gone: %s", exc)
         orphaned = []
     try:
         store.release_stale()
+    except StoreUnavailable:
+        raise
     except LeaseError as exc:  # the expiry path below still runs
         logger.error("cannot let go the jobs of holders that stopped renewing: %s", exc)
     for job_id, owner in orphaned:

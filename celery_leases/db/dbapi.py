@@ -156,6 +156,8 @@ class Driver:
         self.broken = False
         #: Called (no arguments) when a statement's interruption discards the connection.
         self.on_discard: Callable[[], None] | None = None
+        #: Called (no arguments) when a statement finds the connection lost.
+        self.on_lost: Callable[[], None] | None = None
 
     def execute(self, statement: Any, params: dict[str, Any] | None = None) -> Result:
         compiled = self._compiled.get(statement)
@@ -215,6 +217,9 @@ class Driver:
         """``exc`` as SQLAlchemy's error (a ``DBAPIError``), noting a lost connection."""
         lost = self.dialect.is_disconnect(exc, self._dbapi_connection, cursor)
         self.broken = self.broken or lost
+        if lost and self.on_lost is not None:
+            with contextlib.suppress(Exception):
+                self.on_lost()
         return sa.exc.DBAPIError.instance(
             sql,
             parameters,

@@ -96,12 +96,13 @@ def _sqlalchemy(store: Any, connection: sa.engine.Connection) -> Joined:
     """An SQLAlchemy connection's transaction. In one it has begun, on the store's driver,
     the store's statements run on its DBAPI connection as on any other caller's (compiled
     once, no SQLAlchemy execution around them: a tenth of a millisecond less a write), and
-    an interruption invalidates it. Otherwise (no transaction begun yet, which only
-    SQLAlchemy would begin; another driver) they run through it (``Guarded``)."""
+    an interruption or a lost connection invalidates it, as SQLAlchemy would. Otherwise (no
+    transaction begun yet, which only SQLAlchemy would begin; another driver) they run
+    through it (``Guarded``)."""
     begun = connection.in_transaction() and not connection.invalidated
     if begun and connection.dialect.driver == store.db.engine.dialect.driver:
         foreign = store.foreign(connection.connection.dbapi_connection, connection.info)
-        foreign.on_discard = connection.invalidate
+        foreign.on_discard = foreign.on_lost = connection.invalidate
         return Joined(foreign, connection.info, pool=connection.engine.pool)
     return Joined(Guarded(connection), connection.info, pool=connection.engine.pool)
 
