@@ -126,7 +126,10 @@ def check_reaper(app_configs: Any = None, **_: Any) -> list[checks.CheckMessage]
                 id="celery_leases.E006",
             )
         ]
-    if app is None or not uses_leases(app) or reaper_scheduled(app):
+    if app is None:
+        return []
+    project.load_tasks(app)  # else the URL checks' imports decide what this one sees
+    if not uses_leases(app) or reaper_scheduled(app):
         return []
     hint = (
         f"call celery_leases.schedule_reaper(app, every=10.0) in your celery module, and run "

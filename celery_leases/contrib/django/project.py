@@ -44,6 +44,16 @@ def celery_app() -> Any | None:
     return current_app._get_current_object()
 
 
+def load_tasks(app: Any) -> None:
+    """Import the task modules a worker of ``app`` would: the ``tasks`` module of each
+    installed Django app (``app.autodiscover_tasks()`` is lazy: only a worker's start imports
+    them) and ``imports``/``include``. Without the worker's signal, whose Django fixup would
+    run the system checks again from inside a check."""
+    app.autodiscover_tasks(force=True)
+    for module in app.loader.default_modules:
+        app.loader.import_task_module(module)
+
+
 def _imported(path: str) -> Any:
     module, sep, name = path.partition(":")
     if not sep:
