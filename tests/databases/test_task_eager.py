@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from celery import Celery
+from celery import Celery, Task
 from celery.signals import after_task_publish
 
 import celery_leases
@@ -318,6 +318,41 @@ def test_under_task_always_eager_a_published_job_is_recorded_and_run_under_its_l
     assert result.get() == 2
     job = get_job(app, result.id)
     assert job is not None and (job.state, job.checkpoint, job.attempts) == ("done", 2, 1)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_with_leased_task_as_the_apps_task_class_every_task_is_leased_but_those_left_plain(
+    database_url: str, table_name: str, published: list[str]
+) -> None:
+    # Given the one line of docs/tutorial.md that makes every task of an app leased
+    app = Celery("adopted", set_as_current=False, task_cls="celery_leases:LeasedTask")
+    app.conf.update(
+        broker_url="memory://",
+        result_backend="cache+memory://",
+        leases_database_url=database_url,
+        leases_table=table_name,
+    )
+
+    @app.task(shared=False, name="tests.adopted")
+    def adopted(page: int) -> int:  # neither bind nor a checkpoint: resumed from its start
+        return page + 1
+
+    @app.task(base=Task, shared=False, name="tests.left_plain")
+    def left_plain() -> str:
+        return "plain"
+
+    # When one of each is sent, and the leased one runs
+    adopted.apply_async((1,), task_id="job-adopted")
+    left_plain.apply_async(task_id="job-plain")
+    ran = adopted.apply((1,), task_id="job-adopted").get()
+
+    # Then both were published; only the first is a job, run under its lease
+    assert published == ["job-adopted", "job-plain"]
+    job = get_job(app, "job-adopted")
+    assert job is not None and (job.state, job.attempts, job.args, ran) == ("done", 1, [1], 2)
+    assert get_job(app, "job-plain") is None
+    store_for(settings_for(app)).engine.dispose()
+    app.close()
 
 
 # -- schema -------------------------------------------------------------------------------------
