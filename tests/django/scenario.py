@@ -203,6 +203,26 @@ def admin() -> dict[str, Any]:
     seen["filtered by state running"] = listed("?state__exact=running")
     seen["filtered by task"] = listed(f"?task__exact={invoice_orders.name}")
     seen["searched by id prefix"] = listed(f"?q=running-{tag[:4]}")
+    t = store.table  # the done job was created two hours ago
+    with store.engine.begin() as connection:
+        connection.execute(
+            t.update().where(t.c.id == ids["done"]).values(created_at=t.c.created_at - 7200)
+        )
+    seen["created in the past hour"] = listed("?created=hour")
+    # The times are datetimes in the ORM, and lookups take datetimes
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from celery_leases.contrib.django import database
+    from celery_leases.contrib.django.models import Job
+
+    jobs = Job.objects.using(database.alias()).filter(id__in=list(ids.values()))
+    an_hour_ago = timezone.now() - timedelta(hours=1)
+    created = jobs.get(id=ids["running"]).created_at
+    seen["created_at"] = [type(created).__name__, created.tzinfo is not None]
+    seen["created since an hour ago"] = jobs.filter(created_at__gte=an_hour_ago).count()
+    seen["created before an hour ago"] = jobs.filter(created_at__lt=an_hour_ago).count()
     detail = client.get(f"{page}{ids['running']}/change/")
     seen["detail status"] = detail.status_code
     seen["detail has a save button"] = 'name="_save"' in detail.content.decode()

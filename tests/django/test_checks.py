@@ -56,6 +56,20 @@ def test_the_example_project_passes_every_check(tmp_path: Path) -> None:
     )
 
 
+def test_the_apps_migrations_match_its_models(tmp_path: Path) -> None:
+    # A model change shipped without its migration makes every project's makemigrations
+    # --check fail, and makemigrations write one into site-packages (for an unmanaged model,
+    # Django compares its options, not its fields)
+    done = sqlite_shop(tmp_path).try_manage(
+        "makemigrations", "--check", "--dry-run", "celery_leases"
+    )
+
+    assert (done.returncode, done.stdout.strip()) == (
+        0,
+        "No changes detected in app 'celery_leases'",
+    )
+
+
 def test_a_misspelt_setting_fails_check_and_migrate_with_the_setting_it_meant(
     tmp_path: Path,
 ) -> None:

@@ -115,6 +115,9 @@ def test_the_admin_lists_filters_and_searches_jobs_and_its_actions_use_the_store
     assert seen["filtered by state running"] == ["running"]
     assert seen["filtered by task"] == ["done", "failed", "queued", "running"]
     assert seen["searched by id prefix"] == ["running"]
+    assert seen["created in the past hour"] == ["failed", "queued", "running"]
+    assert seen["created_at"] == ["datetime", True]
+    assert (seen["created since an hour ago"], seen["created before an hour ago"]) == (3, 1)
     # Read-only: a job's page shows it, with no save button, and refuses a POST; no add page
     assert (seen["detail status"], seen["detail has a save button"]) == (200, False)
     assert seen["detail shows the checkpoint"]

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
+from django.utils import timezone
 from django.utils.html import format_html
 
 from ... import control
 from ...errors import LeaseError
 from . import database
-from .models import Job, moment
+from .models import Job
 
 
 def _celery_app() -> Any:
@@ -50,6 +52,27 @@ def release(modeladmin: Any, request: HttpRequest, jobs: QuerySet[Job]) -> None:
     _each(request, jobs, lambda job_id: control.release(store, job_id))
 
 
+class CreatedFilter(admin.SimpleListFilter):
+    """Jobs created in the last hour, day, week or 30 days: a range of ``created_at``, which
+    its indexes serve (the column is epoch seconds, so Django's ``date_hierarchy``, which
+    truncates dates in SQL, cannot drill into it)."""
+
+    title = "created"
+    parameter_name = "created"
+    SPANS = {"hour": timedelta(hours=1), "day": timedelta(days=1), "week": timedelta(days=7),
+             "30days": timedelta(days=30)}  # fmt: skip
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("hour", "Past hour"), ("day", "Past 24 hours"), ("week", "Past 7 days"),
+                ("30days", "Past 30 days")]  # fmt: skip
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Job]) -> QuerySet[Job]:
+        span = self.SPANS.get(self.value() or "")
+        if span is None:
+            return queryset
+        return queryset.filter(created_at__gte=timezone.now() - span)
+
+
 @admin.register(Job)
 class JobAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     """Jobs newest first; filters by state and task, search by id (or its start)."""
@@ -64,7 +87,7 @@ class JobAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "created",
         "checkpointed",
     )
-    list_filter = ("state", "task")
+    list_filter = ("state", "task", CreatedFilter)
     search_fields = ("^id",)
     actions = (retry, cancel, release)
     readonly_fields = (
@@ -115,27 +138,27 @@ class JobAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     @admin.display(description="created", ordering="created_at")
     def created(self, job: Job) -> Any:
-        return moment(job.created_at)
+        return job.created_at
 
     @admin.display(description="claimed")
     def claimed(self, job: Job) -> Any:
-        return moment(job.claimed_at)
+        return job.claimed_at
 
     @admin.display(description="renewed")
     def renewed(self, job: Job) -> Any:
-        return moment(job.renewed_at)
+        return job.renewed_at
 
     @admin.display(description="last checkpoint", ordering="checkpoint_at")
     def checkpointed(self, job: Job) -> Any:
-        return moment(job.checkpoint_at)
+        return job.checkpoint_at
 
     @admin.display(description="finished")
     def finished(self, job: Job) -> Any:
-        return moment(job.finished_at)
+        return job.finished_at
 
     @admin.display(description="lease expires")
     def lease_expires(self, job: Job) -> Any:
-        return moment(job.expires_at) if job.state == "running" else None
+        return job.expires_at if job.state == "running" else None
 
 
 def _pretty(text: str | None) -> str:

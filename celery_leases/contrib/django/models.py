@@ -7,6 +7,7 @@ from typing import Any, NoReturn
 
 from django.conf import settings
 from django.db import models
+from django.utils import timezone
 
 from ...db.schema import MAX_ID_LENGTH, STATES
 from ...errors import LeaseError
@@ -21,6 +22,29 @@ def table_name() -> str:
 def moment(seconds: float | None) -> datetime | None:
     """A stored time (epoch seconds, database clock) as an aware datetime."""
     return None if seconds is None else datetime.fromtimestamp(seconds, tz=UTC)
+
+
+class Moment(models.FloatField):  # type: ignore[type-arg]
+    """A stored time (epoch seconds, database clock) that the ORM reads as an aware datetime
+    and that lookups take as a datetime (``filter(created_at__gte=...)``; a naive one is in
+    Django's current time zone) or as epoch seconds. The column stays the float the store
+    writes and indexes: no schema change."""
+
+    def from_db_value(self, value: float | None, expression: Any, connection: Any) -> Any:
+        return moment(value)
+
+    def to_python(self, value: Any) -> datetime | None:
+        if value is None or isinstance(value, datetime):
+            return value
+        return moment(float(super().to_python(value)))
+
+    def get_prep_value(self, value: Any) -> float | None:
+        if isinstance(value, datetime):
+            if timezone.is_naive(value):
+                value = timezone.make_aware(value)
+            return value.timestamp()
+        prepared: float | None = super().get_prep_value(value)
+        return prepared
 
 
 class Job(models.Model):
@@ -40,12 +64,12 @@ class Job(models.Model):
     result = models.TextField(null=True)
     error = models.TextField(null=True)
     stop_requested = models.CharField(max_length=16, null=True)
-    created_at = models.FloatField()
-    claimed_at = models.FloatField(null=True)
-    renewed_at = models.FloatField(null=True)
-    checkpoint_at = models.FloatField(null=True)
-    finished_at = models.FloatField(null=True)
-    expires_at = models.FloatField(null=True)
+    created_at = Moment()
+    claimed_at = Moment(null=True)
+    renewed_at = Moment(null=True)
+    checkpoint_at = Moment(null=True)
+    finished_at = Moment(null=True)
+    expires_at = Moment(null=True)
 
     class Meta:
         managed = False
