@@ -7,14 +7,15 @@ returns one line saying what happened, or raises :class:`LeaseError`
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .config import settings_for
 from .db import Store, store_for
 from .db.migrations import Migrated, upgrade
-from .db.rows import Job
+from .db.rows import Job, dumps
 from .db.schema import FINISHED_STATES, QUEUED, RUNNING
-from .errors import InvalidJobState, LeaseError
+from .errors import ArgumentsError, InvalidJobState, LeaseError
 from .notice import announce_pending
 
 
@@ -76,6 +77,32 @@ def cancel(app: Any, store: Store, job_id: str) -> str:
         job = store.get(job.id)
     state = "gone" if job is None else job.state
     raise InvalidJobState(f"job {job_id} is {state}; only queued or running jobs can be cancelled")
+
+
+def set_cursor(store: Store, key: str, text: str | None) -> str:
+    """Set the cursor of lease key ``key`` to ``text`` (the store's JSON text; None clears
+    it: the key's next run starts afresh). Only while no job holds the key (none queued or
+    running, no follow-up waiting to start): else :class:`InvalidJobState`, nothing written."""
+    if not store.set_cursor(key, text):
+        raise InvalidJobState(
+            f"lease key {key!r} is held by a job (queued, running, or with a follow-up to "
+            f"start); its cursor is left as it is: cancel the job or let it end, then try again"
+        )
+    return f"cursor of {key!r} {'cleared' if text is None else 'set to ' + text}"
+
+
+def cursor_text(value: str) -> str:
+    """``value`` (JSON an operator typed) as the store's JSON text; :class:`ArgumentsError`
+    saying why when it is not JSON (NaN and Infinity included)."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+
+    try:
+        return dumps(json.loads(value, parse_constant=refuse))
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ArgumentsError(f"not JSON ({why})") from None
 
 
 def release(store: Store, job_id: str) -> str:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
 
 import click
 
 from .. import control
 from ..db import store_for
-from ..db.rows import dumps
-from ..errors import InvalidJobState
+from ..errors import ArgumentsError
 from ..reaper import reap as reap_pass
 from .group import Duration, JobId, LeaseKey, cli_app, cli_settings, cli_store, find_job, short_repr
 from .view import (
@@ -63,26 +61,13 @@ def cursor(key: str, value: str | None, clear: bool) -> None:
         current = store.cursor(key)
         click.echo("none" if current is None else json.dumps(current, ensure_ascii=False))
         return
-    text = None if clear else _json_text(value)
-    if not store.set_cursor(key, text):
-        raise InvalidJobState(
-            f"lease key {key!r} is held by a job (queued, running, or with a follow-up to "
-            f"start); its cursor is left as it is: cancel the job or let it end, then try again"
-        )
-    click.echo(f"cursor of {key!r} {'cleared' if clear else 'set to ' + str(text)}")
-
-
-def _json_text(value: Any) -> str:
-    """``value`` as the store's JSON text, or a BadParameter saying why it is not JSON."""
-
-    def refuse(constant: str) -> Any:
-        raise ValueError(f"{constant} is not JSON")
-
-    try:
-        return dumps(json.loads(str(value), parse_constant=refuse))
-    except (ValueError, RecursionError) as exc:
-        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise click.BadParameter(f"--set {short_repr(value)} is not JSON ({why})") from None
+    text = None
+    if not clear:
+        try:
+            text = control.cursor_text(str(value))
+        except ArgumentsError as exc:
+            raise click.BadParameter(f"--set {short_repr(value)} is {exc}") from None
+    click.echo(control.set_cursor(store, key, text))
 
 
 @click.command()

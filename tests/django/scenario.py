@@ -247,6 +247,49 @@ def admin() -> dict[str, Any]:
         for state, job in jobs.items()
     }
     seen["failed job's checkpoint"] = jobs["failed"].checkpoint
+    seen.update(_admin_keys(client, store, tag))
+    return seen
+
+
+def _admin_keys(client: Any, store: Any, tag: str) -> dict[str, Any]:
+    """The lease keys' admin: a key's cursor set, refused, cleared from its page; a keyed
+    job's page shows its key, arguments and waiting follow-up."""
+    from billing.tasks import invoice_orders
+
+    from celery_leases.message import KEY_HEADER
+    from tests.support.message import job_message
+
+    seen: dict[str, Any] = {}
+    free, held = f"free-{tag}", f"held-{tag}"
+    for key in (free, held):
+        store.set_cursor(key, '{"page": 1}')
+    keyed = f"keyed-{tag}"
+    store.register(job_message(keyed, invoice_orders.name, args=[keyed, 3], **{KEY_HEADER: held}))
+    store.register(
+        job_message(f"trigger-{tag}", invoice_orders.name, args=[keyed, 4], **{KEY_HEADER: held})
+    )
+    page = "/admin/celery_leases/leasekey/"
+    seen["keys listed"] = [
+        key for key in (free, held) if key in client.get(f"{page}?q={key}").content.decode()
+    ]
+
+    def save(key: str, cursor: str) -> tuple[int, list[str], Any]:
+        response = client.post(f"{page}{key}/change/", {"cursor": cursor}, follow=True)
+        said = [str(m) for m in response.context["messages"]] if response.context else []
+        if response.context and "adminform" in response.context:
+            said += [str(e) for e in response.context["adminform"].form.errors.get("cursor", [])]
+        return response.status_code, said, store.cursor(key)
+
+    seen["set"] = save(free, '{"page": 7}')
+    seen["not json"] = save(free, "{page: 8}")
+    seen["held"] = save(held, '{"page": 9}')
+    seen["cleared"] = save(free, "")
+    detail = client.get(f"/admin/celery_leases/job/{keyed}/change/").content.decode()
+    seen["keyed job's page"] = [
+        held in detail,
+        "&quot;args&quot;" in detail and keyed in detail,
+        f"trigger-{tag}" in detail,
+    ]
     return seen
 
 

@@ -138,6 +138,17 @@ def test_the_admin_lists_filters_and_searches_jobs_and_its_actions_use_the_store
     assert seen["after"]["failed"][0] == "queued"
     assert seen["after"]["done"][0] == "done"
     assert seen["failed job's checkpoint"] == {"next": 4}
+    # The lease keys' pages: set a free key's cursor, refuse what is not JSON and a held key,
+    # clear it; a keyed job's page shows its key, its arguments and its waiting follow-up
+    assert len(seen["keys listed"]) == 2
+    assert seen["set"][0] == 200 and seen["set"][2] == {"page": 7}
+    assert any("set to" in m for m in seen["set"][1])
+    assert seen["not json"][2] == {"page": 7}
+    assert any("The cursor is not JSON" in m for m in seen["not json"][1])
+    assert seen["held"][2] == {"page": 1}
+    assert any("is held by a job" in m for m in seen["held"][1])
+    assert seen["cleared"][2] is None
+    assert seen["keyed job's page"] == [True, True, True]
 
 
 @pytest.mark.parametrize("shop", ["postgres", "mariadb"], indirect=True)

@@ -8,16 +8,18 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from django import forms
 from django.contrib import admin, messages
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.utils import timezone
 from django.utils.html import format_html
 
 from ... import control
-from ...errors import LeaseError
+from ...db.rows import load_message
+from ...errors import ArgumentsError, LeaseError
 from . import database
-from .models import Job
+from .models import Job, LeaseKey
 
 
 def _celery_app() -> Any:
@@ -91,7 +93,8 @@ class JobAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     search_fields = ("^id",)
     actions = (retry, cancel, release)
     readonly_fields = (
-        "id", "task", "state", "owner", "attempts", "token", "progress", "checkpoint_json",
+        "id", "task", "state", "lease_key", "arguments", "waiting_followup", "owner",
+        "attempts", "token", "progress", "checkpoint_json",
         "error", "stop_requested", "result_json", "created", "claimed", "renewed",
         "checkpointed", "finished", "lease_expires",
     )  # fmt: skip
@@ -127,6 +130,30 @@ class JobAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             f"{job.progress_done:,}",
             f"{job.progress_total:,}",
         )
+
+    @admin.display(description="arguments")
+    def arguments(self, job: Job) -> str:
+        try:
+            message = load_message(job.message, job.id)
+        except LeaseError as exc:
+            return str(exc)
+        return _pretty(json.dumps({"args": message.args, "kwargs": message.kwargs}))
+
+    @admin.display(description="waiting follow-up")
+    def waiting_followup(self, job: Job) -> str:
+        """The id the triggers waiting on the job's key were given: their run starts when
+        the key's live job ends."""
+        if job.lease_key is None:
+            return "-"
+        key = LeaseKey.objects.using(database.alias()).filter(lease_key=job.lease_key).first()
+        if key is None or key.pending_id is None:
+            return "none"
+        latest = (
+            ""
+            if key.pending_at is None
+            else f" (the latest at {key.pending_at:%Y-%m-%d %H:%M:%S} UTC)"
+        )
+        return f"{key.pending_id}{latest}"
 
     @admin.display(description="checkpoint")
     def checkpoint_json(self, job: Job) -> str:
@@ -169,3 +196,87 @@ def _pretty(text: str | None) -> str:
     except ValueError:
         shown = text  # not JSON: shown as stored
     return format_html("<pre>{}</pre>", shown)
+
+
+class CursorForm(forms.ModelForm):  # type: ignore[type-arg]
+    """A key's cursor as JSON text; empty clears it."""
+
+    cursor = forms.CharField(
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 8, "cols": 80}),
+        help_text="JSON, where the key's next run starts; empty clears it. Set only while no "
+        "job holds the key (none queued or running, no follow-up waiting to start).",
+    )
+
+    class Meta:
+        model = LeaseKey
+        fields: tuple[str, ...] = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        stored = self.instance.cursor_state
+        if stored is not None:
+            self.fields["cursor"].initial = json.dumps(json.loads(stored), indent=2)
+
+    def clean_cursor(self) -> str | None:
+        text = str(self.cleaned_data["cursor"]).strip()
+        if not text:
+            return None
+        try:
+            return control.cursor_text(text)
+        except ArgumentsError as exc:
+            raise forms.ValidationError(f"The cursor is {exc}.") from None
+
+
+@admin.register(LeaseKey)
+class LeaseKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Lease keys: each one's cursor and waiting trigger. A key's page sets or clears its
+    cursor through the store (``control.set_cursor``), as ``celery leases cursor`` does."""
+
+    form = CursorForm
+    list_display = ("lease_key", "cursor_short", "cursor_at", "pending_id", "pending_at")
+    search_fields = ("^lease_key",)
+    readonly_fields = ("lease_key", "job_id", "cursor_at", "pending_id", "pending_at")
+    fields = ("lease_key", "cursor", "job_id", "cursor_at", "pending_id", "pending_at")
+    list_per_page = 50
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[LeaseKey]:
+        return super().get_queryset(request).using(database.alias())
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: LeaseKey | None = None) -> bool:
+        return False
+
+    @admin.display(description="cursor")
+    def cursor_short(self, key: LeaseKey) -> str:
+        if key.cursor_state is None:
+            return "-"
+        return key.cursor_state if len(key.cursor_state) <= 80 else key.cursor_state[:79] + "…"
+
+    def changeform_view(
+        self,
+        request: HttpRequest,
+        object_id: str | None = None,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        # Django runs a change page in a transaction of the model's database; the store sets
+        # the cursor with one statement on its own connection, which must not wait for that
+        # transaction (on SQLite the page's own history entry then could not commit).
+        return self._changeform_view(request, object_id, form_url, extra_context)
+
+    def save_model(self, request: HttpRequest, obj: LeaseKey, form: Any, change: bool) -> None:
+        try:
+            messages.success(
+                request,
+                control.set_cursor(database.store(), obj.lease_key, form.cleaned_data["cursor"]),
+            )
+        except LeaseError as exc:
+            messages.error(request, str(exc))
+
+    def response_change(self, request: HttpRequest, obj: LeaseKey) -> HttpResponse:
+        # The message save_model left says what happened; Django's own "changed
+        # successfully" would be wrong when the store refused.
+        return HttpResponseRedirect(request.path)

@@ -9,7 +9,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from ...db.schema import MAX_ID_LENGTH, STATES
+from ...db.schema import MAX_ID_LENGTH, MAX_KEY_LENGTH, STATES
 from ...errors import LeaseError
 from ...settings import DEFAULTS
 
@@ -70,6 +70,8 @@ class Job(models.Model):
     checkpoint_at = Moment(null=True)
     finished_at = Moment(null=True)
     expires_at = Moment(null=True)
+    lease_key = models.CharField(max_length=MAX_KEY_LENGTH, null=True)
+    message = models.TextField()
 
     class Meta:
         managed = False
@@ -85,3 +87,31 @@ class Job(models.Model):
 
     def delete(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise LeaseError("leased jobs are deleted by the reaper's retention only")
+
+
+class LeaseKey(models.Model):
+    """One lease key's row (``<leases table>_keys``): its cursor and its waiting trigger.
+    Never saved through the ORM: the admin sets and clears a cursor with the store's
+    operation, under the same rule as ``celery leases cursor``."""
+
+    lease_key = models.CharField(primary_key=True, max_length=MAX_KEY_LENGTH)
+    cursor_state = models.TextField(null=True)
+    job_id = models.CharField(max_length=MAX_ID_LENGTH, null=True)
+    cursor_at = Moment(null=True)
+    pending_id = models.CharField(max_length=MAX_ID_LENGTH, null=True)
+    pending_at = Moment(null=True)
+
+    class Meta:
+        managed = False
+        db_table = f"{table_name()}_keys"
+        ordering = ("lease_key",)
+        verbose_name = "lease key"
+
+    def __str__(self) -> str:
+        return self.lease_key
+
+    def save(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise LeaseError("a lease key's cursor is set by the store's operation only")
+
+    def delete(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise LeaseError("lease keys are never deleted")
