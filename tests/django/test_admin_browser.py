@@ -7,6 +7,7 @@ README shows it); otherwise it goes under the test's tmp_path.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -154,6 +155,21 @@ def test_a_staff_user_sees_a_running_job_progress_in_the_admin_and_cancels_it(
 
         wait_for("the job cancelled in the admin", cancelled)
         driver.save_screenshot(str(tmp_path / "admin-cancelled.png"))
+
+    # When they set a free lease key's cursor on its page
+    key = f"acct-{uuid.uuid4().hex[:8]}"
+    shop.manage("leases", "cursor", key, "--set", '{"page": 1}')
+    driver.get(f"{site}/admin/celery_leases/leasekey/{key}/change/")
+    field = driver.find_element(By.ID, "id_cursor")
+    field.clear()
+    field.send_keys('{"page": 12}')
+    driver.find_element(By.NAME, "_save").click()
+    WebDriverWait(driver, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, "ul.messagelist li"))
+    said = [m.text for m in driver.find_elements(By.CSS_SELECTOR, "ul.messagelist li")]
+
+    # Then the page says so, and the store has it
+    assert any(f"of '{key}' set to" in m for m in said), said  # the admin capitalizes it
+    assert json.loads(shop.manage("leases", "cursor", key).stdout) == {"page": 12}
     ended = job_of(shop, batch)
     assert ended is not None and ended.state == "cancelled"
     assert (ended.progress_done or 0) < 600
