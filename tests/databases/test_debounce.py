@@ -125,6 +125,27 @@ def test_a_debounced_trigger_while_the_keys_job_runs_waits_as_its_follow_up(
     assert first.outcome == "new" and live_jobs(store) == ["t1"] and pending(store) == "t2"
 
 
+def test_a_lost_debounced_message_is_published_by_the_reaper_after_its_due_time(
+    store: Store,
+) -> None:
+    # Given a burst whose last message never reached the broker (its sender died)
+    register(store, trigger("t1", payload=1))
+    latest = register(store, trigger("t2", payload=2)).message
+
+    def reaped() -> list[Message]:
+        found = store.collect_expired(batch=10, grace=30.0, max_stalled=None, max_attempts=None)
+        return [job.message for job in found.republish]
+
+    # Then the reaper leaves it until its due time and the queued wait after it have passed,
+    # and then publishes the burst's last message
+    assert reaped() == []
+    moved_back(store, "t1", "expires_at", QUIET)
+    assert reaped() == []
+    moved_back(store, "t1", "expires_at", 30.0)
+    (message,) = reaped()
+    assert (message.id, message.args, message.version) == ("t1", [KEY, 2], latest.version)
+
+
 def first_message(store: Store, job_id: str) -> Message:
     job = store.get(job_id)
     assert job is not None
