@@ -194,6 +194,18 @@ class Attempt:
             )
             delivery.send(self.task.app, countdown=delay)
             raise Ignore()
+        if refused.reason == "early":
+            # A debounced job's message came before the job's due time (the database's
+            # clock; the sender's and this worker's may disagree): come back then.
+            delay = max(refused.expires_in or 0.0, 0.0)
+            logger.info(
+                "job %s: debounced, due in %.2f s; delivering again then",
+                request.id,
+                delay,
+                extra=job_fields(request.id),
+            )
+            delivery.send(self.task.app, countdown=delay)
+            raise Ignore()
         if refused.reason == "coalesced":
             logger.info(
                 "job %s: its lease key %s has a live job; coalesced into job %s",

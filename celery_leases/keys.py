@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 from typing import Any
 
 from .errors import ArgumentsError
@@ -47,6 +48,24 @@ def key_of(task: Any, key: Any, args: Any, kwargs: Any) -> str | None:
             f"lease_key of {getattr(task, 'name', task)} must give a string, not {found!r}"
         )
     return found
+
+
+def debounce_of(value: Any, *, where: Any = "lease_debounce") -> tuple[float, float] | None:
+    """``lease_debounce`` checked: None, or (quiet, max_wait) in seconds, both finite, quiet
+    above 0 and max_wait at least quiet; :class:`ArgumentsError` otherwise."""
+    if value is None:
+        return None
+    try:
+        quiet, max_wait = (float(v) for v in value)
+    except (TypeError, ValueError) as exc:
+        raise ArgumentsError(
+            f"{where} must be (quiet, max_wait) in seconds, such as (2.0, 30.0), not {value!r}"
+        ) from exc
+    if not (math.isfinite(quiet) and math.isfinite(max_wait) and 0 < quiet <= max_wait):
+        raise ArgumentsError(
+            f"{where} {value!r}: quiet must be above 0 and at most max_wait, both finite"
+        )
+    return quiet, max_wait
 
 
 def settle(app: Any, store: Any, key: str, *, connection: Any = None) -> bool:
@@ -91,4 +110,4 @@ def start_followup(app: Any, store: Any, job_id: str) -> str | None:
     return str(followup.id)
 
 
-__all__ = ["key_of", "settle", "start_followup"]
+__all__ = ["debounce_of", "key_of", "settle", "start_followup"]

@@ -35,6 +35,8 @@ DB_RETRY_HEADER = "leases_db_retries"
 CONFLICT_HEADER = "leases_conflicts"
 #: Header naming the job's lease key (the resource it works on; ``LeasedTask.lease_key``).
 KEY_HEADER = "leases_key"
+#: Header of a debounced trigger (``LeasedTask.lease_debounce``): ``[quiet, max_wait]``, seconds.
+DEBOUNCE_HEADER = "leases_debounce"
 
 #: Protocol 2 headers, as Celery's ``amqp.as_task_v2`` writes them.
 HEADERS = (
@@ -90,6 +92,16 @@ class Message:
         return None if found is None else str(found)
 
     @property
+    def debounce(self) -> tuple[float, float] | None:
+        """The debounce the message was published with (``leases_debounce`` header):
+        (quiet, max_wait) in seconds, or None."""
+        found = self.headers.get(DEBOUNCE_HEADER)
+        if not found:
+            return None
+        quiet, max_wait = found
+        return float(quiet), float(max_wait)
+
+    @property
     def workflow(self) -> list[str]:
         """What of a canvas the message carries: callbacks, errbacks, chain, chord, group."""
         found = [k for k in EMBED if self.embed.get(k)]
@@ -137,6 +149,11 @@ class Message:
         return replace(
             self, headers={k: v for k, v in self.headers.items() if k not in ("expires", "eta")}
         )
+
+    def as_job(self, job_id: str) -> Message:
+        """This message as the message of job ``job_id`` (its id and correlation id)."""
+        properties = {**self.properties, "correlation_id": job_id}
+        return replace(self.with_headers(id=job_id), properties=properties)
 
     def new_version(self) -> Message:
         """This message under a version id of its own (a message the library records)."""

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from celery import current_task
 
 from .errors import ArgumentsError, Cancelled, StoreUnavailable
+from .keys import debounce_of
 from .lease import held, queued_by, until_deadline
 from .lease import recorded as record_end
 from .log import job_fields
-from .message import KEY_HEADER, Message
+from .message import DEBOUNCE_HEADER, KEY_HEADER, Message
 
 logger = logging.getLogger("celery_leases")
 
@@ -78,6 +80,8 @@ class RecordingProducer:
             if recorded is None:
                 return None  # a retry held back until the attempt's body has returned
             self.recorded = recorded
+        if headers.get("id") != self.recorded.id:  # a debounced trigger, moved into its job
+            options["correlation_id"] = self.recorded.id
         headers.update(self.recorded.headers)
         return self._producer.publish(
             body, exchange=exchange, routing_key=routing_key, headers=headers, **options
@@ -92,6 +96,8 @@ class Recorder:
         self.settings = task.lease_settings
         self.store = task.lease_store
         self.registered: str | None = None
+        #: The job a debounced trigger was moved into (its id is the caller's result).
+        self.debounced: str | None = None
 
     def producer(self, publisher: Any) -> RecordingProducer:
         """``publisher`` (kombu's), recording through this recorder."""
@@ -136,12 +142,28 @@ class Recorder:
         lease = held(recorded.id)
         if lease is not None:
             return self._retry(lease, recorded, countdown)
+        debounce = self._debounce(recorded, key) if fresh else None
+        if debounce is not None:
+            countdown = debounce[0]
+            recorded = self._due(recorded, debounce, countdown)
         outcome = self.store.register(
             recorded,
             countdown=countdown or None,
             queued_timeout=self._queued_timeout(key),
             fresh=fresh,
+            debounce=debounce,
         )
+        if outcome.outcome == "debounced":
+            assert outcome.message is not None and debounce is not None
+            logger.info(
+                "job %s: key %s has a debounced job waiting, moved into job %s (due in %.2f s)",
+                recorded.id,
+                key,
+                outcome.job_id,
+                outcome.due_in or 0.0,
+            )
+            self.debounced = outcome.job_id
+            return self._due(outcome.message, debounce, outcome.due_in or 0.0)
         if outcome.outcome == "coalesced":
             logger.info(
                 "job %s: key %s has a live job, coalesced into job %s",
@@ -152,6 +174,8 @@ class Recorder:
             raise Coalesced(outcome.job_id)
         if outcome.outcome == "new":
             self.registered = recorded.id
+            if debounce is not None:  # its ETA from now: the row's due time is just written
+                recorded = self._due(recorded, debounce, countdown)
         elif outcome.outcome != "taken over":
             logger.warning(
                 "job %s is %s with another message: this one is a copy, dropped at its claim",
@@ -160,6 +184,31 @@ class Recorder:
                 extra=job_fields(recorded.id),
             )
         return recorded
+
+    def _debounce(self, recorded: Message, key: str | None) -> tuple[float, float] | None:
+        """The debounce of a call (``lease_debounce=`` of the call, or the task's option);
+        :class:`ArgumentsError` for a debounce without a lease key or with a countdown."""
+        option = recorded.headers.get(DEBOUNCE_HEADER)
+        where = "lease_debounce"
+        if option is None:
+            option = getattr(self.task, "lease_debounce", None)
+            where = f"lease_debounce of {self.task.name}"
+        debounce = debounce_of(option, where=where)
+        if debounce is None:
+            return None
+        if key is None:
+            raise ArgumentsError(f"{recorded.task}: a debounced call needs a lease key")
+        if recorded.headers.get("eta"):
+            raise ArgumentsError(
+                f"{recorded.task}: a debounced call takes no countdown or eta: its quiet "
+                f"period ({debounce[0]} s) is its countdown"
+            )
+        return debounce
+
+    def _due(self, message: Message, debounce: tuple[float, float], due_in: float) -> Message:
+        """``message`` as published: marked debounced, with an ETA ``due_in`` seconds away."""
+        eta = (self.task.app.now() + timedelta(seconds=due_in)).isoformat()
+        return message.with_headers(**{DEBOUNCE_HEADER: list(debounce), "eta": eta})
 
     def _queued_timeout(self, key: str | None) -> float | None:
         """How long the job may wait queued before the reaper re-publishes it: the setting

@@ -12,9 +12,9 @@ from celery.exceptions import Ignore
 from . import attempt, checkpoint, keys
 from .config import check_task_options, conf_version, settings_for
 from .db import Store, store_for
-from .errors import LeaseError, LeaseLost
+from .errors import ArgumentsError, ConfigurationError, LeaseError, LeaseLost
 from .lease import Lease, current, held, holding
-from .message import KEY_HEADER
+from .message import DEBOUNCE_HEADER, KEY_HEADER
 from .publish import Coalesced, Recorder
 from .reaper import register_reaper
 from .settings import Settings
@@ -32,10 +32,17 @@ class LeasedTask(Task):  # type: ignore[misc]
     (``"account:{account_id}"``, ``"{0}"``) or a callable taking them; ``apply_async(...,
     lease_key=...)`` sets it for one call. A call while the key has a live job is coalesced
     into it (see :meth:`apply_async`).
+
+    ``lease_debounce = (quiet, max_wait)`` (seconds) debounces the triggers of a key: a burst
+    runs once, ``quiet`` seconds after its last trigger and at most ``max_wait`` seconds after
+    its first, with the last trigger's arguments; ``apply_async(..., lease_debounce=...)``
+    sets it for one call (docs/keys.md, "Debounce").
     """
 
     #: The resource of a job, from its arguments (None: jobs have no key).
     lease_key: str | Callable[..., str] | None = None
+    #: (quiet, max_wait) in seconds: debounce the triggers of a key (None: no debounce).
+    lease_debounce: tuple[float, float] | None = None
 
     #: The worker's main process resumes the job at once when its pool process dies.
     Request = "celery_leases.worker.request:LeasedRequest"
@@ -57,11 +64,15 @@ class LeasedTask(Task):  # type: ignore[misc]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Bound to ``app``: refuse unknown ``lease_*`` options, register the reaper task
-        (``celery_leases.reap``) in this app only, and connect the worker's signals (once).
-        Calls ``super().on_bound(app)``."""
+        """Bound to ``app``: refuse unknown ``lease_*`` options and an impossible
+        ``lease_debounce``, register the reaper task (``celery_leases.reap``) in this app only,
+        and connect the worker's signals (once). Calls ``super().on_bound(app)``."""
         super().on_bound(app)
         check_task_options(cls, base=LeasedTask)
+        try:
+            keys.debounce_of(cls.lease_debounce, where=f"lease_debounce of {cls.name}")
+        except ArgumentsError as exc:
+            raise ConfigurationError(str(exc)) from exc
         register_reaper(app)
 
     @property
@@ -169,18 +180,25 @@ class LeasedTask(Task):  # type: ignore[misc]
         started yet absorbs it; one that has started runs once more, as one follow-up job,
         when it ends (with the arguments of the first trigger that waited). Nothing is
         published then, and the result returned is that of the job that serves the trigger.
+
+        A debounced call (``lease_debounce=(quiet, max_wait)`` here, or the task's option)
+        whose key's job has not started yet becomes that job's message (the last trigger's
+        arguments win) and moves its due time; the result returned is that job's.
         """
         key = options.pop("lease_key", None)
+        debounce = options.pop("lease_debounce", None)
         if self.app.conf.task_always_eager:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
         if key is not None:
             options["headers"] = {**(options.get("headers") or {}), KEY_HEADER: key}
+        if debounce is not None:
+            options["headers"] = {**(options.get("headers") or {}), DEBOUNCE_HEADER: debounce}
         recorder = Recorder(self)
         with self.app.producer_or_acquire(producer) as publisher:
             try:
-                return super().apply_async(
+                sent = super().apply_async(
                     args,
                     kwargs,
                     task_id,
@@ -195,6 +213,8 @@ class LeasedTask(Task):  # type: ignore[misc]
             except BaseException:
                 recorder.undo()
                 raise
+        # A debounced trigger was published as the message of its burst's job.
+        return sent if recorder.debounced is None else self.AsyncResult(recorder.debounced)
 
     def on_replace(self, sig: Any) -> Any:
         """``self.replace(sig)``: the job ends ``replaced`` and hands its id over to the

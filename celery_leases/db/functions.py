@@ -36,4 +36,15 @@ def _greatest_default(element: Any, compiler: Any, **kw: Any) -> str:
     return f"GREATEST({compiler.process(element.clauses, **kw)})"
 
 
-__all__ = ["db_now", "greatest"]
+class least(FunctionElement[Any]):
+    """The least of its arguments (``LEAST``; SQLite's ``min``)."""
+
+    inherit_cache = True
+
+
+@compiles(least)
+def _least_default(element: Any, compiler: Any, **kw: Any) -> str:
+    return f"LEAST({compiler.process(element.clauses, **kw)})"
+
+
+__all__ = ["db_now", "greatest", "least"]

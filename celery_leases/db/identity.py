@@ -27,6 +27,8 @@ class Facts(NamedTuple):
     version: str | None
     token: int
     attempts: int = 0
+    #: Seconds until the job may run (``run_after``: a countdown, a debounce), None: any time.
+    due_in: float | None = None
 
 
 def same_job(message: Message, facts: Facts) -> bool:

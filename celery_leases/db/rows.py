@@ -34,7 +34,8 @@ class Claimed:
 class Refused:
     """A refused claim. ``reason`` is the job's state, ``held`` when a live lease holds it, or
     ``stale`` when another message of the id is the recorded one (an older retry, a copy), or
-    ``coalesced`` when the delivery is a trigger of a lease key whose live job serves it."""
+    ``coalesced`` when the delivery is a trigger of a lease key whose live job serves it, or
+    ``early`` when a debounced job is not due yet (``expires_in``: seconds until it is)."""
 
     reason: str
     owner: str | None

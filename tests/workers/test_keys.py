@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
@@ -86,6 +87,32 @@ def test_triggers_during_a_run_start_exactly_one_followup_after_the_last_of_them
     third = trigger(s, "a1")
     assert third not in (first, followup)
     assert s.wait_finished(third, timeout=60).result == 3 * UNITS
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+def test_a_debounced_burst_runs_once_a_quiet_period_after_its_last_trigger_with_its_args(
+    scenario: MakeScenario, celery_settings: dict[str, Any]
+) -> None:
+    # Given a worker, and a webhook burst of one account debounced by 0.4 s (max 5 s)
+    s = scenario(celery_settings, lease_seconds=2.0, renew_seconds=0.5)
+    s.start_workers(1)
+    task = s.app.tasks["e2e.keyed_units"]
+
+    # When five triggers come 0.05 s apart, each asking for one unit more than the last
+    served = set()
+    for count in range(1, 6):
+        result = task.apply_async(("d1", count, 0.01), lease_debounce=(0.4, 5.0))
+        served.add(str(result.id))
+        time.sleep(0.05)
+    last_trigger = s.store.now()
+
+    # Then one job ran, with the last trigger's arguments, once 0.4 s had passed without one
+    (job_id,) = served
+    job = s.wait_finished(job_id, timeout=30)
+    assert (job.state, job.result, job.attempts) == ("done", 5, 1), job
+    assert jobs_of_key(s, "account:d1") == [job_id]
+    assert job.claimed_at is not None and job.claimed_at >= last_trigger + 0.4 - 0.06
 
 
 @stacks

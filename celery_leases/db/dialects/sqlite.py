@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.ext.compiler import compiles
 
-from ..functions import db_now, greatest
+from ..functions import db_now, greatest, least
 from .base import Dialect, insert_unless_id_exists, upsert_on_conflict
 
 
@@ -52,6 +52,11 @@ os.register_at_fork(after_in_child=_forget_inherited_marks)
 @compiles(greatest, "sqlite")
 def _greatest(element: Any, compiler: Any, **kw: Any) -> str:
     return f"max({compiler.process(element.clauses, **kw)})"
+
+
+@compiles(least, "sqlite")
+def _least(element: Any, compiler: Any, **kw: Any) -> str:
+    return f"min({compiler.process(element.clauses, **kw)})"
 
 
 #: Seconds a connection waits for a lock another holds (``busy_timeout``).

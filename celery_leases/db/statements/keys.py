@@ -6,7 +6,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ..schema import DONE, FINISHED_STATES, LIVE_STATES, RUNNING, SCHEMA_VERSION
+from ..functions import least
+from ..schema import DONE, FINISHED_STATES, LIVE_STATES, QUEUED, RUNNING, SCHEMA_VERSION
 from .common import Parts, param, unindexed
 
 
@@ -48,6 +49,41 @@ class Keys:
             .values(followup=None, followup_id=None)
         )
         self._cursors(p, holds_key)
+        self._debounce(p)
+
+    def _debounce(self, p: Parts) -> None:
+        t, d, now = p.table, p.dialect, p.now
+        # The first trigger of a burst recorded the job (``created_at``) with a due time
+        # (``run_after``); each later one moves that time, bounded by the first's max wait.
+        quiet, max_wait = param("quiet", sa.Double()), param("max_wait", sa.Double())
+        due = least(now + quiet, t.c.created_at + max_wait)
+        waiting = sa.and_(
+            p.by_id,
+            t.c.lease_key == param("key", t.c.lease_key.type),
+            t.c.task == param("task", t.c.task.type),
+            unindexed(t.c.state) == QUEUED,
+            t.c.attempts == 0,
+            t.c.started_at.is_(None),
+            t.c.run_after.is_not(None),
+        )
+        # MySQL evaluates SET left to right: expires_at is computed from ``due`` again, not
+        # from the run_after just written (PostgreSQL and SQLite would read the old one).
+        moved = (
+            sa.update(t)
+            .where(waiting)
+            .values(
+                message=param("message", t.c.message.type),
+                version=param("version", t.c.version.type),
+                run_after=due,
+                expires_at=due + param("expires_in", sa.Double()),
+            )
+        )
+        #: A debounced trigger (``b_message``, version ``b_version``) of key ``b_key`` moved
+        #: into its job ``b_id`` that has not started: its arguments, its due time
+        #: ``min(now + b_quiet, created_at + b_max_wait)``; returns the seconds until that time.
+        self.debounce = d.with_returning(moved, t.c.run_after - now)
+        #: The seconds until job ``b_id`` is due (read back where there is no RETURNING).
+        self.due_in = sa.select(t.c.run_after - now).where(p.by_id)
 
     def _triggers(self, p: Parts) -> None:
         t, k, d, now = p.table, p.keys, p.dialect, p.now

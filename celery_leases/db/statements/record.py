@@ -39,7 +39,7 @@ class Record:
         #: What a claim that matched no row reads to decide (``identity.Facts``).
         self.facts = sa.select(
             t.c.state, t.c.owner, p.lease_end - now, t.c.task, t.c.generation, t.c.version,
-            t.c.token, t.c.attempts,
+            t.c.token, t.c.attempts, t.c.run_after - now,
         ).where(p.by_id)  # fmt: skip
 
         claimable = sa.and_(
@@ -49,6 +49,13 @@ class Record:
             sa.or_(
                 param("max_attempts", sa.Integer()).is_(None),
                 t.c.attempts < param("max_attempts", sa.Integer()),
+            ),
+            # A debounced job (``b_any_time`` false) is not claimed before its due time: a
+            # later trigger of its burst may still move it.
+            sa.or_(
+                param("any_time", sa.Boolean()),
+                t.c.run_after.is_(None),
+                t.c.run_after <= now,
             ),
         )
         #: What a claim reads: token, attempt, checkpoint and its age, and its holder.

@@ -18,11 +18,14 @@ from .triggers import Triggers, job_params
 @dataclass(frozen=True)
 class Registered:
     """What :meth:`Client.register` did with a message: ``outcome`` (``new``, ``taken over``,
-    ``coalesced``, or the state of the job that keeps the id), and ``job_id``, the job that
-    serves it (another job's id when coalesced)."""
+    ``coalesced``, ``debounced``, or the state of the job that keeps the id), and ``job_id``,
+    the job that serves it (another job's id when coalesced or debounced). ``debounced``:
+    ``message`` is the job's message to publish, due in ``due_in`` seconds."""
 
     outcome: str
     job_id: str
+    message: Message | None = None
+    due_in: float | None = None
 
 
 class Client(Triggers):
@@ -35,6 +38,7 @@ class Client(Triggers):
         countdown: float | None = None,
         queued_timeout: float | None = None,
         fresh: bool = True,
+        debounce: tuple[float, float] | None = None,
     ) -> Registered:
         """Record the job of a message about to be published: ``new``, ``taken over`` (a new
         job reusing the id of one that ended, or a replacement: ``identity.takes_over``),
@@ -44,7 +48,12 @@ class Client(Triggers):
         id its caller is given is the first waiting trigger's).
 
         ``fresh``: the message was built anew (not from a recorded one, as Celery's re-sends
-        of a request are: a retry after a lost pool process carries the job's version)."""
+        of a request are: a retry after a lost pool process carries the job's version).
+
+        ``debounce``: (quiet, max_wait) seconds of a debounced trigger (its ``countdown`` is
+        the quiet period): when the key's job is one that has not started and waits for its
+        due time, the trigger becomes that job's message and moves its due time
+        (``debounced``); a started job keeps it as a waiting trigger (``coalesced``)."""
         text = message.dumps()
         job_id = checked_id(message.id)
         expires_in = None if queued_timeout is None else (countdown or 0.0) + queued_timeout
@@ -57,9 +66,9 @@ class Client(Triggers):
             # A trigger of a busy key (a burst of webhooks) is coalesced after one read, with
             # no INSERT refused by the key's unique index (each refusal is an ERROR line in
             # PostgreSQL's log); an idle key's first trigger pays that read too.
-            serving = self._trigger(message, text)
-            if serving is not None:
-                return Registered("coalesced", serving)
+            found = self._coalesce(message, text, debounce, queued_timeout)
+            if found is not None:
+                return found
         record = self.sql.record
         for _ in range(3):
             try:
@@ -77,11 +86,43 @@ class Client(Triggers):
                 if self._hot(lambda c, p=seen: self._take_over(c, p), refused=ArgumentsError):
                     return Registered("taken over", job_id)
             except KeyTaken:
-                serving = self._trigger(message, text)
-                if serving is not None:
-                    return Registered("coalesced", serving)
+                found = self._coalesce(message, text, debounce, queued_timeout)
+                if found is not None:
+                    return found
                 # The key's live job ended in between: record this one again.
         raise LeaseError(f"job {job_id}: its row kept changing while it was recorded; try again")
+
+    def _coalesce(
+        self,
+        message: Message,
+        text: str,
+        debounce: tuple[float, float] | None,
+        wait: float | None,
+    ) -> Registered | None:
+        """``message`` handed to the job holding its key: moved into it (a debounced trigger
+        of a job still waiting), else kept on the key; None when no other job holds it."""
+        holder = self._holder(message)
+        if holder is None:
+            return None
+        if debounce is not None:
+            moved = message.as_job(holder).new_version()
+            moved_text = moved.dumps()
+            quiet, max_wait = debounce
+            params = job_params(moved, moved_text) | {
+                "b_id": holder,
+                "b_quiet": quiet,
+                "b_max_wait": max_wait,
+                "b_expires_in": self.settings.reap_grace if wait is None else wait,
+            }
+            keys = self.sql.keys
+
+            def run(c: Connection) -> list[Any]:
+                return self.dialect.rows(c, keys.debounce, params, read_back=keys.due_in)
+
+            found = self._hot(run, reads_back=True, refused=ArgumentsError)
+            if found and found[0]:
+                return Registered("debounced", holder, moved, max(float(found[0][0]), 0.0))
+        return Registered("coalesced", self._pend(message, text))
 
     def _take_over(self, c: Connection, params: dict[str, Any]) -> bool:
         take_over = self.sql.record.take_over

@@ -46,12 +46,19 @@ class Triggers(StoreBase):
         """Hand ``message``, a trigger of its lease key, to the key when a job holds it: the
         id its caller is given (the first waiting trigger's). None when no job holds the key,
         or the job holding it is this very one (a copy of its message): record it then."""
+        if self._holder(message) is None:
+            return None
+        return self._pend(message, text)
+
+    def _holder(self, message: Message) -> str | None:
+        """The job holding the lease key of ``message``; None when none does, or when the job
+        holding it is this very one (a copy of its message)."""
         keys = self.sql.keys
         params = {"b_key": message.key}
         found = self._hot(lambda c: c.execute(keys.key_holder, params).first())
         if found is None or found[0] == message.id:
             return None
-        return self._pend(message, text)
+        return str(found[0])
 
     def _pend(self, message: Message, text: str) -> str:
         keys = self.sql.keys

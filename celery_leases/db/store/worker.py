@@ -64,6 +64,9 @@ class Worker(Client):
             "b_task": delivery.task,
             "b_generation": delivery.generation,
             "b_max_attempts": self.settings.max_attempts,
+            # A debounced job is claimed at its due time, not before (a later trigger of its
+            # burst may still move it); any other job whenever its message comes.
+            "b_any_time": delivery.debounce is None,
         }
         record = self.sql.record
         hot = record.claim_version if delivery.version else record.claim_job
@@ -150,6 +153,9 @@ class Worker(Client):
                 lambda c: c.execute(self.sql.operators.give_up, failed | {"b_notify": "FAILURE"}),
             )
             return Refused("failed", facts.owner, facts.expires_in)
+        early = facts.state == QUEUED and (facts.due_in or 0.0) > 0
+        if early and not params["b_any_time"] and same_job(delivery, facts):
+            return Refused("early", facts.owner, facts.due_in)
         if same_job(delivery, facts):
             return self._claim_with(
                 record.claim_job, params, connection
