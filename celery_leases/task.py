@@ -14,7 +14,7 @@ from .config import check_task_options, conf_version, settings_for
 from .db import Store, store_for
 from .errors import LeaseError, LeaseLost
 from .lease import Lease, current, held, holding
-from .message import KEY_HEADER
+from .message import COALESCE, KEY_HEADER, KEY_STRATEGY_HEADER, checked_strategy
 from .publish import Coalesced, Recorder
 from .reaper import register_reaper
 from .settings import Settings
@@ -31,11 +31,17 @@ class LeasedTask(Task):  # type: ignore[misc]
     queued or running at a time: a format string over the task's arguments
     (``"account:{account_id}"``, ``"{0}"``) or a callable taking them; ``apply_async(...,
     lease_key=...)`` sets it for one call. A call while the key has a live job is coalesced
-    into it (see :meth:`apply_async`).
+    into it (see :meth:`apply_async`), or supersedes it (``lease_key_strategy="newest"``).
     """
 
     #: The resource of a job, from its arguments (None: jobs have no key).
     lease_key: str | Callable[..., str] | None = None
+
+    #: What a call does while its lease key has a live job: ``"coalesce"`` (wait, and run
+    #: once that job ends, with the first waiting call's arguments) or ``"newest"`` (that job
+    #: is superseded: it ends ``superseded`` at its next checkpoint, or at once if it has not
+    #: started, and the next run has the newest call's arguments). See docs/keys.md.
+    lease_key_strategy: str = COALESCE
 
     #: The worker's main process resumes the job at once when its pool process dies.
     Request = "celery_leases.worker.request:LeasedRequest"
@@ -57,11 +63,13 @@ class LeasedTask(Task):  # type: ignore[misc]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Bound to ``app``: refuse unknown ``lease_*`` options, register the reaper task
+        """Bound to ``app``: refuse unknown ``lease_*`` options (and a ``lease_key_strategy``
+        that is none), register the reaper task
         (``celery_leases.reap``) in this app only, and connect the worker's signals (once).
         Calls ``super().on_bound(app)``."""
         super().on_bound(app)
         check_task_options(cls, base=LeasedTask)
+        checked_strategy(cls.lease_key_strategy)
         register_reaper(app)
 
     @property
@@ -169,14 +177,24 @@ class LeasedTask(Task):  # type: ignore[misc]
         started yet absorbs it; one that has started runs once more, as one follow-up job,
         when it ends (with the arguments of the first trigger that waited). Nothing is
         published then, and the result returned is that of the job that serves the trigger.
+        With ``lease_key_strategy="newest"`` (the task's option, or here for one call) the
+        trigger supersedes the key's job instead: a queued one ends at once, a running one at
+        its next checkpoint, both ``superseded`` (REVOKED in Celery), and the next run has the
+        newest trigger's arguments.
         """
         key = options.pop("lease_key", None)
+        strategy = options.pop("lease_key_strategy", None)
         if self.app.conf.task_always_eager:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
         if key is not None:
             options["headers"] = {**(options.get("headers") or {}), KEY_HEADER: key}
+        if strategy is not None:
+            options["headers"] = {
+                **(options.get("headers") or {}),
+                KEY_STRATEGY_HEADER: checked_strategy(strategy),
+            }
         recorder = Recorder(self)
         with self.app.producer_or_acquire(producer) as publisher:
             try:

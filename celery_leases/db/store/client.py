@@ -23,6 +23,9 @@ class Registered:
 
     outcome: str
     job_id: str
+    #: Coalesced into a run of its own that may start now: its trigger superseded the key's
+    #: queued job (``lease_key_strategy="newest"``): settle the key (``keys.settle``).
+    freed: bool = False
 
 
 class Client(Triggers):
@@ -59,7 +62,7 @@ class Client(Triggers):
             # PostgreSQL's log); an idle key's first trigger pays that read too.
             serving = self._trigger(message, text)
             if serving is not None:
-                return Registered("coalesced", serving)
+                return Registered("coalesced", serving.id, serving.freed)
         record = self.sql.record
         for _ in range(3):
             try:
@@ -79,7 +82,7 @@ class Client(Triggers):
             except KeyTaken:
                 serving = self._trigger(message, text)
                 if serving is not None:
-                    return Registered("coalesced", serving)
+                    return Registered("coalesced", serving.id, serving.freed)
                 # The key's live job ended in between: record this one again.
         raise LeaseError(f"job {job_id}: its row kept changing while it was recorded; try again")
 
