@@ -136,6 +136,32 @@ def test_a_trigger_while_the_keys_job_is_queued_supersedes_it_at_once(store: Sto
     assert isinstance(refused, Refused) and refused.reason == "superseded"
 
 
+def test_a_delivery_sent_by_name_supersedes_the_keys_queued_job_at_its_claim(
+    store: Store,
+) -> None:
+    # Given the key's job, queued
+    store.register(trigger("t1"))
+
+    # When a worker receives a newest trigger of the key sent by name (never recorded)
+    by_name = job_message(
+        "t2",
+        "tests.sync",
+        args=[KEY],
+        kwargs={"since": 3},
+        recorded=False,
+        **{KEY_HEADER: KEY, KEY_STRATEGY_HEADER: "newest"},
+    )
+    refused = store.claim(by_name, owner=OWNER, duration=30.0)
+
+    # Then it waits on the key, the queued job is superseded, and its run can start now
+    assert isinstance(refused, Refused)
+    assert (refused.reason, refused.serving, refused.freed) == ("coalesced", "t2", True)
+    job = store.get("t1")
+    assert job is not None and job.state == "superseded"
+    followup = store.settle(KEY).followup
+    assert followup is not None and (followup.id, followup.kwargs) == ("t2", {"since": 3})
+
+
 def test_a_trigger_never_supersedes_the_run_recorded_for_its_own_waiting_triggers(
     store: Store,
 ) -> None:
