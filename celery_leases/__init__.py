@@ -26,6 +26,7 @@ from .errors import (
     Preempted,
     Stop,
     StoreUnavailable,
+    Superseded,
     WriteConflict,
 )
 from .lease import Lease
@@ -41,6 +42,7 @@ __all__ = [  # noqa: RUF022  (grouped by what a user does with each name)
     "Stop",
     "Cancelled",
     "Preempted",
+    "Superseded",
     "LeaseLost",
     # Running the reaper
     "schedule_reaper",

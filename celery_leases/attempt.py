@@ -21,7 +21,8 @@ from .db import Store, rows
 from .db.errors import conflict_in, ended_idle_transaction, first_line
 from .db.joined import Joined, ambient
 from .db.rows import Refused
-from .db.schema import CANCELLED, QUEUED
+from .db.schema import CANCELLED, QUEUED, SUPERSEDED
+from .db.statements.common import SUPERSEDED_TEXT
 from .errors import (
     Cancelled,
     ConfigurationError,
@@ -30,11 +31,19 @@ from .errors import (
     LeaseLost,
     Preempted,
     StoreUnavailable,
+    Superseded,
     WriteConflict,
 )
 from .lease import Lease, holding, queued_by, recorded, until_deadline
 from .log import job_fields, lease_fields
-from .message import CONFLICT_HEADER, DB_RETRY_HEADER, KEY_HEADER, Message
+from .message import (
+    COALESCE,
+    CONFLICT_HEADER,
+    DB_RETRY_HEADER,
+    KEY_HEADER,
+    KEY_STRATEGY_HEADER,
+    Message,
+)
 from .process import owner_name
 from .worker.keeper import Keeper, keeper_for
 from .worker.limits import body_over
@@ -112,6 +121,9 @@ class Attempt:
             key = self.task.key_for(args, kwargs)
             if key is not None:
                 delivery = delivery.with_headers(**{KEY_HEADER: key})
+                if self.task.lease_key_strategy != COALESCE:
+                    strategy = self.task.lease_key_strategy
+                    delivery = delivery.with_headers(**{KEY_STRATEGY_HEADER: strategy})
         self.delivery = delivery
         try:
             # Task.apply() runs the job now, as Celery does, even one that has ended.
@@ -214,6 +226,8 @@ class Attempt:
                 refused.serving,
                 extra=job_fields(request.id),
             )
+            if refused.freed and delivery.key is not None:
+                keys.settle(self.task.app, self.store, delivery.key)
             raise Ignore()
         metrics.count("duplicates_dropped", task=self.task.name)
         logger.info(
@@ -303,6 +317,22 @@ class Attempt:
                 "job %s: cancelled at its checkpoint", lease.job_id, extra=lease_fields(lease)
             )
             raise Ignore() from None
+        except Superseded as exc:
+            # The key's next run has the newest trigger's arguments: it starts once this end
+            # is recorded (``ended`` settles the key). Handed back already (a retry met the
+            # supersede): the reaper tells the backend and settles the key.
+            if not lease.released and store.fail(
+                lease.job_id, lease.token, error=str(exc), state=SUPERSEDED, connection=lease.joined
+            ):
+                self.revoked(SUPERSEDED_TEXT)
+                self.ended(lease)
+            logger.info(
+                "job %s: superseded by a newer trigger of its key %s, stopped at its checkpoint",
+                lease.job_id,
+                lease.key,
+                extra=lease_fields(lease),
+            )
+            raise Ignore() from None
         except Preempted:
             if self.hand_back(lease, reap_in=0.0) == QUEUED:
                 self.delivery.send(self.task.app)
@@ -369,7 +399,7 @@ class Attempt:
             raise Ignore() from exc
         lease.released = state is not None
         lease.fenced_out = state is None
-        if state == CANCELLED:  # an operator's cancel met the retry: the reaper says REVOKED
+        if state in (CANCELLED, SUPERSEDED):  # a cancel met the retry: the reaper says REVOKED
             self.ended(lease)
             raise Ignore()
         if state == QUEUED:
@@ -503,7 +533,7 @@ class Attempt:
         lease.released = state is not None
         lease.fenced_out = state is None  # a newer token holds the job, or it ended
         lease.lost = lease.lost or lease.fenced_out
-        if state == CANCELLED:
+        if state in (CANCELLED, SUPERSEDED):
             self.ended(lease)
         return state
 

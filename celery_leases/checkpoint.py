@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 from . import event, metrics
 from .db import rows
 from .db.joined import Joined, joined
-from .errors import Cancelled, CheckpointError, LeaseError, LeaseLost, Preempted
+from .errors import Cancelled, CheckpointError, LeaseError, LeaseLost, Preempted, Superseded
 from .lease import Lease, until_deadline
 from .log import job_fields, lease_fields
 from .signals import checkpoint_saved
@@ -186,13 +186,19 @@ def _encoded(task: Any, lease: Lease, state: Any, what: str) -> str:
 
 
 def stop_point(lease: Lease) -> None:
-    """Raise :class:`Cancelled` or :class:`Preempted` if ``lease``'s job was asked to stop,
-    :class:`LeaseLost` if the lease is lost (renewals failed until it ended, or another
-    attempt took the job): code between checkpoints stops there, not only at the next one."""
+    """Raise :class:`Cancelled`, :class:`Superseded` or :class:`Preempted` if ``lease``'s job
+    was asked to stop, :class:`LeaseLost` if the lease is lost (renewals failed until it ended,
+    or another attempt took the job): code between checkpoints stops there, not only at the
+    next one."""
     if lease.lost:
         raise LeaseLost(f"job {lease.job_id}: this attempt lost its lease; stop")
     if lease.stop_requested == "cancel":
         raise Cancelled(f"job {lease.job_id} was cancelled; stopped at its checkpoint")
+    if lease.stop_requested == "supersede":
+        raise Superseded(
+            f"job {lease.job_id} was superseded by a newer trigger of its lease key; stopped "
+            f"at its checkpoint"
+        )
     if lease.stop_requested == "preempt":
         raise Preempted(f"job {lease.job_id} handed back at its checkpoint (shutdown)")
 

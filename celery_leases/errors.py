@@ -2,8 +2,8 @@
 
 Two families: :class:`LeaseError` for what went wrong (a bad setting, an unreachable database,
 a state that cannot be stored), and :class:`Stop` for what the running attempt is told to do
-(stop now: it was cancelled, handed back, or lost its lease). A stop is not an error: neither
-``except LeaseError:`` nor ``except Exception:`` swallows one.
+(stop now: it was cancelled, superseded, handed back, or lost its lease). A stop is not an
+error: neither ``except LeaseError:`` nor ``except Exception:`` swallows one.
 """
 
 from __future__ import annotations
@@ -75,6 +75,11 @@ class Cancelled(Stop):
 
 class Preempted(Stop):
     """The worker is shutting down; the job was handed back at its checkpoint."""
+
+
+class Superseded(Stop):
+    """A newer trigger of this job's lease key superseded it (``lease_key_strategy="newest"``);
+    the attempt stopped at its checkpoint, and the key's next run has the newest arguments."""
 
 
 class LeaseLost(Stop):

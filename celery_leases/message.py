@@ -37,6 +37,24 @@ CONFLICT_HEADER = "leases_conflicts"
 KEY_HEADER = "leases_key"
 #: Header of a debounced trigger (``LeasedTask.lease_debounce``): ``[quiet, max_wait]``, seconds.
 DEBOUNCE_HEADER = "leases_debounce"
+#: Header naming what a trigger of a busy lease key does (``LeasedTask.lease_key_strategy``):
+#: ``coalesce`` (absent: the same) or ``newest``.
+KEY_STRATEGY_HEADER = "leases_key_strategy"
+#: What a trigger of a busy key does: wait and run once the key's job ends (the default), or
+#: supersede that job, the newest trigger's arguments winning.
+COALESCE, NEWEST = "coalesce", "newest"
+KEY_STRATEGIES = (COALESCE, NEWEST)
+
+
+def checked_strategy(strategy: object) -> str:
+    """``strategy`` (a ``lease_key_strategy``), or :class:`ConfigurationError`."""
+    if strategy not in KEY_STRATEGIES:
+        raise ConfigurationError(
+            f"lease_key_strategy must be one of {', '.join(map(repr, KEY_STRATEGIES))}, "
+            f"not {strategy!r}"
+        )
+    return str(strategy)
+
 
 #: Protocol 2 headers, as Celery's ``amqp.as_task_v2`` writes them.
 HEADERS = (
@@ -150,10 +168,19 @@ class Message:
             self, headers={k: v for k, v in self.headers.items() if k not in ("expires", "eta")}
         )
 
-    def as_job(self, job_id: str) -> Message:
-        """This message as the message of job ``job_id`` (its id and correlation id)."""
-        properties = {**self.properties, "correlation_id": job_id}
-        return replace(self.with_headers(id=job_id), properties=properties)
+    def under_id(self, job_id: str) -> Message:
+        """This message as the job ``job_id``: a newer trigger's message, run under the id the
+        triggers waiting on its key share (``lease_key_strategy="newest"``)."""
+        if job_id == self.id:
+            return self
+        old = self.id
+        headers = {**self.headers, "id": job_id}
+        if headers.get("root_id") == old:
+            headers["root_id"] = job_id
+        properties = dict(self.properties)
+        if properties.get("correlation_id") == old:
+            properties["correlation_id"] = job_id
+        return replace(self, headers=headers, properties=properties)
 
     def new_version(self) -> Message:
         """This message under a version id of its own (a message the library records)."""

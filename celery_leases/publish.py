@@ -16,12 +16,13 @@ from typing import Any
 
 from celery import current_task
 
-from .errors import ArgumentsError, Cancelled, StoreUnavailable
-from .keys import debounce_of
+from . import keys
+from .errors import ArgumentsError, Cancelled, StoreUnavailable, Superseded
 from .lease import held, queued_by, until_deadline
 from .lease import recorded as record_end
 from .log import job_fields
-from .message import DEBOUNCE_HEADER, KEY_HEADER, Message
+from .message import COALESCE, DEBOUNCE_HEADER, KEY_HEADER, KEY_STRATEGY_HEADER, Message
+from .notice import announce_pending
 
 logger = logging.getLogger("celery_leases")
 
@@ -131,6 +132,9 @@ class Recorder:
         key = recorded.key or self.task.key_for(recorded.args, recorded.kwargs)
         if key is not None:
             recorded = recorded.with_headers(**{KEY_HEADER: key})
+            if self.task.lease_key_strategy != COALESCE:  # unless this call says otherwise
+                strategy = recorded.headers.get(KEY_STRATEGY_HEADER, self.task.lease_key_strategy)
+                recorded = recorded.with_headers(**{KEY_STRATEGY_HEADER: strategy})
             if recorded.workflow:
                 raise ArgumentsError(
                     f"{recorded.task} has a lease key ({key!r}), and its call carries "
@@ -166,11 +170,18 @@ class Recorder:
             return self._due(outcome.message, debounce, outcome.due_in or 0.0)
         if outcome.outcome == "coalesced":
             logger.info(
-                "job %s: key %s has a live job, coalesced into job %s",
+                "job %s: key %s has a live job, %s job %s",
                 recorded.id,
                 key,
+                "superseded it: its run is" if outcome.freed else "coalesced into",
                 outcome.job_id,
             )
+            if outcome.freed and key is not None:
+                # It superseded the key's queued job: the key is free, its run starts now.
+                keys.settle(self.task.app, self.store, key)
+                announce_pending(
+                    self.task.app, self.store, batch=self.settings.reap_batch, max_batches=1
+                )
             raise Coalesced(outcome.job_id)
         if outcome.outcome == "new":
             self.registered = recorded.id
@@ -193,7 +204,7 @@ class Recorder:
         if option is None:
             option = getattr(self.task, "lease_debounce", None)
             where = f"lease_debounce of {self.task.name}"
-        debounce = debounce_of(option, where=where)
+        debounce = keys.debounce_of(option, where=where)
         if debounce is None:
             return None
         if key is None:
@@ -252,6 +263,8 @@ class Recorder:
         lease.released = state is not None
         if state == "cancelled":
             raise Cancelled(f"job {lease.job_id} was cancelled; not retried")
+        if state == "superseded":
+            raise Superseded(f"job {lease.job_id} was superseded; not retried")
         return recorded
 
     def undo(self) -> None:

@@ -14,7 +14,7 @@ from .config import check_task_options, conf_version, settings_for
 from .db import Store, store_for
 from .errors import ArgumentsError, ConfigurationError, LeaseError, LeaseLost
 from .lease import Lease, current, held, holding
-from .message import DEBOUNCE_HEADER, KEY_HEADER
+from .message import COALESCE, DEBOUNCE_HEADER, KEY_HEADER, KEY_STRATEGY_HEADER, checked_strategy
 from .publish import Coalesced, Recorder
 from .reaper import register_reaper
 from .settings import Settings
@@ -31,7 +31,7 @@ class LeasedTask(Task):  # type: ignore[misc]
     queued or running at a time: a format string over the task's arguments
     (``"account:{account_id}"``, ``"{0}"``) or a callable taking them; ``apply_async(...,
     lease_key=...)`` sets it for one call. A call while the key has a live job is coalesced
-    into it (see :meth:`apply_async`).
+    into it (see :meth:`apply_async`), or supersedes it (``lease_key_strategy="newest"``).
 
     ``lease_debounce = (quiet, max_wait)`` (seconds) debounces the triggers of a key: a burst
     runs once, ``quiet`` seconds after its last trigger and at most ``max_wait`` seconds after
@@ -43,6 +43,12 @@ class LeasedTask(Task):  # type: ignore[misc]
     lease_key: str | Callable[..., str] | None = None
     #: (quiet, max_wait) in seconds: debounce the triggers of a key (None: no debounce).
     lease_debounce: tuple[float, float] | None = None
+
+    #: What a call does while its lease key has a live job: ``"coalesce"`` (wait, and run
+    #: once that job ends, with the first waiting call's arguments) or ``"newest"`` (that job
+    #: is superseded: it ends ``superseded`` at its next checkpoint, or at once if it has not
+    #: started, and the next run has the newest call's arguments). See docs/keys.md.
+    lease_key_strategy: str = COALESCE
 
     #: The worker's main process resumes the job at once when its pool process dies.
     Request = "celery_leases.worker.request:LeasedRequest"
@@ -64,11 +70,13 @@ class LeasedTask(Task):  # type: ignore[misc]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Bound to ``app``: refuse unknown ``lease_*`` options and an impossible
-        ``lease_debounce``, register the reaper task (``celery_leases.reap``) in this app only,
-        and connect the worker's signals (once). Calls ``super().on_bound(app)``."""
+        """Bound to ``app``: refuse unknown ``lease_*`` options, an impossible
+        ``lease_debounce`` and a ``lease_key_strategy`` that is none, register the reaper task
+        (``celery_leases.reap``) in this app only, and connect the worker's signals (once).
+        Calls ``super().on_bound(app)``."""
         super().on_bound(app)
         check_task_options(cls, base=LeasedTask)
+        checked_strategy(cls.lease_key_strategy)
         try:
             keys.debounce_of(cls.lease_debounce, where=f"lease_debounce of {cls.name}")
         except ArgumentsError as exc:
@@ -184,9 +192,15 @@ class LeasedTask(Task):  # type: ignore[misc]
         A debounced call (``lease_debounce=(quiet, max_wait)`` here, or the task's option)
         whose key's job has not started yet becomes that job's message (the last trigger's
         arguments win) and moves its due time; the result returned is that job's.
+
+        With ``lease_key_strategy="newest"`` (the task's option, or here for one call) the
+        trigger supersedes the key's job instead: a queued one ends at once, a running one at
+        its next checkpoint, both ``superseded`` (REVOKED in Celery), and the next run has the
+        newest trigger's arguments.
         """
         key = options.pop("lease_key", None)
         debounce = options.pop("lease_debounce", None)
+        strategy = options.pop("lease_key_strategy", None)
         if self.app.conf.task_always_eager:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
@@ -195,6 +209,11 @@ class LeasedTask(Task):  # type: ignore[misc]
             options["headers"] = {**(options.get("headers") or {}), KEY_HEADER: key}
         if debounce is not None:
             options["headers"] = {**(options.get("headers") or {}), DEBOUNCE_HEADER: debounce}
+        if strategy is not None:
+            options["headers"] = {
+                **(options.get("headers") or {}),
+                KEY_STRATEGY_HEADER: checked_strategy(strategy),
+            }
         recorder = Recorder(self)
         with self.app.producer_or_acquire(producer) as publisher:
             try:

@@ -26,6 +26,7 @@ STYLES: dict[str, dict[str, Any]] = {
     "done": {"fg": "green"},
     "failed": {"fg": "red", "bold": True},
     "cancelled": {"fg": "magenta"},
+    "superseded": {"fg": "magenta", "dim": True},
     "expired": {"fg": "red"},
     "dim": {"dim": True},
     "bar": {"fg": "green"},

@@ -42,6 +42,8 @@ class Refused:
     expires_in: float | None
     #: ``coalesced``: the job of the delivery's lease key that serves it instead.
     serving: str | None = None
+    #: ``coalesced``: it superseded the key's queued job; the key's triggers can run now.
+    freed: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,15 +18,16 @@ SCHEMA_VERSION = 5
 
 #: Job states. ``queued`` and ``running`` are live; the others are finished. A ``replaced``
 #: job handed its id to the signature it was replaced with (``Task.replace``); a ``revoked``
-#: one was revoked or expired in Celery.
+#: one was revoked or expired in Celery; a ``superseded`` one gave way to a newer trigger of
+#: its lease key (``lease_key_strategy="newest"``).
 QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
-CANCELLED, REVOKED, REPLACED = "cancelled", "revoked", "replaced"
-STATES = (QUEUED, RUNNING, DONE, FAILED, CANCELLED, REVOKED, REPLACED)
+CANCELLED, REVOKED, REPLACED, SUPERSEDED = "cancelled", "revoked", "replaced", "superseded"
+STATES = (QUEUED, RUNNING, DONE, FAILED, CANCELLED, REVOKED, REPLACED, SUPERSEDED)
 LIVE_STATES = (QUEUED, RUNNING)
 #: SQL true for a live job (a partial index's predicate: the statements that use the index
 #: write the states as literals, so that a generic plan can prove it).
 LIVE_PREDICATE = "state IN ('queued', 'running')"
-FINISHED_STATES = (DONE, FAILED, CANCELLED, REVOKED, REPLACED)
+FINISHED_STATES = (DONE, FAILED, CANCELLED, REVOKED, REPLACED, SUPERSEDED)
 
 #: Longest job (task) id the table holds; a longer one is refused, never truncated.
 MAX_ID_LENGTH = 155

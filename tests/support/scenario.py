@@ -29,7 +29,7 @@ from tests.support.unit_log import Unit, UnitLog
 from tests.support.worker import REPO_ROOT, Beat, CeleryProcess, Spawner, Worker, pid_exists
 
 LEASED_APP = "tests.support.apps.leased_app"
-FINISHED = ("done", "failed", "cancelled")
+FINISHED = ("done", "failed", "cancelled", "superseded")
 
 T = TypeVar("T")
 

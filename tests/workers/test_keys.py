@@ -179,3 +179,36 @@ def test_a_frozen_run_that_wakes_after_its_job_moved_cannot_move_the_cursor(
     assert (job.state, job.result) == ("done", UNITS), job
     check_unit_log(s.log.rows(first), UNITS, crashes=1)
     assert s.store.cursor("account:c1") == {"units": UNITS}
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+def test_a_newest_trigger_supersedes_the_run_and_its_arguments_run_next(
+    scenario: MakeScenario, celery_settings: dict[str, Any], result_backend: str
+) -> None:
+    # Given one worker running a long sync of an account
+    s = scenario(
+        celery_settings, lease_seconds=2.0, renew_seconds=0.5, result_backend=result_backend
+    )
+    s.start_workers(1)
+    keyed = s.app.tasks["e2e.keyed_units"]
+    first = keyed.delay("n1", 50, UNIT_SECONDS).id
+    s.wait_unit(first, unit=1, timeout=30)
+
+    # When two calls whose newest wins come while it runs
+    calls = [
+        keyed.apply_async(("n1", count, UNIT_SECONDS), lease_key_strategy="newest").id
+        for count in (7, 2)
+    ]
+
+    # Then the run stops at its next checkpoint, superseded (REVOKED in Celery), its cursor
+    # as committed; the next run answers both calls, with the newest one's arguments
+    assert calls[0] == calls[1] != first
+    stopped = s.wait_finished(first, timeout=30)
+    assert stopped.state == "superseded", stopped
+    assert s.app.AsyncResult(first).state == "REVOKED"
+    committed = len([u for u in s.log.rows(first) if u.committed])
+    assert 2 <= committed <= 4, committed  # stopped within about one unit of the calls
+    followup = s.wait_finished(calls[0], timeout=30)
+    assert (followup.state, followup.result) == ("done", committed + 2), followup
+    check_one_run_at_a_time(s, [first, calls[0]])

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from ..dialects import Dialect
 from ..functions import db_now, greatest
-from ..schema import CANCELLED, QUEUED, RUNNING, SCHEMA_VERSION
+from ..schema import CANCELLED, QUEUED, RUNNING, SCHEMA_VERSION, SUPERSEDED
 
 #: Errors the reaper writes on the jobs it gives up on, and an operator's cancel.
 GAVE_UP_NO_PROGRESS = (
@@ -24,6 +24,7 @@ GAVE_UP_NO_PROGRESS = (
 GAVE_UP_MAX_ATTEMPTS = "gave up: reached leases_max_attempts"
 GAVE_UP_CORRUPT = "gave up: its stored message or checkpoint cannot be read"
 CANCELLED_TEXT = "cancelled by an operator"
+SUPERSEDED_TEXT = "superseded by a newer trigger of its lease key"
 
 
 #: A claim's fencing token is at least the database clock in milliseconds times this (the
@@ -69,6 +70,11 @@ class Parts:
         self.by_token = sa.and_(self.by_id, t.c.token == param("token"), self.held)
         #: An operator cancelled the job.
         self.cancelled = t.c.stop_requested == "cancel"
+        #: A newer trigger of its lease key superseded the job (``lease_key_strategy``).
+        self.superseded = t.c.stop_requested == "supersede"
+        #: The job is to end at its next checkpoint, not to run again: cancelled or superseded
+        #: (a stop request that a claim keeps and a hand-back turns into the job's end).
+        self.ending = t.c.stop_requested.in_(("cancel", "supersede"))
         # A running job's lease ends ``duration`` after its last renewal: a claim or a
         # checkpoint of its own, or a renewal of its holder (``holder``: its keeper's row).
         # A job no holder keeps has its lease's end in ``expires_at`` (as a queued job has its
@@ -179,20 +185,26 @@ class Parts:
         }
 
     def handed_back(self) -> list[tuple[Any, Any]]:
-        """The lease given back: the job queued again, unless an operator cancelled it, which
-        it then is (and the reaper tells the result backend). ``b_reap_in`` seconds from now
-        the reaper re-publishes it (NULL: a message for it is already on its way). MySQL
-        evaluates SET left to right: the columns read come first."""
-        t, now, cancel = self.table, self.now, self.cancelled
+        """The lease given back: the job queued again, unless an operator cancelled it or a
+        newer trigger of its key superseded it, which it then is (and the reaper tells the
+        result backend). ``b_reap_in`` seconds from now the reaper re-publishes it (NULL: a
+        message for it is already on its way). MySQL evaluates SET left to right: the
+        columns read come first."""
+        t, now, cancel, supersede, end = (
+            self.table, self.now, self.cancelled, self.superseded, self.ending
+        )  # fmt: skip
         return [
-            (t.c.error, sa.case((cancel, CANCELLED_TEXT), else_=t.c.error)),
-            (t.c.notify, sa.case((cancel, "REVOKED"), else_=t.c.notify)),
-            (t.c.finished_at, sa.case((cancel, now), else_=sa.null())),
+            (
+                t.c.error,
+                sa.case((cancel, CANCELLED_TEXT), (supersede, SUPERSEDED_TEXT), else_=t.c.error),
+            ),
+            (t.c.notify, sa.case((end, "REVOKED"), else_=t.c.notify)),
+            (t.c.finished_at, sa.case((end, now), else_=sa.null())),
             (
                 t.c.expires_at,
-                sa.case((cancel, sa.null()), else_=now + param("reap_in", sa.Double())),
+                sa.case((end, sa.null()), else_=now + param("reap_in", sa.Double())),
             ),
-            (t.c.state, sa.case((cancel, CANCELLED), else_=QUEUED)),
+            (t.c.state, sa.case((cancel, CANCELLED), (supersede, SUPERSEDED), else_=QUEUED)),
             (t.c.stop_requested, None),
             (t.c.owner, None),
             (t.c.session, None),
@@ -205,6 +217,7 @@ __all__ = [
     "GAVE_UP_CORRUPT",
     "GAVE_UP_MAX_ATTEMPTS",
     "GAVE_UP_NO_PROGRESS",
+    "SUPERSEDED_TEXT",
     "Parts",
     "param",
     "unindexed",

@@ -44,8 +44,8 @@ class End:
             sa.update(t)
             .where(p.by_token)
             .ordered_values(
-                (t.c.version, sa.case((p.cancelled, t.c.version), else_=param("version"))),
-                (t.c.message, sa.case((p.cancelled, t.c.message), else_=param("message"))),
+                (t.c.version, sa.case((p.ending, t.c.version), else_=param("version"))),
+                (t.c.message, sa.case((p.ending, t.c.message), else_=param("message"))),
                 *p.handed_back(),
             ),
             t.c.state,

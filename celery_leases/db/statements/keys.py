@@ -7,8 +7,16 @@ from typing import Any
 import sqlalchemy as sa
 
 from ..functions import least
-from ..schema import DONE, FINISHED_STATES, LIVE_STATES, QUEUED, RUNNING, SCHEMA_VERSION
-from .common import Parts, param, unindexed
+from ..schema import (
+    DONE,
+    FINISHED_STATES,
+    LIVE_STATES,
+    QUEUED,
+    RUNNING,
+    SCHEMA_VERSION,
+    SUPERSEDED,
+)
+from .common import SUPERSEDED_TEXT, Parts, param, unindexed
 
 
 class Keys:
@@ -26,6 +34,7 @@ class Keys:
         #: The job holding key ``b_key``: (id, attempts, follow-up id).
         self.key_holder = sa.select(t.c.id, t.c.attempts, t.c.followup_id).where(holds_key)
         self._triggers(p)
+        self._newest(p, holds_key)
         finished_with_followup = sa.and_(
             t.c.followup_id.is_not(None), t.c.state.in_(FINISHED_STATES)
         )
@@ -108,6 +117,20 @@ class Keys:
             },
             returning=(k.c.pending_id,),
         )
+        #: The same for a key whose newest trigger wins (``lease_key_strategy="newest"``): the
+        #: first one waiting gives the id, the newest one the message.
+        self.add_pending_newest = d.upsert(
+            k,
+            trigger,
+            columns,
+            "lease_key",
+            update=lambda new: {
+                "pending_id": sa.func.coalesce(k.c.pending_id, new["pending_id"]),
+                "pending": new["pending"],
+                "pending_at": new["pending_at"],
+            },
+            returning=(k.c.pending_id,),
+        )
         by_key = k.c.lease_key == param("key", k.c.lease_key.type)
         #: The triggers waiting on key ``b_key`` (id, message, latest), its row locked.
         self.pending_of = (
@@ -169,6 +192,42 @@ class Keys:
                 "finished_at": now,
                 "schema_version": SCHEMA_VERSION,
             },
+        )
+
+    def _newest(self, p: Parts, holds_key: Any) -> None:
+        t, now = p.table, p.now
+        # Never the run recorded for the waiting triggers themselves (``b_pending_id``): it may
+        # have been recorded between their trigger's read of the key and this write.
+        not_theirs = t.c.id != param("pending_id", t.c.id.type)
+        #: The job holding key ``b_key``, queued (never claimed, or waiting to resume), ended
+        #: superseded by the waiting triggers: its message is dropped at its claim, and the
+        #: reaper tells the result backend REVOKED.
+        self.supersede_queued = (
+            sa.update(t)
+            .where(holds_key, t.c.state == QUEUED, not_theirs)
+            .values(
+                state=SUPERSEDED,
+                owner=None,
+                session=None,
+                holder=None,
+                expires_at=None,
+                stop_requested=None,
+                error=SUPERSEDED_TEXT,
+                notify="REVOKED",
+                finished_at=now,
+            )
+        )
+        #: The job holding key ``b_key``, running, asked to stop superseded at its next
+        #: checkpoint; an operator's cancel stands.
+        self.supersede_running = (
+            sa.update(t)
+            .where(
+                holds_key,
+                t.c.state == RUNNING,
+                not_theirs,
+                sa.or_(t.c.stop_requested.is_(None), t.c.stop_requested != "cancel"),
+            )
+            .values(stop_requested="supersede")
         )
 
     def _cursors(self, p: Parts, holds_key: Any) -> None:

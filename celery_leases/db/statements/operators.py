@@ -80,13 +80,13 @@ class Operators:
             .values(stop_requested=param("kind"))
         )
         #: Every running attempt of an owner (a worker shutting down) asked to stop; a
-        #: shutdown's preemption never overwrites a pending cancel.
+        #: shutdown's preemption never overwrites a pending cancel or supersede (the job ends).
         self.request_stop_owned_by = (
             sa.update(t)
             .where(
                 t.c.state == RUNNING,
                 t.c.owner.like(param("owner_like"), escape="\\"),
-                sa.or_(t.c.stop_requested.is_(None), t.c.stop_requested != "cancel"),
+                sa.or_(t.c.stop_requested.is_(None), ~p.ending),
             )
             .values(stop_requested=param("kind"))
         )

@@ -76,8 +76,8 @@ class Record:
             (t.c.started_at, sa.func.coalesce(t.c.started_at, now)),
             (t.c.renewed_at, now),
             (t.c.error, None),  # a wait's reason (``Operators.wait_for_worker``) is over
-            # A preemption was for the attempt that saw it; a cancel stands.
-            (t.c.stop_requested, sa.case((p.cancelled, "cancel"), else_=sa.null())),
+            # A preemption was for the attempt that saw it; a cancel or a supersede stands.
+            (t.c.stop_requested, sa.case((p.ending, t.c.stop_requested), else_=sa.null())),
         )
         claim = d.with_returning(claim, *self.claim_reads)
         #: The claim of the recorded message (its version): the usual claim, one statement.

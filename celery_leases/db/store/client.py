@@ -26,6 +26,9 @@ class Registered:
     job_id: str
     message: Message | None = None
     due_in: float | None = None
+    #: Coalesced into a run of its own that may start now: its trigger superseded the key's
+    #: queued job (``lease_key_strategy="newest"``): settle the key (``keys.settle``).
+    freed: bool = False
 
 
 class Client(Triggers):
@@ -105,7 +108,7 @@ class Client(Triggers):
         if holder is None:
             return None
         if debounce is not None:
-            moved = message.as_job(holder).new_version()
+            moved = message.under_id(holder).new_version()
             moved_text = moved.dumps()
             quiet, max_wait = debounce
             params = job_params(moved, moved_text) | {
@@ -122,7 +125,8 @@ class Client(Triggers):
             found = self._hot(run, reads_back=True, refused=ArgumentsError)
             if found and found[0]:
                 return Registered("debounced", holder, moved, max(float(found[0][0]), 0.0))
-        return Registered("coalesced", self._pend(message, text))
+        pended = self._pended(message, text)
+        return Registered("coalesced", pended.id, freed=pended.freed)
 
     def _take_over(self, c: Connection, params: dict[str, Any]) -> bool:
         take_over = self.sql.record.take_over

@@ -116,7 +116,8 @@ class Operator(StoreBase):
     # -- operators' actions ------------------------------------------------------------------
 
     def request_stop(self, job_ids: Sequence[str], kind: str) -> int:
-        """Ask running attempts to stop at their next checkpoint (``cancel`` or ``preempt``)."""
+        """Ask running attempts to stop at their next checkpoint (``cancel``, ``preempt``;
+        ``supersede`` is asked by a newer trigger of a job's key: ``Store.register``)."""
         params = {"b_ids": list(job_ids), "b_kind": kind}
         return self._count(self.sql.operators.request_stop, params)
 

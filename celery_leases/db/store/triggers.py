@@ -10,12 +10,22 @@ from typing import Any
 from sqlalchemy.engine import Connection
 
 from ...errors import ArgumentsError, CorruptJob
-from ...message import Message
+from ...message import KEY_STRATEGY_HEADER, NEWEST, Message
 from .. import rows
 from ..identity import checked_id, checked_key
 from ..joined import joined as as_joined
 from ..schema import DONE, LIVE_STATES
 from .base import KeyTaken, StoreBase
+
+
+@dataclass(frozen=True)
+class Pended:
+    """A trigger kept on its busy key: ``id``, the one its caller is given (the first waiting
+    trigger's); ``freed``: it superseded the key's queued job, so the key is free and its
+    waiting triggers are to be settled now (``keys.settle``)."""
+
+    id: str
+    freed: bool = False
 
 
 @dataclass(frozen=True)
@@ -42,13 +52,13 @@ def job_params(message: Message, text: str) -> dict[str, Any]:
 class Triggers(StoreBase):
     """Keeping and settling the triggers of lease keys."""
 
-    def _trigger(self, message: Message, text: str) -> str | None:
+    def _trigger(self, message: Message, text: str) -> Pended | None:
         """Hand ``message``, a trigger of its lease key, to the key when a job holds it: the
         id its caller is given (the first waiting trigger's). None when no job holds the key,
         or the job holding it is this very one (a copy of its message): record it then."""
         if self._holder(message) is None:
             return None
-        return self._pend(message, text)
+        return self._pended(message, text)
 
     def _holder(self, message: Message) -> str | None:
         """The job holding the lease key of ``message``; None when none does, or when the job
@@ -60,12 +70,31 @@ class Triggers(StoreBase):
             return None
         return str(found[0])
 
-    def _pend(self, message: Message, text: str) -> str:
+    def _pended(self, message: Message, text: str) -> Pended:
+        """``message`` kept on its held key as a waiting trigger.
+
+        A trigger whose newest call wins (``KEY_STRATEGY_HEADER``: ``newest``) replaces the
+        waiting trigger's message, then supersedes the job holding the key: a queued one ends
+        ``superseded`` at once (``Pended.freed``: settle the key now), a running one is asked
+        to stop at its next checkpoint, and ends ``superseded`` there."""
+        keys = self.sql.keys
+        newest = message.headers.get(KEY_STRATEGY_HEADER) == NEWEST
+        pending_id = self._pend(message, text, newest=newest)
+        if not newest:
+            return Pended(pending_id)
+        params = {"b_key": message.key, "b_pending_id": pending_id}
+        if self._count(keys.supersede_queued, params):
+            return Pended(pending_id, freed=True)
+        self._count(keys.supersede_running, params)
+        return Pended(pending_id)
+
+    def _pend(self, message: Message, text: str, *, newest: bool = False) -> str:
         keys = self.sql.keys
         params = {"b_key": message.key, "b_id": checked_id(message.id), "b_message": text}
+        add = keys.add_pending_newest if newest else keys.add_pending
 
         def run(c: Connection) -> str:
-            found = self.dialect.rows(c, keys.add_pending, params, read_back=keys.pending_id_of)
+            found = self.dialect.rows(c, add, params, read_back=keys.pending_id_of)
             return str(found[0][0])
 
         return self._hot(run, reads_back=True, refused=ArgumentsError)  # type: ignore[no-any-return]
@@ -104,6 +133,9 @@ class Triggers(StoreBase):
         except CorruptJob:
             c.execute(keys.clear_pending, cleared)  # nothing can run it
             return Settled()
+        if trigger.id != pending_id:  # the newest trigger's message, under the shared id
+            trigger = trigger.under_id(pending_id)
+            text = trigger.dumps()
         first = c.execute(keys.started_since, {"b_key": key, "b_since": pending_at}).first()
         if first is not None and first[1] in LIVE_STATES:
             return Settled()  # it may serve them; they are settled when it ends
@@ -180,4 +212,4 @@ class Triggers(StoreBase):
         return [r[0] for r in found]
 
 
-__all__ = ["Settled", "Triggers", "job_params"]
+__all__ = ["Pended", "Settled", "Triggers", "job_params"]

@@ -101,7 +101,9 @@ class Worker(Client):
             return self._claim_new(delivery, params, connection, fresh=fresh)
         except KeyTaken:
             serving = self._trigger(delivery, delivery.dumps())
-            return None if serving is None else Refused("coalesced", None, None, serving)
+            if serving is None:
+                return None
+            return Refused("coalesced", None, None, serving.id, serving.freed)
 
     def _claim_new(
         self, delivery: Message, params: dict[str, Any], connection: Any, *, fresh: bool
@@ -386,7 +388,8 @@ class Worker(Client):
         self, job_id: str, token: int, *, reap_in: float | None, connection: Any = None
     ) -> str | None:
         """Give the lease back, fenced by ``token``: the job's state after it (``queued``, or
-        ``cancelled`` when an operator had cancelled it), None if this attempt lost the lease.
+        ``cancelled`` when an operator had cancelled it, ``superseded`` when a newer trigger of
+        its key had superseded it), None if this attempt lost the lease.
 
         ``reap_in`` seconds from now the reaper re-publishes the job; None when a message for
         it is already on its way (a Celery retry).
