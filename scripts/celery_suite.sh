@@ -40,7 +40,7 @@ psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'c
 PYTHONPATH="$ROOT/scripts" "$VENV/bin/python" - <<'PY'
 from celery import Celery
 
-from celery_leases import migrations
+from celery_leases.db import migrations
 from celery_leases.config import settings_for
 from celery_leases.db import store_for
 from celery_suite_conf import CONFIG
