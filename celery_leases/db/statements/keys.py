@@ -73,7 +73,11 @@ class Keys:
             unindexed(t.c.state) == QUEUED,
             t.c.attempts == 0,
             t.c.started_at.is_(None),
-            t.c.run_after.is_not(None),
+            # Due already: the burst is closed (its message may be on its way to a worker);
+            # a later trigger waits as its follow-up. Moving it again would make every copy
+            # in a lagging queue stale, and a steady stream of triggers would hold the run
+            # back past its maximum wait.
+            t.c.run_after > now,
         )
         # MySQL evaluates SET left to right: expires_at is computed from ``due`` again, not
         # from the run_after just written (PostgreSQL and SQLite would read the old one).
