@@ -21,7 +21,9 @@ running ones (``celery leases cancel``, through the store); ``--no-controls`` le
 cancels and expiring jobs out. Keyed jobs (``--keys``, ``--triggers``): bursts of triggers
 (calls of ``chaos.keyed``, one account each, as a webhook provider sends them) go out during the
 run while the faults happen, from a thread of their own (``chaos/trigger.py``);
-``--keys 0`` leaves them out.
+``--keys 0`` leaves them out. ``--debounced-keys`` and ``--newest-keys`` (default 0) add accounts
+whose triggers are debounced (``chaos.keyed_debounced``) or where the newest trigger wins
+(``chaos.keyed_newest``), each trigger passing its id as the run's ``marker`` argument.
 
 The edges of real deployments (issue 23), each on by default in the long form and selectable:
 ``--soft-limits`` (a fraction of the jobs sent with a short ``soft_time_limit``, their row's
