@@ -1858,12 +1858,12 @@ def superseding_call(e: Evidence, job: JobRow) -> Trigger | None:
 def _newest(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
     """On every newest-wins key: every trigger's result id ended done, or superseded (REVOKED
     in Celery), or as a control allows; every done run ran with the arguments of the newest
-    trigger answered with its id before it started; the key's last run started after its last
-    trigger, ended done and ran with that trigger's arguments; a superseded job was superseded
-    by a newer trigger (one answered with another id once it was recorded), and after that
-    call returned each of its attempts committed at most the unit in flight (it stops at its
-    next checkpoint). One run at a time and the cursor are the keyed checks' (they cover these
-    keys)."""
+    trigger answered with its id (or with a served row naming it) before it started; the key's
+    last run started after its last trigger, ended done and ran with that trigger's arguments;
+    a superseded job was superseded by a newer trigger (one answered with another id once it
+    was recorded), and after that call returned each of its attempts committed at most the unit
+    in flight (it stops at its next checkpoint). One run at a time and the cursor are the keyed
+    checks' (they cover these keys)."""
     name = "newest wins: superseded jobs stop at their checkpoint, the last run has the newest"
     if e.triggers is None or not e.newest_keys:
         return Check(name, True, NO_NEWEST)
@@ -1886,7 +1886,12 @@ def _newest(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
                 starts.append((started, run_id))
             ran = _ran_with(markers.get(run_id, {}))
             if run.state == DONE and started is not None:
-                before = [t for t in triggers if t.served == run_id and t.at < started]
+                # Answered with its id, or with a served row naming it (the newest of those is
+                # the one whose arguments every caller's result must come from).
+                answered = {run_id} | {
+                    j.id for j in e.jobs.values() if j.served_by == run_id and j.key == key
+                }
+                before = [t for t in triggers if t.served in answered and t.at < started]
                 if before and ran != {before[-1].id}:
                     problems.append(
                         f"{run_id} ({key}): done, ran with the arguments of "

@@ -1151,3 +1151,18 @@ def test_a_job_superseded_with_no_newer_trigger_or_on_a_coalescing_key_is_caught
     # superseded is no end for a job of a coalescing key, nor REVOKED for its callers
     coalescing = replace(e, newest_keys=set())
     assert {KEYED, LOST} <= set(failed_checks(coalescing))
+
+
+def test_triggers_served_by_a_run_with_older_arguments_on_a_newest_wins_key_are_caught() -> None:
+    # Given z, a trigger at 2.55 answered with its own id, z recorded as served by y (which was
+    # claimed at 2.6, after it): y ran with y's arguments, so z's caller gets a result computed
+    # from older ones
+    e = newest()
+    late = Trigger(NKEY, "z", "z", 2.55, 2.58)
+    e = replace(e, triggers=[*(e.triggers or []), late])
+    e = with_served(e, "z", "y", at=6.0)
+    e = replace(e, newest_keys={NKEY})
+
+    assert failed_checks(e) == [NEWEST]
+    (check,) = [c for c in check_all(e) if c.name.startswith(NEWEST)]
+    assert "y (account:n0): done, ran with the arguments of y; the newest of its 2" in check.text
