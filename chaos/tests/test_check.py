@@ -1166,3 +1166,12 @@ def test_triggers_served_by_a_run_with_older_arguments_on_a_newest_wins_key_are_
     assert failed_checks(e) == [NEWEST]
     (check,) = [c for c in check_all(e) if c.name.startswith(NEWEST)]
     assert "y (account:n0): done, ran with the arguments of y; the newest of its 2" in check.text
+
+
+def test_a_superseded_job_the_result_backend_does_not_call_revoked_is_caught() -> None:
+    e = newest()
+    assert (e.key_backend or {})["x"].status == "REVOKED"
+
+    wrong = replace(e, key_backend={**(e.key_backend or {}), "x": Outcome("SUCCESS", KEY_UNITS)})
+
+    assert failed_checks(wrong) == [LOST]
