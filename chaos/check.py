@@ -1763,7 +1763,9 @@ def _debounce(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
     first that waited: its own id), and a debounced run was not claimed before its due time,
     ``min(last trigger + quiet, first trigger + max_wait)`` (less ``DEBOUNCE_ALLOWANCE``), on
     the database clock. How late runs started after that due time, and after ``max_wait``, is
-    reported, not checked (faults delay them). One run at a time and no trigger lost are the
+    reported, not checked (faults and a busy queue delay them), with the triggers that moved
+    into a job already past its max wait (each re-publishes the job's message, and the copy
+    already queued becomes a stale version). One run at a time and no trigger lost are the
     keyed checks' (they cover these keys)."""
     name = "debounce: a burst runs once, after its quiet period, with its last trigger's arguments"
     if e.triggers is None or not e.debounced_keys:
@@ -1773,7 +1775,7 @@ def _debounce(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
     taken = taken_by_key(e)
     keys = runs_by_key(e)
     problems: list[str] = []
-    bursts = followups = past_max = 0
+    bursts = followups = past_max = overdue = 0
     sizes: list[int] = []
     late: list[tuple[float, str]] = []
     for key in sorted(e.debounced_keys):
@@ -1806,6 +1808,9 @@ def _debounce(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
                 late.append((started - due, run_id))
                 if started > first.at + max_wait + DEBOUNCE_ALLOWANCE:
                     past_max += 1
+                # Triggers that rewrote the job's message after its max wait had passed: each
+                # one makes the message already queued a stale version (dropped at its claim).
+                overdue += sum(1 for t in burst if t.at > first.at + max_wait)
             if ran and ran != {expected}:
                 what = "the first that waited" if followup else f"the last of {len(burst)}"
                 problems.append(
@@ -1820,6 +1825,7 @@ def _debounce(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
         debounce_followups=followups,
         debounce_largest_burst=max(sizes, default=0),
         debounce_past_max_wait=past_max,
+        debounce_triggers_after_max_wait=overdue,
         debounce_latest_start=round(worst[0], 2),
         debounce_problems=len(problems),
     )
@@ -1828,8 +1834,9 @@ def _debounce(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
         f"{sum(sizes)} triggers (up to {max(sizes, default=0)}), {followups} follow-ups; "
         f"started after their due time by at most {worst[0]:.2f} s"
         + (f" ({worst[1]})" if worst[1] else "")
-        + f", {past_max} later than max wait ({max_wait:g} s) after their first trigger "
-        f"(reported, not checked); {len(problems)} problems"
+        + f", {past_max} later than max wait ({max_wait:g} s) after their first trigger, "
+        f"{overdue} triggers moved into a job past its max wait (reported, not checked); "
+        f"{len(problems)} problems"
     )
     for problem in problems[:4]:
         text += f"\n      {problem}"

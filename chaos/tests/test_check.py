@@ -1087,6 +1087,12 @@ def test_a_debounced_run_started_late_is_reported_not_failed() -> None:
     assert e.figures["debounce_past_max_wait"] == 1
     assert e.figures["debounce_latest_start"] == 7.9
 
+    # And the triggers that kept coming after max wait, while it waited, are counted
+    stream = [Trigger(DKEY, "x", "x", 0.0)] + [Trigger(DKEY, f"t{n}", "x", n) for n in range(1, 8)]
+    e = debounced(start=9.0, marker="t7", triggers=stream)
+    assert failed_checks(e) == []
+    assert e.figures["debounce_triggers_after_max_wait"] == 4
+
 
 def test_two_runs_of_a_debounced_key_at_once_are_caught_by_the_one_run_per_key_check() -> None:
     # Given y, the follow-up of a trigger during x's run, running from 3 while x ran until 4.2
