@@ -35,9 +35,14 @@ renewals land inside it.
 ``chaos.keyed(account, count, unit_seconds)`` is a sync of one resource (lease key
 ``account:<account>``): ``count`` units, each committing its unit row, the key's cursor
 ``{"units": <units the key's jobs committed>}`` (``self.save_cursor``) and its checkpoint in one
-transaction; it returns ``count``. The driver's triggers (calls of it, as a webhook receiver
-makes them) are recorded in ``<table>_triggers`` (:class:`TriggerLog`), and
-:func:`install_cursor_log` copies every committed cursor write into ``<table>_cursors``.
+transaction; it returns ``count``. ``chaos.keyed_debounced`` (``lease_debounce=DEBOUNCE``,
+accounts ``d<n>``) and ``chaos.keyed_newest`` (``lease_key_strategy="newest"``, accounts
+``n<n>``) run the same body with a fourth argument, ``marker``: the id of the trigger that
+sent those arguments, saved in every checkpoint (``{"next": n, "marker": id}``), so the
+checkpoint log tells which trigger's arguments each run had. The driver's triggers (calls
+of these tasks, as a webhook receiver makes them) are recorded in ``<table>_triggers``
+(:class:`TriggerLog`), and :func:`install_cursor_log` copies every committed cursor write
+into ``<table>_cursors``.
 
 A transient
 database error (the server restarting, a dropped connection) retries the task the way a user
@@ -94,6 +99,12 @@ TASKS = ("chaos.exactly_once", "chaos.at_least_once")
 #: The keyed task: one run per resource (lease key ``account:<account>``).
 KEYED_TASK = "chaos.keyed"
 KEY_FORMAT = "account:{account}"
+#: The keyed task with ``lease_debounce=DEBOUNCE`` (accounts ``d<n>``), and with
+#: ``lease_key_strategy="newest"`` (accounts ``n<n>``): same body, ``marker`` argument.
+DEBOUNCED_TASK = "chaos.keyed_debounced"
+NEWEST_TASK = "chaos.keyed_newest"
+#: (quiet, max_wait) of ``chaos.keyed_debounced``, in seconds.
+DEBOUNCE = (0.5, 3.0)
 #: Seconds ``chaos.errback`` keeps trying to record its call while the database is down.
 ERRBACK_PATIENCE = 30.0
 #: The end of the id of a job sent with a soft time limit: its row's updates are slowed.
@@ -411,7 +422,13 @@ def add_chaos_tasks(app: Celery) -> Celery:
         return count
 
     def keyed_unit(
-        task: Task, engine: Engine, paused: bool, row: int, unit: int, done: int
+        task: Task,
+        engine: Engine,
+        paused: bool,
+        row: int,
+        unit: int,
+        done: int,
+        marker: str | None = None,
     ) -> None:
         """Commit ``unit`` (its row, the key's cursor, the checkpoint) in one transaction; run
         it again when it loses to a concurrent one (``WriteConflict``)."""
@@ -424,7 +441,10 @@ def add_chaos_tasks(app: Celery) -> Celery:
                     task.save_cursor({"units": done + 1}, connection=connection)
                     if hold_dir:  # freeze_in_transaction: the job's row and the key's locked
                         hold_if_asked(hold_dir, lease.job_id, keyed=True)
-                    task.checkpoint({"next": unit + 1}, connection=connection)
+                    state: dict[str, Any] = {"next": unit + 1}
+                    if marker is not None:  # the trigger whose arguments this run has
+                        state["marker"] = marker
+                    task.checkpoint(state, connection=connection)
                 return
             except WriteConflict as exc:
                 if tries == CONFLICT_TRIES:
@@ -438,8 +458,9 @@ def add_chaos_tasks(app: Celery) -> Celery:
                 )
                 time.sleep(random.uniform(0.0, 0.05 * tries))
 
-    @app.task(name=KEYED_TASK, lease_key=KEY_FORMAT, **options)  # type: ignore[untyped-decorator]
-    def keyed(self: Task, account: str, count: int, unit_seconds: float) -> int:
+    def keyed_body(
+        self: Task, account: str, count: int, unit_seconds: float, marker: str | None = None
+    ) -> int:
         lease = self.lease
         run = uuid.uuid4().hex
         done = int((lease.cursor or {}).get("units", 0))
@@ -447,10 +468,18 @@ def add_chaos_tasks(app: Celery) -> Celery:
         for unit in range((lease.checkpoint or {}).get("next", 0), count):
             row = start(self, unit, run)
             time.sleep(unit_seconds)
-            keyed_unit(self, engine, paused, row, unit, done)
+            keyed_unit(self, engine, paused, row, unit, done, marker)
             done += 1
             self.stop_point()
         return count
+
+    app.task(name=KEYED_TASK, lease_key=KEY_FORMAT, **options)(keyed_body)
+    app.task(name=DEBOUNCED_TASK, lease_key=KEY_FORMAT, lease_debounce=DEBOUNCE, **options)(
+        keyed_body
+    )
+    app.task(name=NEWEST_TASK, lease_key=KEY_FORMAT, lease_key_strategy="newest", **options)(
+        keyed_body
+    )
 
     @app.task(name="chaos.on_done", **options)  # type: ignore[untyped-decorator]
     def on_done(self: Task, result: Any, job_id: str) -> str:

@@ -40,10 +40,21 @@ EXACTLY_ONCE = "exactly_once"
 AT_LEAST_ONCE = "at_least_once"
 
 DONE, FAILED, CANCELLED, REVOKED = "done", "failed", "cancelled", "revoked"
-FINISHED = (DONE, FAILED, CANCELLED, REVOKED, "replaced")
+#: A job of a newest-wins key that gave way to a newer trigger (REVOKED in Celery).
+SUPERSEDED = "superseded"
+FINISHED = (DONE, FAILED, CANCELLED, REVOKED, "replaced", SUPERSEDED)
 LIVE = ("queued", "running")
 #: The Celery state the result backend must hold for a job that ended in each table state.
-CELERY_STATE = {DONE: "SUCCESS", FAILED: "FAILURE", CANCELLED: "REVOKED", REVOKED: "REVOKED"}
+CELERY_STATE = {
+    DONE: "SUCCESS",
+    FAILED: "FAILURE",
+    CANCELLED: "REVOKED",
+    REVOKED: "REVOKED",
+    SUPERSEDED: "REVOKED",
+}
+#: Seconds a debounced run's claim (database clock) may precede its due time computed from
+#: the trigger log's readings (database clock too, read just before each call).
+DEBOUNCE_ALLOWANCE = 0.1
 #: Seconds after a job was marked done within which a SIGKILL of the process that marked it
 #: leaves its result unstored and its callbacks unsent, as the docs' guarantees page says ("A worker
 #: killed between the moment its attempt marks the job done and the moment Celery stores the
@@ -234,6 +245,12 @@ class Evidence:
     triggers: list[Trigger] | None = None
     #: units of a keyed job
     key_units: int = 0
+    #: the keys whose triggers are debounced, with ``debounce`` (quiet, max_wait) in seconds,
+    #: and the keys whose newest trigger wins; their runs' checkpoints carry ``marker``, the id
+    #: of the trigger whose arguments they ran with
+    debounced_keys: set[str] = field(default_factory=set)
+    newest_keys: set[str] = field(default_factory=set)
+    debounce: tuple[float, float] = (0.0, 0.0)
     #: the cursor of each key at the end (key -> JSON value), and the cursor log
     cursors: dict[str, Any] = field(default_factory=dict)
     cursor_log: list[CursorRow] = field(default_factory=list)
@@ -302,6 +319,8 @@ def check_all(e: Evidence) -> list[Check]:
         _no_trigger_lost(e),
         _keyed_controls(e),
         _cursors(e, rows_by_job),
+        _debounce(e, rows_by_job),
+        _newest(e, rows_by_job),
     ]
 
 
@@ -1252,11 +1271,14 @@ def keyed_allowed_ends(e: Evidence, job: JobRow) -> set[str]:
     """The states keyed row ``job`` may end in: ``done``; ``revoked`` if the driver revoked its
     id (a revoke only flags the id in the live workers: ``done`` stays allowed) or it is a run
     recorded with ``expires`` (its own call's); ``cancelled`` if a cancel of its id found it
-    queued (or the cancel call failed). A served row only ``done``: the run that served it
+    queued (or the cancel call failed); ``superseded`` on a newest-wins key. A served row only
+    ``done``: the run that served it
     started after every trigger it answers for."""
     allowed = {DONE}
     if job.served_by is not None:
         return allowed
+    if job.key in e.newest_keys:
+        allowed.add(SUPERSEDED)  # a newer trigger of its key asked it to stop
     for control in key_controls_by_job(e).get(job.id, []):
         if control.kind == "revoke":
             allowed.add(REVOKED)
@@ -1287,6 +1309,8 @@ def stopped_for(e: Evidence, trigger: Trigger, job: JobRow) -> bool:
     trigger that shares it, those that join it after the revoke included."""
     if job.state == DONE or job.state not in keyed_allowed_ends(e, job):
         return False
+    if job.state == SUPERSEDED:  # a newer trigger's run follows (the newest-wins check)
+        return True
     if job.state == REVOKED and job.expires and job.id == trigger.id:
         return True
     controls = key_controls_by_job(e).get(job.id, [])
@@ -1696,6 +1720,242 @@ def _cursors(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
         f"{len(keys)} keys; {writes} cursor writes logged, {len(e.cursors)} cursors saved "
         f"({', '.join(f'{k} {v}' for k, v in sorted(e.cursors.items()))}); {len(problems)} "
         f"disagreements with the unit log"
+    )
+    for problem in problems[:4]:
+        text += f"\n      {problem}"
+    return Check(name, not problems, text)
+
+
+# -- debounce and newest wins -----------------------------------------------------------------
+
+NO_DEBOUNCE = "no debounced keys in this run"
+NO_NEWEST = "no newest-wins keys in this run"
+
+
+def markers_by_job(e: Evidence) -> dict[str, dict[int, set[str]]]:
+    """job id -> token -> the markers its checkpoints saved (the ids of the triggers whose
+    arguments each attempt ran with), from the checkpoint log."""
+    found: dict[str, dict[int, set[str]]] = {}
+    for row in e.checkpoints:
+        state = json.loads(row.checkpoint) if row.checkpoint else None
+        if isinstance(state, dict) and state.get("marker") is not None:
+            found.setdefault(row.job_id, {}).setdefault(row.token, set()).add(state["marker"])
+    return found
+
+
+def taken_by_key(e: Evidence) -> dict[str, list[Trigger]]:
+    """The triggers the library took (their call returned an id), by key, in send order."""
+    found: dict[str, list[Trigger]] = {}
+    for t in e.triggers or []:
+        if t.served is not None:
+            found.setdefault(t.key, []).append(t)
+    return found
+
+
+def _ran_with(markers: dict[int, set[str]]) -> set[str]:
+    return set().union(*markers.values()) if markers else set()
+
+
+def _debounce(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
+    """For every run of a debounced key that served a burst (the triggers answered with its
+    id before it started): every attempt ran with the arguments of the burst's last trigger
+    (a follow-up, recorded for triggers that waited while a run went on, with those of the
+    first that waited: its own id), and a debounced run was not claimed before its due time,
+    ``min(last trigger + quiet, first trigger + max_wait)`` (less ``DEBOUNCE_ALLOWANCE``), on
+    the database clock. How late runs started after that due time, and after ``max_wait``, is
+    reported, not checked (faults and a busy queue delay them), with the triggers that moved
+    into a job already past its max wait (each re-publishes the job's message, and the copy
+    already queued becomes a stale version). One run at a time and no trigger lost are the
+    keyed checks' (they cover these keys)."""
+    name = "debounce: a burst runs once, after its quiet period, with its last trigger's arguments"
+    if e.triggers is None or not e.debounced_keys:
+        return Check(name, True, NO_DEBOUNCE)
+    quiet, max_wait = e.debounce
+    markers = markers_by_job(e)
+    taken = taken_by_key(e)
+    keys = runs_by_key(e)
+    problems: list[str] = []
+    bursts = followups = past_max = overdue = 0
+    sizes: list[int] = []
+    late: list[tuple[float, str]] = []
+    for key in sorted(e.debounced_keys):
+        for run_id in keys.get(key, []):
+            run = e.jobs[run_id]
+            started = run_start(e, run_id, rows_by_job)
+            if started is None:
+                continue
+            burst = [t for t in taken.get(key, []) if t.served == run_id and t.at < started]
+            if not burst:
+                continue
+            ran = _ran_with(markers.get(run_id, {}))
+            followup = followup_after_call(e, run_id) is not None
+            if followup:
+                followups += 1
+                expected = run_id
+            else:
+                bursts += 1
+                sizes.append(len(burst))
+                expected = burst[-1].id
+                first = next((t for t in burst if t.id == run_id), burst[0])
+                due = min(burst[-1].at + quiet, first.at + max_wait)
+                if started < due - DEBOUNCE_ALLOWANCE:
+                    problems.append(
+                        f"{run_id} ({key}): claimed at {started:.3f}, {due - started:.2f} s "
+                        f"before its due time (last of {len(burst)} triggers {burst[-1].id} "
+                        f"at {burst[-1].at:.3f} + quiet {quiet:g}, first at {first.at:.3f} + "
+                        f"max wait {max_wait:g})"
+                    )
+                late.append((started - due, run_id))
+                if started > first.at + max_wait + DEBOUNCE_ALLOWANCE:
+                    past_max += 1
+                # Triggers that rewrote the job's message after its max wait had passed: each
+                # one makes the message already queued a stale version (dropped at its claim).
+                overdue += sum(1 for t in burst if t.at > first.at + max_wait)
+            if ran and ran != {expected}:
+                what = "the first that waited" if followup else f"the last of {len(burst)}"
+                problems.append(
+                    f"{run_id} ({key}, {run.state}): ran with the arguments of "
+                    f"{', '.join(sorted(ran))}; {what} before it started was {expected}"
+                )
+            elif not ran and run.state == DONE:
+                problems.append(f"{run_id} ({key}): done, and no checkpoint says what it ran with")
+    worst = max(late, default=(0.0, ""))
+    e.figures.update(
+        debounce_bursts=bursts,
+        debounce_followups=followups,
+        debounce_largest_burst=max(sizes, default=0),
+        debounce_past_max_wait=past_max,
+        debounce_triggers_after_max_wait=overdue,
+        debounce_latest_start=round(worst[0], 2),
+        debounce_problems=len(problems),
+    )
+    text = (
+        f"{len(e.debounced_keys)} keys: {bursts} debounced runs served bursts of "
+        f"{sum(sizes)} triggers (up to {max(sizes, default=0)}), {followups} follow-ups; "
+        f"started after their due time by at most {worst[0]:.2f} s"
+        + (f" ({worst[1]})" if worst[1] else "")
+        + f", {past_max} later than max wait ({max_wait:g} s) after their first trigger, "
+        f"{overdue} triggers moved into a job past its max wait (reported, not checked); "
+        f"{len(problems)} problems"
+    )
+    for problem in problems[:4]:
+        text += f"\n      {problem}"
+    return Check(name, not problems, text)
+
+
+def superseding_call(e: Evidence, job: JobRow) -> Trigger | None:
+    """The first trigger that may have superseded ``job``: of its key, answered with another
+    id, its call returned after the job was recorded (its first state-log row); None if
+    none."""
+    inserted = next((r.at for r in e.history or [] if r.job_id == job.id), None)
+    if inserted is None:
+        return None
+    found = [
+        t
+        for t in e.triggers or []
+        if t.key == job.key
+        and t.served is not None
+        and t.served != job.id
+        and t.answered is not None
+        and t.answered > inserted
+    ]
+    return min(found, key=lambda t: t.answered or 0.0, default=None)
+
+
+def _newest(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
+    """On every newest-wins key: every trigger's result id ended done, or superseded (REVOKED
+    in Celery), or as a control allows; every done run ran with the arguments of the newest
+    trigger answered with its id (or with a served row naming it) before it started; the key's
+    last run started after its last trigger, ended done and ran with that trigger's arguments;
+    a superseded job was superseded by a newer trigger (one answered with another id once it
+    was recorded), and after that call returned each of its attempts committed at most the unit
+    in flight (it stops at its next checkpoint). One run at a time and the cursor are the keyed
+    checks' (they cover these keys)."""
+    name = "newest wins: superseded jobs stop at their checkpoint, the last run has the newest"
+    if e.triggers is None or not e.newest_keys:
+        return Check(name, True, NO_NEWEST)
+    markers = markers_by_job(e)
+    taken = taken_by_key(e)
+    keys = runs_by_key(e)
+    problems: list[str] = []
+    superseded = after_units = stopped_last = 0
+    ends: Counter[str] = Counter()
+    for key in sorted(e.newest_keys):
+        triggers = taken.get(key, [])
+        for t in triggers:
+            job = e.jobs.get(t.served or "")
+            ends[job.state if job is not None else "no row"] += 1
+        starts: list[tuple[float, str]] = []
+        for run_id in keys.get(key, []):
+            run = e.jobs[run_id]
+            started = run_start(e, run_id, rows_by_job)
+            if started is not None:
+                starts.append((started, run_id))
+            ran = _ran_with(markers.get(run_id, {}))
+            if run.state == DONE and started is not None:
+                # Answered with its id, or with a served row naming it (the newest of those is
+                # the one whose arguments every caller's result must come from).
+                answered = {run_id} | {
+                    j.id for j in e.jobs.values() if j.served_by == run_id and j.key == key
+                }
+                before = [t for t in triggers if t.served in answered and t.at < started]
+                if before and ran != {before[-1].id}:
+                    problems.append(
+                        f"{run_id} ({key}): done, ran with the arguments of "
+                        f"{', '.join(sorted(ran)) or 'nothing recorded'}; the newest of its "
+                        f"{len(before)} triggers was {before[-1].id}"
+                    )
+            if run.state != SUPERSEDED:
+                continue
+            superseded += 1
+            call = superseding_call(e, run)
+            if call is None or call.answered is None:
+                problems.append(f"{run_id} ({key}): superseded, and no newer trigger came")
+                continue
+            committed = [r for r in rows_by_job.get(run_id, []) if r.committed]
+            for token in sorted({r.token or 0 for r in committed}):
+                later = [
+                    r for r in committed if r.token == token and (r.ended_at or 0) > call.answered
+                ]
+                after_units += len(later)
+                if len(later) > 1:
+                    problems.append(
+                        f"{run_id} ({key}, token {token}): superseded by {call.id} (answered "
+                        f"{call.answered:.3f}), then committed units "
+                        f"{[r.unit for r in later]} (at most the one in flight)"
+                    )
+        if not triggers:
+            continue
+        last = triggers[-1]
+        job = e.jobs.get(last.served or "")
+        if job is not None and job.state != DONE and stopped_for(e, last, job):
+            stopped_last += 1  # a control stopped the last trigger's run
+            continue
+        started, final = max(starts, default=(None, None))
+        ran = _ran_with(markers.get(final or "", {}))
+        if (
+            final is None
+            or started is None
+            or started <= last.at
+            or e.jobs[final].state != DONE
+            or ran != {last.id}
+        ):
+            state = "none" if final is None else f"{final}, {e.jobs[final].state}"
+            when = "" if started is None else f", started {started - last.at:+.2f}s after it"
+            problems.append(
+                f"{key}: last trigger {last.id} at {last.at:.3f}; the key's last run {state}"
+                f"{when}, ran with {', '.join(sorted(ran)) or 'nothing recorded'}"
+            )
+    e.figures.update(
+        newest_superseded=superseded,
+        newest_units_after_supersede=after_units,
+        newest_problems=len(problems),
+    )
+    text = (
+        f"{len(e.newest_keys)} keys: triggers' result ids ended {dict(sorted(ends.items()))}; "
+        f"{superseded} jobs superseded, {after_units} units they committed after the call that "
+        f"superseded them (in flight); {stopped_last} keys whose last trigger a control "
+        f"stopped; {len(problems)} problems"
     )
     for problem in problems[:4]:
         text += f"\n      {problem}"

@@ -21,7 +21,9 @@ running ones (``celery leases cancel``, through the store); ``--no-controls`` le
 cancels and expiring jobs out. Keyed jobs (``--keys``, ``--triggers``): bursts of triggers
 (calls of ``chaos.keyed``, one account each, as a webhook provider sends them) go out during the
 run while the faults happen, from a thread of their own (``chaos/trigger.py``);
-``--keys 0`` leaves them out.
+``--keys 0`` leaves them out. ``--debounced-keys`` and ``--newest-keys`` (default 0) add accounts
+whose triggers are debounced (``chaos.keyed_debounced``) or where the newest trigger wins
+(``chaos.keyed_newest``), each trigger passing its id as the run's ``marker`` argument.
 
 The edges of real deployments (issue 23), each on by default in the long form and selectable:
 ``--soft-limits`` (a fraction of the jobs sent with a short ``soft_time_limit``, their row's
@@ -73,9 +75,12 @@ from chaos import fault as F
 from chaos import reaper as namespaced_reaper
 from chaos import trigger as T
 from chaos.app import (
+    DEBOUNCE,
+    DEBOUNCED_TASK,
     ISOLATION_ENV,
     ISOLATIONS,
     KEYED_TASK,
+    NEWEST_TASK,
     REUSE_ERRORS,
     SLOW_STATEMENT_SECONDS,
     SOFT_SUFFIX,
@@ -212,6 +217,11 @@ class Config:
     burst_gap: float = 1.0
     #: Units of a keyed job (of ``unit_seconds`` each).
     key_units: int = 5
+    #: Accounts whose triggers are debounced (``chaos.keyed_debounced``, accounts ``d<n>``)
+    #: and accounts whose newest trigger wins (``chaos.keyed_newest``, accounts ``n<n>``),
+    #: besides the ``keys`` coalescing ones; the bursts are drawn over all of them.
+    debounced_keys: int = 0
+    newest_keys: int = 0
     #: Fraction of the jobs sent with a ``soft_time_limit`` of ``soft_limit_units`` units (a
     #: unit and half the slowest statement each); their row's updates are slowed.
     soft_limits: float = 0.0
@@ -230,8 +240,16 @@ class Config:
     namespace_reaper: bool = False
 
     @property
+    def all_keys(self) -> int:
+        return self.keys + self.debounced_keys + self.newest_keys
+
+    @property
     def keyed(self) -> bool:
-        return self.keys > 0 and self.triggers > 0
+        return self.all_keys > 0 and self.triggers > 0
+
+    def account(self, number: int) -> tuple[str, str]:
+        """The account argument and lease key of the bursts' account ``number``."""
+        return T.account_key(number, keys=self.keys, debounced=self.debounced_keys)
 
     @property
     def soft_limited_jobs(self) -> int:
@@ -281,8 +299,15 @@ class Config:
             f"renewed every {self.renew_seconds:g} s, reaper every {self.reaper_every:g} s, "
             f"queued timeout {self.effective_queued_timeout():g} s"
             + (
-                f"; {self.triggers} triggers of {self.keys} keys in bursts of 1-{self.burst} "
+                f"; {self.triggers} triggers of {self.all_keys} keys in bursts of 1-{self.burst} "
                 f"(<= {self.burst_gap:g} s apart), keyed jobs of {self.key_units} units"
+                + (
+                    f"; {self.debounced_keys} keys debounced (quiet {DEBOUNCE[0]:g} s, max wait "
+                    f"{DEBOUNCE[1]:g} s)"
+                    if self.debounced_keys
+                    else ""
+                )
+                + (f"; {self.newest_keys} keys where the newest wins" if self.newest_keys else "")
                 if self.keyed
                 else "; no keyed jobs"
             )
@@ -527,7 +552,7 @@ class Chaos:
             self.bursts = T.plan(
                 random.Random(f"{c.seed}-keys"),
                 triggers=c.triggers,
-                keys=c.keys,
+                keys=c.all_keys,
                 largest=c.burst,
                 gap=c.burst_gap,
             )
@@ -540,7 +565,10 @@ class Chaos:
         self.out(f"chaos: logs in {self.spawner.log_dir}")
         self.out("chaos: fault plan " + ", ".join(f.describe() for f in plan))
         if self.bursts:
-            self.out("chaos: trigger bursts " + ", ".join(b.describe() for b in self.bursts))
+            self.out(
+                "chaos: trigger bursts "
+                + ", ".join(b.describe(c.account(b.account)[0]) for b in self.bursts)
+            )
         client = self.client = add_chaos_tasks(make_leased_app(self.env, name="chaos-client"))
         store = self.store = store_for(settings_for(client))
         log = chaos_log_for(client)
@@ -623,6 +651,12 @@ class Chaos:
         def call(account: str, trigger_id: str) -> str:
             options: dict[str, Any] = {}
             draw = random.Random(f"{c.seed}-{trigger_id}")
+            if not account.startswith("k"):
+                # Debounced (d<n>) or newest-wins (n<n>): the trigger's id as its marker
+                # argument, no expires (a burst's job carries its last trigger's options).
+                other = client.tasks[DEBOUNCED_TASK if account.startswith("d") else NEWEST_TASK]
+                args = (account, c.key_units, c.unit_seconds, trigger_id)
+                return str(other.apply_async(args, task_id=trigger_id).id)
             if c.key_expiring and draw.random() < c.key_expiring:
                 after = draw.uniform(*c.key_expires_after) * c.key_units * c.unit_seconds
                 moment = time.time() + after
@@ -640,6 +674,7 @@ class Chaos:
             record=triggers.add,
             out=self.out,
             prefix=f"chaos-{c.seed}",
+            accounts=c.account,
         )
         sender.start()
         return sender
@@ -1081,7 +1116,7 @@ class Chaos:
         rng = random.Random(f"{c.seed}-client-{fault.number}")
         calls = []
         for index in range(c.client_calls):
-            if c.keyed and index % 2 == 1:
+            if c.keyed and c.keys and index % 2 == 1:
                 call_id = f"{self._client_prefix()}{fault.number:03d}k{index}"
                 calls.append({"kind": "trigger", "id": call_id, "account": rng.randrange(c.keys)})
             else:
@@ -1352,6 +1387,9 @@ class Chaos:
                 else None
             ),
             key_units=c.key_units,
+            debounced_keys={c.account(n)[1] for n in range(c.keys, c.keys + c.debounced_keys)},
+            newest_keys={c.account(n)[1] for n in range(c.keys + c.debounced_keys, c.all_keys)},
+            debounce=DEBOUNCE,
             cursors=saved,
             cursor_log=cursors,
             key_controls=list(self.key_controls),
@@ -1412,7 +1450,7 @@ class Chaos:
         cancels = [k for k in self.controls if k.kind == "cancel"]
         sender = self.sender
         keyed = (
-            f"  keyed: {f.get('triggers', 0)} triggers of {c.keys} keys (and "
+            f"  keyed: {f.get('triggers', 0)} triggers of {c.all_keys} keys (and "
             f"{f.get('triggers_failed_calls', 0)} calls that raised) -> "
             f"{f.get('keyed_jobs', 0)} keyed jobs; the longest call took "
             f"{sender.longest if sender else 0.0:.2f} s"
@@ -1576,6 +1614,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--burst", type=int, default=d.burst, help="triggers of a burst, at most")
     parser.add_argument("--key-units", type=int, default=12, help="units of a keyed job")
     parser.add_argument(
+        "--debounced-keys",
+        type=int,
+        default=0,
+        help=f"accounts (besides --keys) whose triggers are debounced (quiet {DEBOUNCE[0]:g} s, "
+        f"max wait {DEBOUNCE[1]:g} s)",
+    )
+    parser.add_argument(
+        "--newest-keys",
+        type=int,
+        default=0,
+        help="accounts (besides --keys) whose newest trigger wins (lease_key_strategy=newest)",
+    )
+    parser.add_argument(
         "--soft-limits",
         type=float,
         default=0.1,
@@ -1682,6 +1733,8 @@ def config_of(args: argparse.Namespace) -> Config:
         triggers=args.triggers,
         burst=args.burst,
         key_units=args.key_units,
+        debounced_keys=args.debounced_keys,
+        newest_keys=args.newest_keys,
         soft_limits=args.soft_limits,
         key_expiring=0.0 if args.no_keyed_controls or args.no_controls else args.key_expiring,
         isolation=None if args.database.startswith("sqlite") else args.isolation,
@@ -1722,7 +1775,8 @@ def fault_kinds(args: argparse.Namespace) -> tuple[str, ...]:
         kinds.append("failover")
     if not args.no_controls:
         kinds += F.CONTROL_KINDS
-        if args.keys and args.triggers and not args.no_keyed_controls:
+        all_keys = args.keys + args.debounced_keys + args.newest_keys
+        if all_keys and args.triggers and not args.no_keyed_controls:
             # No revoke on the filesystem broker: its broadcast rarely reaches a worker.
             kinds += [
                 k

@@ -40,8 +40,10 @@ class Burst:
     def size(self) -> int:
         return len(self.gaps) + 1
 
-    def describe(self) -> str:
-        return f"#{self.number} k{self.account} x{self.size} @{self.at:.0%}"
+    def describe(self, account: str | None = None) -> str:
+        """``account``: the account's name (default ``k<account>``)."""
+        name = account or f"k{self.account}"
+        return f"#{self.number} {name} x{self.size} @{self.at:.0%}"
 
 
 def plan(rng: random.Random, *, triggers: int, keys: int, largest: int, gap: float) -> list[Burst]:
@@ -65,9 +67,16 @@ def plan(rng: random.Random, *, triggers: int, keys: int, largest: int, gap: flo
     ]
 
 
-def account_key(account: int) -> tuple[str, str]:
-    """The account argument of account number ``account``, and its lease key."""
-    name = f"k{account}"
+def account_key(account: int, *, keys: int | None = None, debounced: int = 0) -> tuple[str, str]:
+    """The account argument of account number ``account``, and its lease key: ``k<n>`` for
+    the first ``keys`` accounts (all of them when None: coalescing triggers), then ``d<n>``
+    for ``debounced`` accounts (debounced triggers), then ``n<n>`` (newest wins)."""
+    if keys is None or account < keys:
+        name = f"k{account}"
+    elif account < keys + debounced:
+        name = f"d{account - keys}"
+    else:
+        name = f"n{account - keys - debounced}"
     return name, f"account:{name}"
 
 
@@ -82,6 +91,7 @@ class Sender(threading.Thread):
     """Sends the triggers of scheduled bursts when they are due, one at a time, in order.
 
     ``call(account, trigger_id)`` makes one call and returns the id of the job that serves it;
+    ``accounts(number)`` names an account and its key (:func:`account_key`);
     ``clock()`` reads the database clock; ``record(key, trigger_id, served, at, error)`` adds a
     row to the trigger log. ``out`` prints a line of the run's log."""
 
@@ -93,9 +103,11 @@ class Sender(threading.Thread):
         record: Callable[..., None],
         out: Callable[[str], None],
         prefix: str,
+        accounts: Callable[[int], tuple[str, str]] = account_key,
     ) -> None:
         super().__init__(name="chaos-triggers", daemon=True)
         self._call, self._clock, self._record, self._out = call, clock, record, out
+        self._accounts = accounts
         self._prefix = prefix
         self._due: list[_Due] = []
         self._lock = threading.Lock()
@@ -151,7 +163,7 @@ class Sender(threading.Thread):
                     self._busy = False
 
     def _send(self, due: _Due) -> None:
-        account, key = account_key(due.account)
+        account, key = self._accounts(due.account)
         at = self._patiently(self._clock)
         started = time.monotonic()
         try:

@@ -465,7 +465,7 @@ def keyed_evidence(
         tokens = sorted({r.token or 0 for r in rows})
         last = max((r.ended_at or r.started_at for r in rows), default=inserted[job_id])
         state = states.get(job_id, "done")
-        ended_at = last + 0.5 if state in ("done", "failed") else None
+        ended_at = last + 0.5 if state in ("done", "failed", "superseded") else None
         history.append(StateRow(job_id, 0, "queued", inserted[job_id]))
         for token in tokens:
             first = min(r.started_at for r in rows if r.token == token)
@@ -699,6 +699,7 @@ def with_served(e: Evidence, job_id: str, by: str, *, at: float, state: str = "d
 
 def key_backend(jobs: dict[str, JobRow]) -> dict[str, Outcome]:
     status = {"done": "SUCCESS", "failed": "FAILURE", "revoked": "REVOKED", "cancelled": "REVOKED"}
+    status["superseded"] = "REVOKED"
     return {
         i: Outcome(status[j.state], j.result if j.state == "done" else "x")
         for i, j in jobs.items()
@@ -1002,3 +1003,181 @@ def test_a_revoke_of_the_id_waiting_triggers_share_stops_every_trigger_that_shar
     assert failed_checks(e) == []
     # But a run nobody revoked that ended revoked loses them
     assert {FOLLOWED, LOST} <= set(failed_checks(replace(e, key_controls=[])))
+
+
+# -- debounce and newest wins ----------------------------------------------------------------------
+#
+# A debounced key d: the triggers x (at 0), t2 (0.3) and t3 (0.6) are one burst, answered with
+# x's id; x is due at min(0.6 + quiet, 0 + max wait) = 1.1 and runs with t3's arguments. A
+# newest-wins key n: x runs from 0 (its own trigger at -1); y at 1.2 supersedes it, x commits
+# the unit in flight (1-2) and ends superseded at 2.5; y runs with its own arguments from 2.6.
+
+DEBOUNCE = "debounce"
+NEWEST = "newest wins"
+DKEY = "account:d0"
+NKEY = "account:n0"
+QUIET, MAX_WAIT = 0.5, 3.0
+
+
+def with_markers(e: Evidence, markers: dict[str, str]) -> Evidence:
+    """``e`` with a checkpoint per committed unit of each job in ``markers``, saving that
+    marker (the id of the trigger whose arguments the run had), in commit order."""
+    rows = sorted((r for r in e.unit_rows if r.committed), key=lambda r: r.ended_at or 0.0)
+    checkpoints = [
+        CheckpointRow(
+            r.job_id,
+            r.token or 0,
+            json.dumps({"next": r.unit + 1, "marker": markers[r.job_id]}),
+            r.ended_at or 0.0,
+        )
+        for r in rows
+        if r.job_id in markers
+    ]
+    return replace(e, checkpoints=[*e.checkpoints, *checkpoints])
+
+
+def debounced(*, start: float = 1.2, marker: str = "t3", triggers: list[Trigger] | None = None):
+    burst = triggers or [
+        Trigger(DKEY, "x", "x", 0.0, 0.05),
+        Trigger(DKEY, "t2", "x", 0.3, 0.35),
+        Trigger(DKEY, "t3", "x", 0.6, 0.65),
+    ]
+    runs = {"x": run_of("x", 1, range(KEY_UNITS), start)}
+    e = keyed_evidence(runs, burst, inserted={"x": 0.0}, keys={"x": DKEY})
+    e = replace(e, debounced_keys={DKEY}, debounce=(QUIET, MAX_WAIT))
+    return with_markers(e, {"x": marker})
+
+
+def test_a_debounced_burst_run_once_after_its_quiet_period_with_its_last_arguments_passes() -> None:
+    e = debounced()
+
+    assert failed_checks(e) == []
+    assert (e.figures["debounce_bursts"], e.figures["debounce_largest_burst"]) == (1, 3)
+    assert e.figures["debounce_latest_start"] == 0.1
+
+
+def test_a_debounced_run_with_an_earlier_triggers_arguments_is_caught() -> None:
+    e = debounced(marker="t2")
+
+    assert failed_checks(e) == [DEBOUNCE]
+    (check,) = [c for c in check_all(e) if c.name.startswith(DEBOUNCE)]
+    assert "x (account:d0, done): ran with the arguments of t2; the last of 3" in check.text
+
+
+def test_a_debounced_run_claimed_before_its_quiet_period_ended_is_caught() -> None:
+    # Given x claimed at 0.9, 0.2 s before the last trigger (0.6) + quiet (0.5)
+    e = debounced(start=0.9)
+
+    assert failed_checks(e) == [DEBOUNCE]
+    (check,) = [c for c in check_all(e) if c.name.startswith(DEBOUNCE)]
+    assert "x (account:d0): claimed at 0.900, 0.20 s before its due time" in check.text
+
+    # But a steady stream runs at max wait after its first trigger, before quiet after its last
+    stream = [Trigger(DKEY, "x", "x", 0.0)] + [
+        Trigger(DKEY, f"t{n}", "x", 0.4 * n) for n in range(1, 8)
+    ]
+    assert failed_checks(debounced(start=3.05, marker="t7", triggers=stream)) == []
+
+
+def test_a_debounced_run_started_late_is_reported_not_failed() -> None:
+    # Given x claimed at 9, long after max wait (a frozen worker held it)
+    e = debounced(start=9.0)
+
+    assert failed_checks(e) == []
+    assert e.figures["debounce_past_max_wait"] == 1
+    assert e.figures["debounce_latest_start"] == 7.9
+
+    # And the triggers that kept coming after max wait, while it waited, are counted
+    stream = [Trigger(DKEY, "x", "x", 0.0)] + [Trigger(DKEY, f"t{n}", "x", n) for n in range(1, 8)]
+    e = debounced(start=9.0, marker="t7", triggers=stream)
+    assert failed_checks(e) == []
+    assert e.figures["debounce_triggers_after_max_wait"] == 4
+
+
+def test_two_runs_of_a_debounced_key_at_once_are_caught_by_the_one_run_per_key_check() -> None:
+    # Given y, the follow-up of a trigger during x's run, running from 3 while x ran until 4.2
+    runs = {"x": run_of("x", 1, range(KEY_UNITS), 1.2), "y": run_of("y", 1, range(KEY_UNITS), 3)}
+    triggers = [Trigger(DKEY, "x", "x", 0.0, 0.05), Trigger(DKEY, "y", "y", 2.0, 2.05)]
+    e = keyed_evidence(runs, triggers, inserted={"x": 0.0, "y": 2.9}, keys={"x": DKEY, "y": DKEY})
+    e = with_markers(replace(e, debounced_keys={DKEY}, debounce=(QUIET, MAX_WAIT)), {"x": "x"})
+    e = with_markers(e, {"y": "y"})
+
+    assert failed_checks(e) == [ONE_RUN]
+
+
+def newest(
+    *, x_units: int = 2, y_from: float = 2.6, markers: dict[str, str] | None = None
+) -> Evidence:
+    triggers = [Trigger(NKEY, "x", "x", -1.0, -0.95), Trigger(NKEY, "y", "y", 1.2, 1.25)]
+    runs = {"x": run_of("x", 1, range(x_units), 0), "y": run_of("y", 1, range(KEY_UNITS), y_from)}
+    e = keyed_evidence(
+        runs,
+        triggers,
+        inserted={"x": -1.0, "y": x_units + 0.55},  # x ends at its last unit + 0.5
+        states={"x": "superseded"},
+        keys={"x": NKEY, "y": NKEY},
+    )
+    e = replace(e, newest_keys={NKEY}, key_backend=key_backend(e.jobs))
+    return with_markers(e, markers or {"x": "x", "y": "y"})
+
+
+def test_a_job_superseded_at_its_checkpoint_and_the_newest_triggers_run_keep_every_invariant() -> (
+    None
+):
+    e = newest()
+
+    assert failed_checks(e) == []
+    assert (e.figures["newest_superseded"], e.figures["newest_units_after_supersede"]) == (1, 1)
+    assert e.figures["triggers_stopped_by_their_control"] == 1
+
+
+def test_a_superseded_job_that_commits_beyond_the_unit_in_flight_is_caught() -> None:
+    # Given x going on to commit unit 2 (2-3) after finishing the one in flight at the call
+    e = newest(x_units=3, y_from=3.6)
+
+    assert failed_checks(e) == [NEWEST]
+    (check,) = [c for c in check_all(e) if c.name.startswith(NEWEST)]
+    said = "x (account:n0, token 1): superseded by y (answered 1.250), then committed units [1, 2]"
+    assert said in check.text
+
+
+def test_a_last_run_without_the_newest_triggers_arguments_is_caught() -> None:
+    e = newest(markers={"x": "x", "y": "x"})
+
+    assert failed_checks(e) == [NEWEST]
+    (check,) = [c for c in check_all(e) if c.name.startswith(NEWEST)]
+    assert "account:n0: last trigger y at 1.200; the key's last run y, done" in check.text
+
+
+def test_a_job_superseded_with_no_newer_trigger_or_on_a_coalescing_key_is_caught() -> None:
+    e = newest()
+    alone = replace(e, triggers=[t for t in e.triggers or [] if t.id == "x"])
+    assert NEWEST in failed_checks(alone)
+
+    # superseded is no end for a job of a coalescing key, nor REVOKED for its callers
+    coalescing = replace(e, newest_keys=set())
+    assert {KEYED, LOST} <= set(failed_checks(coalescing))
+
+
+def test_triggers_served_by_a_run_with_older_arguments_on_a_newest_wins_key_are_caught() -> None:
+    # Given z, a trigger at 2.55 answered with its own id, z recorded as served by y (which was
+    # claimed at 2.6, after it): y ran with y's arguments, so z's caller gets a result computed
+    # from older ones
+    e = newest()
+    late = Trigger(NKEY, "z", "z", 2.55, 2.58)
+    e = replace(e, triggers=[*(e.triggers or []), late])
+    e = with_served(e, "z", "y", at=6.0)
+    e = replace(e, newest_keys={NKEY})
+
+    assert failed_checks(e) == [NEWEST]
+    (check,) = [c for c in check_all(e) if c.name.startswith(NEWEST)]
+    assert "y (account:n0): done, ran with the arguments of y; the newest of its 2" in check.text
+
+
+def test_a_superseded_job_the_result_backend_does_not_call_revoked_is_caught() -> None:
+    e = newest()
+    assert (e.key_backend or {})["x"].status == "REVOKED"
+
+    wrong = replace(e, key_backend={**(e.key_backend or {}), "x": Outcome("SUCCESS", KEY_UNITS)})
+
+    assert failed_checks(wrong) == [LOST]

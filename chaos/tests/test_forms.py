@@ -33,6 +33,7 @@ def test_the_long_form_freezes_workers_inside_transactions_and_sends_keyed_trigg
     assert "freeze_in_transaction" in config.kinds
     assert {"kill_child", "kill_worker", "freeze", "sigterm"} <= set(config.kinds)
     assert config.keyed and config.keys >= 2 and config.triggers >= 100
+    assert config.debounced_keys >= 1 and config.newest_keys >= 1
 
 
 def test_the_long_form_without_service_restarts_keeps_every_other_fault() -> None:
@@ -178,3 +179,23 @@ def test_a_machine_without_postgresql_server_binaries_refuses_the_failover_datab
     assert (
         "PostgreSQL server binaries (initdb, pg_ctl, pg_basebackup, postgres) not found" in refused
     )
+
+
+def test_debounced_and_newest_accounts_come_after_the_coalescing_ones_and_default_to_none() -> None:
+    parser = build_parser()
+    assert (config_of(parser.parse_args([])).debounced_keys, SHORT.newest_keys) == (0, 0)
+
+    config = config_of(
+        parser.parse_args(["--keys", "2", "--debounced-keys", "1", "--newest-keys", "2"])
+    )
+
+    assert config.all_keys == 5
+    assert [config.account(n)[1] for n in range(5)] == [
+        "account:k0",
+        "account:k1",
+        "account:d0",
+        "account:n0",
+        "account:n1",
+    ]
+    bursts = T.plan(random.Random(3), triggers=60, keys=config.all_keys, largest=4, gap=0.5)
+    assert {b.account for b in bursts} == set(range(5))
