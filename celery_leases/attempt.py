@@ -15,7 +15,7 @@ from typing import Any, NoReturn, TypeVar
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from . import keys, metrics
+from . import groups, keys, metrics
 from .checkpoint import lost_commits
 from .db import Store, rows
 from .db.errors import conflict_in, ended_idle_transaction, first_line
@@ -34,7 +34,7 @@ from .errors import (
 )
 from .lease import Lease, holding, queued_by, recorded, until_deadline
 from .log import job_fields, lease_fields
-from .message import CONFLICT_HEADER, DB_RETRY_HEADER, KEY_HEADER, Message
+from .message import CONFLICT_HEADER, DB_RETRY_HEADER, GROUP_HEADER, KEY_HEADER, Message
 from .process import owner_name
 from .worker.keeper import Keeper, keeper_for
 from .worker.limits import body_over
@@ -112,6 +112,10 @@ class Attempt:
             key = self.task.key_for(args, kwargs)
             if key is not None:
                 delivery = delivery.with_headers(**{KEY_HEADER: key})
+        if delivery.group is None:  # sent by name: it runs at once, counted in its group
+            group = self.task.group_for(args, kwargs)
+            if group is not None:
+                delivery = delivery.with_headers(**{GROUP_HEADER: group})
         self.delivery = delivery
         try:
             # Task.apply() runs the job now, as Celery does, even one that has ended.
@@ -150,6 +154,7 @@ class Attempt:
             kill_when_stalled=settings.kill_stalled,
             checkpoint_age=outcome.checkpoint_age,
             key=delivery.key,
+            group=delivery.group,
             bound=outcome.bound,
             joined=outer,
         )
@@ -475,12 +480,16 @@ class Attempt:
         self.ended(lease)
 
     def ended(self, lease: Lease) -> None:
-        """The job has ended: settle the triggers waiting on its key (``keys.settle``)."""
+        """The job has ended: settle the triggers waiting on its key (``keys.settle``), and
+        admit the next waiting jobs of its group (``groups.admit``), each a statement of its
+        own after the end's."""
         # Nothing is held any more: the keeper's next tick must not keep the lease while the
         # triggers are settled.
         lease.released = True
         if lease.key is not None:
             keys.settle(self.task.app, self.store, lease.key, connection=lease.joined)
+        if lease.group is not None and lease.joined is None:
+            groups.admit(self.task.app, self.store, lease.group)
 
     def hand_back(self, lease: Lease, *, reap_in: float | None) -> str | None:
         """Give the lease back; the job's state after it (None: not handed back)."""
