@@ -16,7 +16,7 @@ from typing import Any
 
 from celery.utils.time import rate as celery_rate
 
-from . import keys
+from . import keys, metrics
 from .errors import ArgumentsError
 
 logger = logging.getLogger("celery_leases")
@@ -80,6 +80,7 @@ def publish(app: Any, group: str, admitted: list[Any]) -> list[str]:
             logger.error("job %s: admitted in group %s, publish failed: %r", job.id, group, exc)
             continue
         sent.append(job.id)
+        metrics.count("admitted", task=job.message.task)
         logger.info(
             "job %s: admitted in group %s%s",
             job.id,
