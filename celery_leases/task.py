@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -208,6 +209,8 @@ class LeasedTask(Task):  # type: ignore[misc]
         debounce = options.pop("lease_debounce", None)
         group = options.pop("lease_group", None)
         limit = options.pop("lease_group_limit", self.lease_group_limit)
+        if inspect.ismethod(limit) and limit.__self__ is self:
+            limit = limit.__func__  # a function given as the option became a method of the task
         rate = options.pop("lease_group_rate", self.lease_group_rate)
         if self.app.conf.task_always_eager:
             return super().apply_async(

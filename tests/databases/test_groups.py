@@ -233,6 +233,18 @@ def test_five_calls_of_a_group_of_two_publish_two_and_return_every_id_at_once(
     assert rows == {"t1": (2, 2, 3), "vip": (10, 1, 0)}
 
 
+def test_a_callable_limit_gives_each_group_its_tier(app: Celery) -> None:
+    store = store_for(settings_for(app))
+    tiered = app.tasks["tests.tiered"]
+
+    calls = [tiered.delay(tenant, n) for tenant in ("free", "paid") for n in range(4)]
+
+    assert len(published(app)) == 1 + 3
+    rows = {g.name: (g.limit, g.admitted, g.waiting) for g in store.groups()}
+    assert rows == {"tenant:free": (1, 1, 3), "tenant:paid": (3, 3, 1)}
+    assert store.get(calls[0].id).lease_group == "tenant:free"  # type: ignore[union-attr]
+
+
 def test_a_group_limit_that_is_not_a_positive_int_is_refused_and_nothing_is_recorded(
     app: Celery,
 ) -> None:
@@ -301,6 +313,17 @@ def app(database_url: str, table_name: str) -> Iterator[Celery]:
         lease_group_limit=2,
     )
     def work(self: LeasedTask, tenant: str, n: int) -> Any:
+        return n
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name="tests.tiered",
+        lease_group=lambda tenant, n: f"tenant:{tenant}",
+        lease_group_limit=lambda group: 1 if group == "tenant:free" else 3,
+    )
+    def tiered(self: LeasedTask, tenant: str, n: int) -> Any:
         return n
 
     yield app
