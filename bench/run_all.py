@@ -16,7 +16,7 @@ from bench.common import parser, report, row
 
 ORDER = (
     "operations", "dispatch", "throughput", "recovery", "scale", "memory", "column_types", "keys",
-    "ceiling", "peers", "large", "joined", "debounce",
+    "ceiling", "peers", "large", "joined", "debounce", "groups",
 )  # fmt: skip
 
 
