@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_leases import LeasedTask, reap
+from celery_leases import LeasedTask, groups, keys, reap
 from celery_leases.config import settings_for
 from celery_leases.db.rows import Claimed, Refused
 from celery_leases.db.store import Store, store_for
@@ -245,6 +245,34 @@ def test_a_callable_limit_gives_each_group_its_tier(app: Celery) -> None:
     assert store.get(calls[0].id).lease_group == "tenant:free"  # type: ignore[union-attr]
 
 
+def test_a_keyed_jobs_follow_up_waits_in_its_group_and_is_admitted_when_there_is_room(
+    app: Celery,
+) -> None:
+    store = store_for(settings_for(app))
+    keyed = app.tasks["tests.keyed"]
+    # Given a keyed job of tenant t1 (limit 1) running, and a job of another key of t1 waiting
+    run = keyed.delay("t1", "a")
+    other = keyed.delay("t1", "b")
+    assert published(app) == [run.id] and waiting(store, "t1") == [other.id]
+    job = store.get(run.id)
+    assert job is not None
+    lease = store.claim(job.message, owner=OWNER, duration=30.0)
+    assert isinstance(lease, Claimed)
+    # When a trigger of the running key comes, and the run ends
+    trigger = keyed.delay("t1", "a")
+    assert trigger.id != run.id and published(app) == []
+    assert store.finish(run.id, lease.token, result=None)
+    keys.settle(app, store, "acct:a")
+    groups.admit(app, store, "t1")
+
+    # Then the key's follow-up is recorded in the group, behind the job that waited first:
+    # the group's one slot goes to that job, and the follow-up waits for the next
+    assert published(app) == [other.id]
+    assert waiting(store, "t1") == [trigger.id]
+    followup = store.get(trigger.id)
+    assert followup is not None and followup.lease_key == "acct:a" and followup.waiting
+
+
 def test_a_group_limit_that_is_not_a_positive_int_is_refused_and_nothing_is_recorded(
     app: Celery,
 ) -> None:
@@ -325,6 +353,18 @@ def app(database_url: str, table_name: str) -> Iterator[Celery]:
     )
     def tiered(self: LeasedTask, tenant: str, n: int) -> Any:
         return n
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name="tests.keyed",
+        lease_key="acct:{account}",
+        lease_group="{tenant}",
+        lease_group_limit=1,
+    )
+    def keyed(self: LeasedTask, tenant: str, account: str) -> Any:
+        return account
 
     yield app
     store = store_for(settings_for(app))
