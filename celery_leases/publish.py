@@ -103,6 +103,8 @@ class Recorder:
         #: The call's ``lease_group_limit`` and ``lease_group_rate`` (the task's by default).
         self.group_limit = group_limit
         self.group_rate = group_rate
+        #: The group's limit and rate (admissions a second), checked.
+        self.limits: tuple[int | None, float | None] = (None, None)
         self.settings = task.lease_settings
         self.store = task.lease_store
         self.registered: str | None = None
@@ -156,6 +158,11 @@ class Recorder:
                     f"{recorded.task}: a debounced call cannot have a group (lease_group "
                     f"{group!r}): its due time is the debounce's"
                 )
+            # Checked before anything is recorded: a bad limit or rate records nothing.
+            self.limits = (
+                groups.limit_of(self.group_limit, group),
+                groups.rate_of(self.group_rate),
+            )
         countdown = max(recorded.eta_in() or 0.0, 0.0)
         lease = held(recorded.id)
         if lease is not None:
@@ -210,8 +217,7 @@ class Recorder:
         writing the call's limit and rate as the group's; publish the others admitted, and
         return this one to publish (with a countdown to its token's time). :class:`Waiting`
         when it was not admitted: it waits in the database."""
-        limit = groups.limit_of(self.group_limit, group)
-        rate = groups.rate_of(self.group_rate)
+        limit, rate = self.limits
         try:
             admitted = self.store.admit(group, limit=limit, rate=rate, define=True)
         except StoreUnavailable:
