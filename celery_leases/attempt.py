@@ -200,11 +200,11 @@ class Attempt:
             delivery.send(self.task.app, countdown=delay)
             raise Ignore()
         if refused.reason == "early":
-            # A debounced job's message came before the job's due time (the database's
+            # A debounced or rate-limited job's message came before its due time (the database's
             # clock; the sender's and this worker's may disagree): come back then.
             delay = max(refused.expires_in or 0.0, 0.0)
             logger.info(
-                "job %s: debounced, due in %.2f s; delivering again then",
+                "job %s: due in %.2f s (a debounce, or its group's rate); delivering again then",
                 request.id,
                 delay,
                 extra=job_fields(request.id),
@@ -535,4 +535,6 @@ def _refusal_text(refused: Refused) -> str:
         return f"a live lease holds it (owner {refused.owner}{left}): duplicate delivery"
     if refused.reason == "stale":
         return "another message of this id is the recorded one: a stale or duplicate delivery"
+    if refused.reason == "waiting":
+        return "the job waits for its admission in its group, which publishes it"
     return f"the job is already {refused.reason}"
