@@ -15,7 +15,7 @@ from typing import Any, NoReturn, TypeVar
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from . import keys, metrics
+from . import groups, keys, metrics
 from .checkpoint import lost_commits
 from .db import Store, rows
 from .db.errors import conflict_in, ended_idle_transaction, first_line
@@ -40,6 +40,7 @@ from .message import (
     COALESCE,
     CONFLICT_HEADER,
     DB_RETRY_HEADER,
+    GROUP_HEADER,
     KEY_HEADER,
     KEY_STRATEGY_HEADER,
     Message,
@@ -124,6 +125,10 @@ class Attempt:
                 if self.task.lease_key_strategy != COALESCE:
                     strategy = self.task.lease_key_strategy
                     delivery = delivery.with_headers(**{KEY_STRATEGY_HEADER: strategy})
+        if delivery.group is None:  # sent by name: it runs at once, counted in its group
+            group = self.task.group_for(args, kwargs)
+            if group is not None:
+                delivery = delivery.with_headers(**{GROUP_HEADER: group})
         self.delivery = delivery
         try:
             # Task.apply() runs the job now, as Celery does, even one that has ended.
@@ -162,6 +167,7 @@ class Attempt:
             kill_when_stalled=settings.kill_stalled,
             checkpoint_age=outcome.checkpoint_age,
             key=delivery.key,
+            group=delivery.group,
             bound=outcome.bound,
             joined=outer,
         )
@@ -207,11 +213,11 @@ class Attempt:
             delivery.send(self.task.app, countdown=delay)
             raise Ignore()
         if refused.reason == "early":
-            # A debounced job's message came before the job's due time (the database's
+            # A debounced or rate-limited job's message came before its due time (the database's
             # clock; the sender's and this worker's may disagree): come back then.
             delay = max(refused.expires_in or 0.0, 0.0)
             logger.info(
-                "job %s: debounced, due in %.2f s; delivering again then",
+                "job %s: due in %.2f s (a debounce, or its group's rate); delivering again then",
                 request.id,
                 delay,
                 extra=job_fields(request.id),
@@ -505,12 +511,16 @@ class Attempt:
         self.ended(lease)
 
     def ended(self, lease: Lease) -> None:
-        """The job has ended: settle the triggers waiting on its key (``keys.settle``)."""
+        """The job has ended: settle the triggers waiting on its key (``keys.settle``), and
+        admit the next waiting jobs of its group (``groups.admit``), each a statement of its
+        own after the end's."""
         # Nothing is held any more: the keeper's next tick must not keep the lease while the
         # triggers are settled.
         lease.released = True
         if lease.key is not None:
             keys.settle(self.task.app, self.store, lease.key, connection=lease.joined)
+        if lease.group is not None and lease.joined is None:
+            groups.admit(self.task.app, self.store, lease.group)
 
     def hand_back(self, lease: Lease, *, reap_in: float | None) -> str | None:
         """Give the lease back; the job's state after it (None: not handed back)."""
@@ -556,4 +566,6 @@ def _refusal_text(refused: Refused) -> str:
         return f"a live lease holds it (owner {refused.owner}{left}): duplicate delivery"
     if refused.reason == "stale":
         return "another message of this id is the recorded one: a stale or duplicate delivery"
+    if refused.reason == "waiting":
+        return "the job waits for its admission in its group, which publishes it"
     return f"the job is already {refused.reason}"

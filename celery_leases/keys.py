@@ -21,10 +21,11 @@ from .notice import announce_pending
 logger = logging.getLogger("celery_leases")
 
 
-def key_of(task: Any, key: Any, args: Any, kwargs: Any) -> str | None:
+def key_of(task: Any, key: Any, args: Any, kwargs: Any, *, option: str = "lease_key") -> str | None:
     """The lease key ``key`` (a task's ``lease_key``: None, a format string or a callable)
     gives a call of ``task`` with ``args`` and ``kwargs``: a format string is formatted with
-    the positional arguments and every argument by name (``"account:{account_id}"``)."""
+    the positional arguments and every argument by name (``"account:{account_id}"``).
+    ``option``: the option's name in errors (``lease_group`` computes a group the same way)."""
     if key is None:
         return None
     if inspect.ismethod(key) and key.__self__ is task:
@@ -40,12 +41,12 @@ def key_of(task: Any, key: Any, args: Any, kwargs: Any) -> str | None:
             found = str(key).format(*args, **named)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
         raise ArgumentsError(
-            f"lease_key {key!r} of {getattr(task, 'name', task)} cannot be computed from the "
+            f"{option} {key!r} of {getattr(task, 'name', task)} cannot be computed from the "
             f"call's arguments (args {args!r}, kwargs {kwargs!r}): {exc!r}"
         ) from exc
     if not isinstance(found, str):
         raise ArgumentsError(
-            f"lease_key of {getattr(task, 'name', task)} must give a string, not {found!r}"
+            f"{option} of {getattr(task, 'name', task)} must give a string, not {found!r}"
         )
     return found
 
@@ -76,7 +77,12 @@ def settle(app: Any, store: Any, key: str, *, connection: Any = None) -> bool:
     has passed."""
     try:
         settled = store.settle(key, connection=connection)
-        if settled.followup is not None:
+        if settled.followup is not None and settled.followup.group is not None:
+            # Recorded waiting in its group: its admission publishes it.
+            from .groups import admit
+
+            admit(app, store, settled.followup.group)
+        elif settled.followup is not None:
             settled.followup.send(app)
             logger.info(
                 "lease key %s: the triggers that waited on it run as job %s",

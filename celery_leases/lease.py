@@ -59,6 +59,8 @@ class Lease:
     stall_reported: bool = False
     #: The resource the job works on (the task's ``lease_key``), or None.
     key: str | None = None
+    #: The group it was admitted in (the task's ``lease_group``), or None.
+    group: str | None = None
     #: Its keeper's holder keeps it (else its own expiry does, until the keeper binds it).
     bound: bool = True
     #: The caller's transaction every write of the attempt joins (an attempt that started

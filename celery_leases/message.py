@@ -35,6 +35,8 @@ DB_RETRY_HEADER = "leases_db_retries"
 CONFLICT_HEADER = "leases_conflicts"
 #: Header naming the job's lease key (the resource it works on; ``LeasedTask.lease_key``).
 KEY_HEADER = "leases_key"
+#: Header naming the job's group (``LeasedTask.lease_group``): its admission and its end.
+GROUP_HEADER = "leases_group"
 #: Header of a debounced trigger (``LeasedTask.lease_debounce``): ``[quiet, max_wait]``, seconds.
 DEBOUNCE_HEADER = "leases_debounce"
 #: Header naming what a trigger of a busy lease key does (``LeasedTask.lease_key_strategy``):
@@ -107,6 +109,12 @@ class Message:
     def key(self) -> str | None:
         """The lease key the message was published with (``leases_key`` header), or None."""
         found = self.headers.get(KEY_HEADER)
+        return None if found is None else str(found)
+
+    @property
+    def group(self) -> str | None:
+        """The group the message was published in (``leases_group`` header), or None."""
+        found = self.headers.get(GROUP_HEADER)
         return None if found is None else str(found)
 
     @property

@@ -29,6 +29,7 @@ COUNTERS = {
     "lost_commits": "Refused writes that found the database behind the attempt (a failover)",
     "reaped": "Expired jobs re-published by the reaper",
     "gave_up": "Jobs failed by the reaper after attempts without progress",
+    "admitted": "Jobs of groups (lease_group) admitted and published",
 }
 
 #: The label every counter and the histogram carry: the task's name.

@@ -16,12 +16,19 @@ from typing import Any
 
 from celery import current_task
 
-from . import keys
+from . import groups, keys
 from .errors import ArgumentsError, Cancelled, StoreUnavailable, Superseded
 from .lease import held, queued_by, until_deadline
 from .lease import recorded as record_end
 from .log import job_fields
-from .message import COALESCE, DEBOUNCE_HEADER, KEY_HEADER, KEY_STRATEGY_HEADER, Message
+from .message import (
+    COALESCE,
+    DEBOUNCE_HEADER,
+    GROUP_HEADER,
+    KEY_HEADER,
+    KEY_STRATEGY_HEADER,
+    Message,
+)
 from .notice import announce_pending
 
 logger = logging.getLogger("celery_leases")
@@ -33,6 +40,12 @@ class Coalesced(Exception):
     def __init__(self, job_id: str) -> None:
         super().__init__(job_id)
         self.job_id = job_id
+
+
+class Waiting(Coalesced):
+    """Raised through Celery's publish: job ``job_id`` is recorded and waits in the database
+    for its admission in its group (its limit or its rate is reached): nothing is published
+    now; its admission publishes it."""
 
 
 class RecordingProducer:
@@ -92,8 +105,13 @@ class RecordingProducer:
 class Recorder:
     """Records the message one ``LeasedTask.apply_async`` publishes."""
 
-    def __init__(self, task: Any) -> None:
+    def __init__(self, task: Any, *, group_limit: Any = None, group_rate: Any = None) -> None:
         self.task = task
+        #: The call's ``lease_group_limit`` and ``lease_group_rate`` (the task's by default).
+        self.group_limit = group_limit
+        self.group_rate = group_rate
+        #: The group's limit and rate (admissions a second), checked.
+        self.limits: tuple[int | None, float | None] = (None, None)
         self.settings = task.lease_settings
         self.store = task.lease_store
         self.registered: str | None = None
@@ -142,6 +160,19 @@ class Recorder:
                     f"another job of its key, which would lose that workflow. Call it "
                     f"without a lease key inside a canvas"
                 )
+        group = recorded.group or self.task.group_for(recorded.args, recorded.kwargs)
+        if group is not None:
+            recorded = recorded.with_headers(**{GROUP_HEADER: group})
+            if recorded.debounce is not None or getattr(self.task, "lease_debounce", None):
+                raise ArgumentsError(
+                    f"{recorded.task}: a debounced call cannot have a group (lease_group "
+                    f"{group!r}): its due time is the debounce's"
+                )
+            # Checked before anything is recorded: a bad limit or rate records nothing.
+            self.limits = (
+                groups.limit_of(self.group_limit, group),
+                groups.rate_of(self.group_rate),
+            )
         countdown = max(recorded.eta_in() or 0.0, 0.0)
         lease = held(recorded.id)
         if lease is not None:
@@ -187,13 +218,48 @@ class Recorder:
             self.registered = recorded.id
             if debounce is not None:  # its ETA from now: the row's due time is just written
                 recorded = self._due(recorded, debounce, countdown)
-        elif outcome.outcome != "taken over":
+        if group is not None and outcome.outcome in ("new", "taken over"):
+            return self._admit(recorded, group)
+        if outcome.outcome not in ("new", "taken over"):
             logger.warning(
                 "job %s is %s with another message: this one is a copy, dropped at its claim",
                 recorded.id,
                 outcome.outcome,
                 extra=job_fields(recorded.id),
             )
+        return recorded
+
+    def _admit(self, recorded: Message, group: str) -> Message:
+        """Admit the oldest waiting jobs of ``group``, this one recorded waiting among them,
+        writing the call's limit and rate as the group's; publish the others admitted, and
+        return this one to publish (with a countdown to its token's time). :class:`Waiting`
+        when it was not admitted: it waits in the database."""
+        limit, rate = self.limits
+        try:
+            admitted = self.store.admit(group, limit=limit, rate=rate, define=True)
+        except StoreUnavailable:
+            self.registered = None  # recorded, waiting: the reaper admits it
+            logger.warning(
+                "job %s: recorded in group %s, its admission failed: the reaper admits it",
+                recorded.id,
+                group,
+                extra=job_fields(recorded.id),
+            )
+            raise Waiting(recorded.id) from None
+        own = next((job for job in admitted if job.id == recorded.id), None)
+        groups.publish(self.task.app, group, [job for job in admitted if job is not own])
+        if own is None:
+            self.registered = None
+            logger.info(
+                "job %s: recorded, waits for its admission in group %s",
+                recorded.id,
+                group,
+                extra=job_fields(recorded.id),
+            )
+            raise Waiting(recorded.id)
+        if own.due_in > 0:
+            eta = (self.task.app.now() + timedelta(seconds=own.due_in)).isoformat()
+            return recorded.with_headers(eta=eta)
         return recorded
 
     def _debounce(self, recorded: Message, key: str | None) -> tuple[float, float] | None:
@@ -273,4 +339,4 @@ class Recorder:
             self.store.forget(self.registered)
 
 
-__all__ = ["Coalesced", "Recorder", "RecordingProducer"]
+__all__ = ["Coalesced", "Recorder", "RecordingProducer", "Waiting"]

@@ -13,7 +13,7 @@ from typing import Any
 from celery import Task, current_app, states
 from celery.local import Proxy
 
-from . import keys, metrics, worker
+from . import groups, keys, metrics, worker
 from .config import mark_uses_leases, settings_for
 from .db import store_for
 from .db.schema import REVOKED
@@ -53,6 +53,9 @@ class ReapReport:
     #: Lease keys whose waiting triggers were settled (served, or run for), and follow-ups
     #: older releases kept on ended jobs, started.
     followups: list[str] = field(default_factory=list)
+    #: Jobs of groups admitted and published (their group had room, and nothing admitted
+    #: them: the worker that ended a job of the group died first, or it ended outside any).
+    admitted: list[str] = field(default_factory=list)
     purged: int = 0
 
     def acted(self) -> bool:
@@ -68,6 +71,7 @@ class ReapReport:
             "expired": self.expired,
             "notified": self.notified,
             "followups": self.followups,
+            "admitted": self.admitted,
             "purged": self.purged,
         }
 
@@ -153,6 +157,7 @@ def reap(app: Any) -> ReapReport:
         if len(batch.republish) + len(batch.gave_up) < settings.reap_batch:
             break
     report.followups = start_followups(app, store, batch=settings.reap_batch)
+    report.admitted = groups.admit_waiting(app, store, batch=settings.reap_batch)
     report.notified = announce_pending(app, store, batch=settings.reap_batch)
     report.purged = store.purge_all(
         older_than=settings.retention, batch=settings.reap_batch, max_batches=MAX_BATCHES

@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from celery import Task
 from celery.exceptions import Ignore
 
-from . import attempt, checkpoint, keys
+from . import attempt, checkpoint, groups, keys
 from .config import check_task_options, conf_version, settings_for
 from .db import Store, store_for
 from .errors import ArgumentsError, ConfigurationError, LeaseError, LeaseLost
 from .lease import Lease, current, held, holding
-from .message import COALESCE, DEBOUNCE_HEADER, KEY_HEADER, KEY_STRATEGY_HEADER, checked_strategy
+from .message import (
+    COALESCE,
+    DEBOUNCE_HEADER,
+    GROUP_HEADER,
+    KEY_HEADER,
+    KEY_STRATEGY_HEADER,
+    checked_strategy,
+)
 from .publish import Coalesced, Recorder
 from .reaper import register_reaper
 from .settings import Settings
@@ -37,12 +45,27 @@ class LeasedTask(Task):  # type: ignore[misc]
     runs once, ``quiet`` seconds after its last trigger and at most ``max_wait`` seconds after
     its first, with the last trigger's arguments; ``apply_async(..., lease_debounce=...)``
     sets it for one call (docs/keys.md, "Debounce").
+
+    ``lease_group`` names a job's group (a tenant: a format string or a callable over the
+    arguments, as ``lease_key``): at most ``lease_group_limit`` jobs of a group (an int, or a
+    callable taking the group's name) are in the broker or running at once across all
+    workers, and at most ``lease_group_rate`` (``"10/s"``, ``"10/m"``, ``"100/h"``) start a
+    second, counted in the database; a job over them waits there, recorded but not published,
+    first in first out (docs/keys.md, "Groups"). Each can be set for one call in
+    ``apply_async``.
     """
 
     #: The resource of a job, from its arguments (None: jobs have no key).
     lease_key: str | Callable[..., str] | None = None
     #: (quiet, max_wait) in seconds: debounce the triggers of a key (None: no debounce).
     lease_debounce: tuple[float, float] | None = None
+    #: The group of a job, from its arguments (None: no group).
+    lease_group: str | Callable[..., str] | None = None
+    #: At most this many jobs of a group admitted at once: an int, or a callable taking the
+    #: group's name (None: no limit).
+    lease_group_limit: int | Callable[[str], int] | None = None
+    #: At most this many admissions of a group a unit of time, ``"10/s"`` (None: no limit).
+    lease_group_rate: str | float | None = None
 
     #: What a call does while its lease key has a live job: ``"coalesce"`` (wait, and run
     #: once that job ends, with the first waiting call's arguments) or ``"newest"`` (that job
@@ -148,6 +171,10 @@ class LeasedTask(Task):  # type: ignore[misc]
         """The lease key of a call with ``args`` and ``kwargs`` (the task's ``lease_key``)."""
         return keys.key_of(self, self.lease_key, args, kwargs)
 
+    def group_for(self, args: Any, kwargs: Any) -> str | None:
+        """The group of a call with ``args`` and ``kwargs`` (the task's ``lease_group``)."""
+        return groups.group_of(self, self.lease_group, args, kwargs)
+
     def stop_point(self) -> None:
         """Raise :class:`Cancelled` or :class:`Preempted` if the job was asked to stop, and
         :class:`LeaseLost` if this attempt lost its lease (its renewals failed until it ended).
@@ -201,6 +228,11 @@ class LeasedTask(Task):  # type: ignore[misc]
         key = options.pop("lease_key", None)
         debounce = options.pop("lease_debounce", None)
         strategy = options.pop("lease_key_strategy", None)
+        group = options.pop("lease_group", None)
+        limit = options.pop("lease_group_limit", self.lease_group_limit)
+        if inspect.ismethod(limit) and limit.__self__ is self:
+            limit = limit.__func__  # a function given as the option became a method of the task
+        rate = options.pop("lease_group_rate", self.lease_group_rate)
         if self.app.conf.task_always_eager:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
@@ -214,7 +246,9 @@ class LeasedTask(Task):  # type: ignore[misc]
                 **(options.get("headers") or {}),
                 KEY_STRATEGY_HEADER: checked_strategy(strategy),
             }
-        recorder = Recorder(self)
+        if group is not None:
+            options["headers"] = {**(options.get("headers") or {}), GROUP_HEADER: group}
+        recorder = Recorder(self, group_limit=limit, group_rate=rate)
         with self.app.producer_or_acquire(producer) as publisher:
             try:
                 sent = super().apply_async(
@@ -255,6 +289,8 @@ class LeasedTask(Task):  # type: ignore[misc]
             lease.released = True
             if lease.key is not None:
                 keys.settle(self.app, self.lease_store, lease.key)
+            if lease.group is not None:
+                groups.admit(self.app, self.lease_store, lease.group)
         return super().on_replace(sig)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -10,12 +11,13 @@ import click
 from kombu.utils import json as kombu_json
 
 from ..db import Store, store_for
-from ..db.schema import CANCELLED, FAILED, RUNNING, STATES
+from ..db.schema import CANCELLED, FAILED, RUNNING, STATES, WAITING
 from ..errors import StoreUnavailable
 from .group import JobId, cli_app, cli_command, cli_settings, find_job
 from .view import (
     COUNT_CAP,
     JOB_COLUMNS,
+    Column,
     JobFacts,
     Output,
     counts_text,
@@ -23,6 +25,7 @@ from .view import (
     jobs_count,
     span,
     stall_note,
+    table,
 )
 
 
@@ -31,15 +34,18 @@ from .view import (
     "--state",
     "states",
     multiple=True,
-    type=click.Choice(STATES),
-    help="Only jobs in this state (repeatable).",
+    type=click.Choice([*STATES, WAITING]),
+    help="Only jobs in this state (repeatable; waiting: a group's, not admitted yet).",
 )
 @click.option("--task", metavar="NAME", help="Only jobs of this task name.")
+@click.option("--group", metavar="NAME", help="Only jobs of this group (lease_group).")
 @click.option(
     "--limit", default=50, show_default=True, type=click.IntRange(min=1), help="At most N jobs."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array (all fields).")
-def list_jobs(states: tuple[str, ...], task: str | None, limit: int, as_json: bool) -> None:
+def list_jobs(
+    states: tuple[str, ...], task: str | None, group: str | None, limit: int, as_json: bool
+) -> None:
     """List jobs, newest first, with lease, checkpoint age and progress.
 
     LEASE is the time left on a running job's lease, CKPT the age of its last checkpoint,
@@ -49,7 +55,7 @@ def list_jobs(states: tuple[str, ...], task: str | None, limit: int, as_json: bo
     settings = cli_settings()
     store = store_for(settings)
     facts = JobFacts(cli_app(), settings)
-    jobs = store.list_jobs(states=states, task=task, limit=limit)
+    jobs = store.list_jobs(states=states, task=task, group=group, limit=limit)
     if as_json:
         click.echo(json.dumps([facts.as_dict(job) for job in jobs], indent=2))
         return
@@ -113,6 +119,7 @@ def show(job_id: str, as_json: bool) -> None:
     fields = [
         ("task", job.task),
         ("key", job.lease_key),
+        ("group", _group_text(job, ago)),
         ("follow-up", f"job {job.followup_id}, when this one ends" if job.followup_id else None),
         ("state", status),
         ("owner", job.owner),
@@ -226,7 +233,58 @@ def watch_frame(
 
 
 #: The commands of this module (``cli/__init__.py`` adds them to the group).
+@click.command("groups")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
+def list_groups(as_json: bool) -> None:
+    """List the job groups (lease_group): each one's limit, its jobs admitted (in the broker or
+    running) and waiting in the database, its rate and its bucket's tokens now."""
+    found = store_for(cli_settings()).groups()
+    if as_json:
+        click.echo(json.dumps([dataclasses.asdict(g) for g in found], indent=2))
+        return
+    if not found:
+        click.echo("no groups yet")
+        return
+    out = Output()
+    columns = [
+        Column("GROUP", clip="end", minimum=12),
+        Column("LIMIT", right=True),
+        Column("ADMITTED", right=True),
+        Column("WAITING", right=True),
+        Column("RATE", right=True),
+        Column("TOKENS", right=True),
+    ]
+
+    def cell(text: str) -> tuple[str, str]:
+        return text, out.style(text, "dim" if text == "-" else None)
+
+    rows = [
+        {
+            "GROUP": cell(g.name),
+            "LIMIT": cell("-" if g.limit is None else str(g.limit)),
+            "ADMITTED": cell(str(g.admitted)),
+            "WAITING": cell(str(g.waiting)),
+            "RATE": cell("-" if g.rate is None else f"{g.rate:g}/s"),
+            "TOKENS": cell("-" if g.rate is None else f"{g.tokens:.2f}"),
+        }
+        for g in found
+    ]
+    for text in table(out, columns, rows):
+        click.echo(text)
+
+
+def _group_text(job: Any, ago: Any) -> str | None:
+    group: str | None = job.lease_group
+    if group is None:
+        return None
+    if job.waiting:
+        return f"{group}, waiting for its admission"
+    admitted = ago(job.admitted_at)
+    return group + (f", admitted {admitted}" if admitted else "")
+
+
 COMMANDS = (
+    list_groups,
     list_jobs,
     show,
     watch,

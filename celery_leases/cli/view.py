@@ -16,11 +16,12 @@ import click
 
 from ..db import rows
 from ..db.rows import Job, StateCounts
-from ..db.schema import MAX_ID_LENGTH, RUNNING, STATES
+from ..db.schema import MAX_ID_LENGTH, RUNNING, STATES, WAITING
 from ..settings import Settings
 
 STYLES: dict[str, dict[str, Any]] = {
     "queued": {"fg": "cyan"},
+    "waiting": {"fg": "cyan", "dim": True},
     "running": {"fg": "bright_blue", "bold": True},
     "stalled": {"fg": "yellow", "bold": True},
     "done": {"fg": "green"},
@@ -193,6 +194,8 @@ class JobFacts:
         return limit is not None and quiet is not None and quiet > limit
 
     def shown_state(self, job: Job) -> str:
+        if job.waiting:
+            return WAITING
         return "stalled" if self.stalled(job) else job.state
 
     def as_dict(self, job: Job) -> dict[str, Any]:

@@ -27,6 +27,8 @@ class Facts(NamedTuple):
     version: str | None
     token: int
     attempts: int = 0
+    #: A job of a group waiting for its admission (``schema.WAITING``).
+    waiting: bool = False
     #: Seconds until the job may run (``run_after``: a countdown, a debounce), None: any time.
     due_in: float | None = None
 

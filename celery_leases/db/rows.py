@@ -89,6 +89,15 @@ class Job:
     started_at: float | None = None
     #: For the triggers of a key that a run of the key served: that run's id.
     served_by: str | None = None
+    #: The group it is admitted in (``lease_group``), or None.
+    lease_group: str | None = None
+    #: When it was admitted in its group (database clock); None while it waits.
+    admitted_at: float | None = None
+
+    @property
+    def waiting(self) -> bool:
+        """A job of a group waiting in the database for its admission (never published)."""
+        return self.lease_group is not None and self.admitted_at is None and self.state == "queued"
 
     @property
     def args(self) -> list[Any]:
@@ -204,4 +213,6 @@ def job(m: Any) -> Job:
         holder=m["holder"],
         started_at=m["started_at"],
         served_by=m["served_by"],
+        lease_group=m.get("lease_group"),
+        admitted_at=m.get("admitted_at"),
     )

@@ -28,6 +28,10 @@ LIVE_STATES = (QUEUED, RUNNING)
 #: write the states as literals, so that a generic plan can prove it).
 LIVE_PREDICATE = "state IN ('queued', 'running')"
 FINISHED_STATES = (DONE, FAILED, CANCELLED, REVOKED, REPLACED, SUPERSEDED)
+#: A job of a group that waits in the database for its admission (never published yet): it
+#: is ``queued`` (live: it holds its lease key) with no ``admitted_at`` and no ``expires_at``
+#: (no reaper re-publishes it). Shown as ``waiting`` by ``leases list``.
+WAITING = "waiting"
 
 #: Longest job (task) id the table holds; a longer one is refused, never truncated.
 MAX_ID_LENGTH = 155
@@ -116,6 +120,12 @@ def jobs_table(
         # A trigger that a run of its key served (one that started after the trigger): that
         # run's id; this row holds what the trigger's caller is told.
         sa.Column("served_by", sa.String(MAX_ID_LENGTH)),
+        # The group the job is admitted in (the task's lease_group): at most the group's limit
+        # of its jobs are admitted and live at once (``<table>_groups``).
+        sa.Column("lease_group", sa.String(MAX_KEY_LENGTH)),
+        # When the job was admitted in its group; NULL while a job of a group waits in the
+        # database, unpublished (``GROUP_WAITING``).
+        sa.Column("admitted_at", sa.Double),
         *one_live_job_per_key,
         sa.Index(f"ix_{name}_expiry", "state", "expires_at"),
         sa.Index(f"ix_{name}_finished", "finished_at"),
@@ -140,6 +150,17 @@ def jobs_table(
             "started_at",
             postgresql_where=sa.text("lease_key IS NOT NULL"),
             sqlite_where=sa.text("lease_key IS NOT NULL"),
+        ),
+        # A group's oldest waiting jobs (state queued, admitted_at NULL, by created_at), and
+        # its live admitted ones (counted under the group row's lock at each admission).
+        sa.Index(
+            f"ix_{name}_group_waiting",
+            "lease_group",
+            "state",
+            "admitted_at",
+            "created_at",
+            postgresql_where=sa.text("lease_group IS NOT NULL"),
+            sqlite_where=sa.text("lease_group IS NOT NULL"),
         ),
         # The few jobs whose end the result backend has not been told (each reaper pass).
         sa.Index(
@@ -213,6 +234,31 @@ def holders_table(metadata: sa.MetaData, jobs: str = "celery_leases_jobs") -> sa
     )
 
 
+def groups_table(metadata: sa.MetaData, jobs: str = "celery_leases_jobs") -> sa.Table:
+    """Define ``<jobs>_groups``: one row per job group (``lease_group``), locked by every
+    admission of the group: its limit and rate as the last client gave them, and its token
+    bucket (``tokens``, refilled by the database clock since ``refilled_at``, at most 1, as
+    Celery's own rate limit). The admitted count is not kept here: it is the count of the
+    group's live admitted jobs, read under this row's lock, so nothing can make it drift."""
+    name = f"{jobs}_groups"
+    if name in metadata.tables:
+        return metadata.tables[name]
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("name", sa.String(MAX_KEY_LENGTH), primary_key=True),
+        # At most this many jobs of the group admitted and live at once (NULL: no limit).
+        sa.Column("group_limit", sa.Integer),
+        # Admissions per second (NULL: no rate limit).
+        sa.Column("rate", sa.Double),
+        sa.Column("tokens", sa.Double, nullable=False),
+        sa.Column("refilled_at", sa.Double, nullable=False),
+        # The group's last admission: a reaper pass admits the longest-served group first.
+        sa.Column("admitted_at", sa.Double),
+        sa.Column("created_at", sa.Double, nullable=False),
+    )
+
+
 def version_table(metadata: sa.MetaData, name: str) -> sa.Table:
     """The Alembic version table of the jobs table ``name`` (``<name>_version``)."""
     versions = version_table_name(name)
@@ -226,3 +272,4 @@ metadata = sa.MetaData()
 jobs_table(metadata)
 keys_table(metadata)
 holders_table(metadata)
+groups_table(metadata)

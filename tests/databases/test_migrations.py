@@ -16,7 +16,7 @@ import celery_leases
 from celery_leases import ConfigurationError, get_job
 from celery_leases.db import migrations
 from celery_leases.db.dbapi import Direct
-from celery_leases.db.schema import holders_table, jobs_table, keys_table
+from celery_leases.db.schema import groups_table, holders_table, jobs_table, keys_table
 from celery_leases.db.store import Store
 from celery_leases.settings import DEFAULTS, validate
 from tests.support.concurrent import at_once
@@ -49,6 +49,7 @@ def test_the_head_revision_makes_exactly_the_table_the_code_reads_and_writes(
     jobs_table(expected, store.table.name, store.dialect)
     keys_table(expected, store.table.name)
     holders_table(expected, store.table.name)
+    groups_table(expected, store.table.name)
     with store.engine.connect() as connection:
         diff = compare_metadata(MigrationContext.configure(connection), expected)
     ours = [d for d in diff if store.table.name in repr(d) and "_version" not in repr(d)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from celery_leases.db import migrations
 from celery_leases.db.rows import Refused
 from celery_leases.db.schema import jobs_table
 from celery_leases.db.store import Store
-from celery_leases.message import KEY_HEADER
+from celery_leases.message import GROUP_HEADER, KEY_HEADER
 from tests.support.cli import (
     STALL_TIMEOUT,
     Cli,
@@ -150,6 +151,32 @@ def test_list_json_parses_and_filters_by_state_task_and_limit(cli: Cli, store: S
     assert {job["id"] for job in finished} == {ids["failed"], ids["cancelled"]}
     assert [job["id"] for job in other] == [ids["queued"]]
     assert len(two) == 2
+
+
+def test_list_filters_by_group_and_groups_shows_each_ones_limit_admitted_and_waiting(
+    cli: Cli, store: Store
+) -> None:
+    # Given tenant a, limit 1, with three jobs (one admitted, two waiting), and an ungrouped job
+    ids = []
+    for _ in range(3):
+        ids.append(str(uuid.uuid4()))
+        store.register(job_message(ids[-1], "cli.count", args=[1], **{GROUP_HEADER: "tenant:a"}))
+    store.admit("tenant:a", limit=1, rate=10.0, define=True)
+    record(store)
+
+    listed = json.loads(cli.ok("list", "--json", "--group", "tenant:a"))
+    waiting = cli.ok("list", "--group", "tenant:a", "--state", "waiting")
+    groups = cli.ok("groups")
+    shown = cli.ok("show", ids[2])
+
+    assert sorted(job["id"] for job in listed) == sorted(ids)
+    assert {job["lease_group"] for job in listed} == {"tenant:a"}
+    assert waiting.count(" waiting ") == 2 and "showing 2 of 4 jobs" in waiting
+    header, row = groups.splitlines()
+    assert header.split() == ["GROUP", "LIMIT", "ADMITTED", "WAITING", "RATE", "TOKENS"]
+    assert row.split()[:5] == ["tenant:a", "1", "1", "2", "10/s"]
+    assert "  group       tenant:a, waiting for its admission" in shown
+    assert json.loads(cli.ok("groups", "--json"))[0]["waiting"] == 2
 
 
 def test_show_prints_the_job_and_its_checkpoint_as_pretty_json(cli: Cli, store: Store) -> None:

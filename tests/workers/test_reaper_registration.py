@@ -121,6 +121,7 @@ def test_the_registered_reaper_runs_one_pass(database: str) -> None:
         "expired": [],
         "notified": [],
         "followups": [],
+        "admitted": [],
         "purged": 0,
     }
 

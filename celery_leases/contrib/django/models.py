@@ -72,6 +72,8 @@ class Job(models.Model):
     expires_at = Moment(null=True)
     lease_key = models.CharField(max_length=MAX_KEY_LENGTH, null=True)
     message = models.TextField()
+    lease_group = models.CharField(max_length=MAX_KEY_LENGTH, null=True)
+    admitted_at = Moment(null=True)
 
     class Meta:
         managed = False
@@ -115,3 +117,32 @@ class LeaseKey(models.Model):
 
     def delete(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise LeaseError("lease keys are never deleted")
+
+
+class JobGroup(models.Model):
+    """One job group's row (``<leases table>_groups``): the limit and rate its last client
+    gave, and its token bucket. Its admitted and waiting jobs are the jobs of the group
+    (``Job.lease_group``). Never saved through the ORM: admissions write it."""
+
+    name = models.CharField(primary_key=True, max_length=MAX_KEY_LENGTH)
+    group_limit = models.IntegerField(null=True)
+    rate = models.FloatField(null=True)
+    tokens = models.FloatField()
+    refilled_at = Moment()
+    admitted_at = Moment(null=True)
+    created_at = Moment()
+
+    class Meta:
+        managed = False
+        db_table = f"{table_name()}_groups"
+        ordering = ("name",)
+        verbose_name = "job group"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def save(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise LeaseError("a job group is written by its admissions only")
+
+    def delete(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise LeaseError("job groups are never deleted")

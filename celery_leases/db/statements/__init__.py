@@ -20,6 +20,7 @@ from .common import (
     Parts,
 )
 from .end import End
+from .groups import Groups
 from .keys import Keys
 from .operators import Operators
 from .reads import Reads
@@ -32,7 +33,12 @@ class Statements:
     """The statements on one jobs table (and its keys table) for one dialect."""
 
     def __init__(
-        self, table: sa.Table, dialect: Dialect, keys: sa.Table, holders: sa.Table
+        self,
+        table: sa.Table,
+        dialect: Dialect,
+        keys: sa.Table,
+        holders: sa.Table,
+        groups: sa.Table,
     ) -> None:
         parts = Parts(table, dialect, keys, holders)
         self.table = table
@@ -50,6 +56,8 @@ class Statements:
         self.reaper = Reaper(parts)
         #: Lease keys: holders, follow-ups, cursors.
         self.keys = Keys(parts)
+        #: Job groups: their rows and admissions.
+        self.groups = Groups(parts, groups)
         #: Reads: jobs, the clock, the revision.
         self.reads = Reads(parts)
 

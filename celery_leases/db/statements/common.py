@@ -68,6 +68,10 @@ class Parts:
         self.held = unindexed(t.c.state) == RUNNING
         #: The running job ``b_id`` under the lease ``b_token``: every write of an attempt.
         self.by_token = sa.and_(self.by_id, t.c.token == param("token"), self.held)
+        #: SQL true for a job of a group waiting for its admission (``schema.WAITING``).
+        self.waiting = sa.and_(
+            t.c.lease_group.is_not(None), t.c.admitted_at.is_(None), t.c.state == QUEUED
+        )
         #: An operator cancelled the job.
         self.cancelled = t.c.stop_requested == "cancel"
         #: A newer trigger of its lease key superseded the job (``lease_key_strategy``).
@@ -119,6 +123,7 @@ class Parts:
             "version": param("version", t.c.version.type),
             "message": param("message", t.c.message.type),
             "lease_key": param("key", t.c.lease_key.type),
+            "lease_group": param("group", t.c.lease_group.type),
             "stalled_attempts": 0,
             "sends": 0,
             "created_at": self.now,
@@ -139,7 +144,10 @@ class Parts:
 
     def queued(self) -> dict[str, Any]:
         """A job waiting for a worker: run after ``b_countdown``, re-published by the reaper
-        ``b_expires_in`` seconds from now (NULL: never)."""
+        ``b_expires_in`` seconds from now (NULL: never). A job of a group (``b_group``) waits
+        for its admission instead, never re-published by the reaper until admitted."""
+        ungrouped = param("group", self.table.c.lease_group.type).is_(None)
+        expires_in = param("expires_in", sa.Double())
         return {
             "state": QUEUED,
             "owner": None,
@@ -148,7 +156,8 @@ class Parts:
             "attempts": 0,
             "duration": None,
             "run_after": self.now + param("countdown", sa.Double()),
-            "expires_at": self.now + param("expires_in", sa.Double()),
+            "expires_at": sa.case((ungrouped, self.now + expires_in), else_=sa.null()),
+            "admitted_at": None,
             "claimed_at": None,
             "renewed_at": None,
         }
@@ -167,6 +176,8 @@ class Parts:
             "claimed_at": self.now,
             "started_at": self.now,
             "renewed_at": self.now,
+            # A message no client recorded runs without waiting: it counts in its group.
+            "admitted_at": self.now,
         }
 
     def unbound_expiry(self) -> Any:

@@ -64,6 +64,13 @@ class Reads:
             .limit(limit)
         )
 
+        #: The newest ``b_limit`` jobs of state ``b_state`` in group ``b_group``.
+        self.newest_of_group = (
+            self.select_jobs(t.c.lease_group == param("group"), t.c.state == param("state"))
+            .order_by(newest)
+            .limit(limit)
+        )
+
     def select_jobs(self, *where: Any) -> sa.Select[Any]:
         """A SELECT of whole jobs (as ``rows.job`` reads them)."""
         return sa.select(*self.job_columns).where(*where)

@@ -39,7 +39,7 @@ class Record:
         #: What a claim that matched no row reads to decide (``identity.Facts``).
         self.facts = sa.select(
             t.c.state, t.c.owner, p.lease_end - now, t.c.task, t.c.generation, t.c.version,
-            t.c.token, t.c.attempts, t.c.run_after - now,
+            t.c.token, t.c.attempts, p.waiting, t.c.run_after - now,
         ).where(p.by_id)  # fmt: skip
 
         claimable = sa.and_(
@@ -57,6 +57,8 @@ class Record:
                 t.c.run_after.is_(None),
                 t.c.run_after <= now,
             ),
+            # A job of a group runs once admitted, never while it waits for its admission.
+            sa.or_(t.c.lease_group.is_(None), t.c.admitted_at.is_not(None)),
         )
         #: What a claim reads: token, attempt, checkpoint and its age, and its holder.
         self.claim_reads = (

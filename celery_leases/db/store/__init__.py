@@ -16,12 +16,13 @@ import threading
 
 from ...settings import TASK_OPTIONS, Settings
 from .client import Registered
+from .groups import Admitted, GroupRow, Groups
 from .operator import Operator, like_prefix
 from .reaper import Reaper
 from .worker import IDLE_WRITE_GUARD, Worker
 
 
-class Store(Worker, Operator, Reaper):
+class Store(Worker, Operator, Reaper, Groups):
     """Operations on the jobs table of one database. Safe to share between threads."""
 
 
@@ -46,4 +47,12 @@ def store_for(settings: Settings) -> Store:
         return store
 
 
-__all__ = ["IDLE_WRITE_GUARD", "Registered", "Store", "like_prefix", "store_for"]
+__all__ = [
+    "IDLE_WRITE_GUARD",
+    "Admitted",
+    "GroupRow",
+    "Registered",
+    "Store",
+    "like_prefix",
+    "store_for",
+]

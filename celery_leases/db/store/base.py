@@ -18,7 +18,7 @@ from ..dialects import Dialect
 from ..engine import Database
 from ..identity import Facts
 from ..rows import Job
-from ..schema import holders_table, jobs_table, keys_table
+from ..schema import groups_table, holders_table, jobs_table, keys_table
 from ..statements import Statements
 
 logger = logging.getLogger("celery_leases")
@@ -54,9 +54,14 @@ class StoreBase:
         return holders_table(self.table.metadata, self.settings.table)
 
     @functools.cached_property
+    def groups_table(self) -> sa.Table:
+        """The job groups' table (a row per group)."""
+        return groups_table(self.table.metadata, self.settings.table)
+
+    @functools.cached_property
     def sql(self) -> Statements:
         """Every statement on these tables."""
-        return Statements(self.table, self.db.dialect, self.keys, self.holders)
+        return Statements(self.table, self.db.dialect, self.keys, self.holders, self.groups_table)
 
     @property
     def safe_url(self) -> str:

@@ -10,7 +10,7 @@ from ...errors import InvalidJobState, JobNotFound
 from .. import rows
 from ..dialects.base import like_prefix
 from ..rows import Job, StateCounts
-from ..schema import CANCELLED, FAILED, FINISHED_STATES, STATES
+from ..schema import CANCELLED, FAILED, FINISHED_STATES, QUEUED, STATES, WAITING
 from .base import KeyTaken, StoreBase
 
 
@@ -33,19 +33,30 @@ class Operator(StoreBase):
         return job is None or job.token is None or job.token < token
 
     def list_jobs(
-        self, *, states: Iterable[str] = (), task: str | None = None, limit: int = 50
+        self,
+        *,
+        states: Iterable[str] = (),
+        task: str | None = None,
+        group: str | None = None,
+        limit: int = 50,
     ) -> list[Job]:
-        """Jobs, newest first, filtered by state and task name: the newest ``limit`` of each
-        state asked (default: every state), each through an index, then the newest of those."""
+        """Jobs, newest first, filtered by state, task name or group: the newest ``limit`` of
+        each state asked (default: every state), each through an index, then the newest of
+        those. ``waiting`` is a state here: the queued jobs of a group not admitted yet;
+        ``queued`` then asks for the others."""
         reads = self.sql.reads
-        stmt = reads.newest_of_task if task else reads.newest
-        asked = list(dict.fromkeys(states)) or list(STATES)
+        stmt = reads.newest_of_group if group else reads.newest_of_task if task else reads.newest
+        asked = list(dict.fromkeys(states)) or [*STATES, WAITING]
+        read = list(dict.fromkeys(QUEUED if s == WAITING else s for s in asked))
 
         def newest(c: Any) -> list[Any]:
-            params = {"b_task": task, "b_limit": limit}
-            return [r for s in asked for r in c.execute(stmt, params | {"b_state": s}).all()]
+            params = {"b_task": task, "b_group": group, "b_limit": limit}
+            return [r for s in read for r in c.execute(stmt, params | {"b_state": s}).all()]
 
         found = [rows.job(row._mapping) for row in self._run(newest)]
+        if group and task:
+            found = [job for job in found if job.task == task]
+        found = [job for job in found if (WAITING if job.waiting else job.state) in asked]
         return sorted(found, key=lambda job: job.created_at, reverse=True)[:limit]
 
     def count_by_state(self) -> dict[str, int]:

@@ -42,6 +42,7 @@ def job_params(message: Message, text: str) -> dict[str, Any]:
     """The bind parameters of a job's message (``Parts.new_job``)."""
     return {
         "b_key": checked_key(message.key),
+        "b_group": checked_key(message.group),
         "b_task": message.task,
         "b_generation": message.generation,
         "b_version": message.version,

@@ -66,7 +66,7 @@ class Worker(Client):
             "b_max_attempts": self.settings.max_attempts,
             # A debounced job is claimed at its due time, not before (a later trigger of its
             # burst may still move it); any other job whenever its message comes.
-            "b_any_time": delivery.debounce is None,
+            "b_any_time": delivery.debounce is None and delivery.group is None,
         }
         record = self.sql.record
         hot = record.claim_version if delivery.version else record.claim_job
@@ -123,6 +123,10 @@ class Worker(Client):
                 return None
             return Claimed(token, 1, None, None, created=True, bound=False)
         facts = Facts(*facts)
+        if facts.waiting:
+            # Published before its admission (a follow-up sent by an older release): its
+            # admission publishes it again.
+            return Refused("waiting", facts.owner, None)
         lease_over = facts.state == QUEUED or (facts.expires_in or 0.0) <= 0
         if facts.state == RUNNING and not lease_over:
             return Refused("held", facts.owner, facts.expires_in)

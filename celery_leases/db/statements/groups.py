@@ -1,0 +1,129 @@
+"""Job groups: a group's row (its limit, rate and token bucket), locked by each admission, and
+the admission of its oldest waiting jobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+from ..functions import greatest, least
+from ..schema import LIVE_STATES, QUEUED
+from .common import Parts, param
+
+
+class Groups:
+    """The statements of job groups.
+
+    An admission is one transaction per group: the group's row is locked first (``define``
+    or ``lock``), so admissions of one group never overlap; under that lock the group's live
+    admitted jobs are counted (``facts``), its oldest waiting jobs taken (``oldest_waiting``)
+    up to its limit and its bucket, each admitted (``admit``), and the bucket written back
+    (``take_tokens``). The admitted count is read from the jobs themselves: an end needs no
+    write on the group, and a process that dies anywhere leaves nothing to repair.
+    """
+
+    def __init__(self, p: Parts, groups: sa.Table) -> None:
+        t, g, d, now = p.table, groups, p.dialect, p.now
+        self.table = g
+        by_name = g.c.name == param("group", g.c.name.type)
+        of_group = t.c.lease_group == param("group", t.c.lease_group.type)
+        #: The group ``b_group`` made, or its limit ``b_limit`` and rate ``b_rate`` written; its
+        #: row is locked until the transaction ends. A new group's bucket is full.
+        self.define = d.upsert(
+            g,
+            sa.select(
+                param("group", g.c.name.type),
+                param("limit", sa.Integer()),
+                param("rate", sa.Double()),
+                sa.literal(1.0, sa.Double()),
+                now,
+                now,
+            ),
+            ["name", "group_limit", "rate", "tokens", "refilled_at", "created_at"],
+            "name",
+            update=lambda new: {"group_limit": new["group_limit"], "rate": new["rate"]},
+        )
+        #: The row of group ``b_group``, locked until the transaction ends.
+        self.lock = sa.select(g.c.name).where(by_name).with_for_update()
+        live_admitted = sa.and_(of_group, t.c.state.in_(LIVE_STATES), t.c.admitted_at.is_not(None))
+        #: SQL: the tokens of a bucket now (refilled at ``rate`` a second, at most 1).
+        self.tokens_now = sa.case(
+            (g.c.rate.is_(None), g.c.tokens),
+            else_=least(1.0, g.c.tokens + (now - g.c.refilled_at) * g.c.rate),
+        )
+        #: Group ``b_group`` as its admission reads it: the clock (read once: the bucket's
+        #: arithmetic uses that one reading), its limit, its rate, its bucket's tokens and
+        #: when they were counted, and how many of its jobs are admitted and live.
+        self.facts = sa.select(
+            now,
+            g.c.group_limit,
+            g.c.rate,
+            g.c.tokens,
+            g.c.refilled_at,
+            sa.select(sa.func.count()).where(live_admitted).scalar_subquery(),
+        ).where(by_name)
+        waiting_of_group = sa.and_(of_group, t.c.state == QUEUED, t.c.admitted_at.is_(None))
+        #: The ``b_n`` oldest waiting jobs of group ``b_group`` (first in, first out), locked.
+        #: Ordered as ``ix_<table>_group_waiting`` is (admitted_at is NULL in every row): the
+        #: index is read in order up to ``b_n``, never the group's whole backlog sorted.
+        self.oldest_waiting = (
+            sa.select(t.c.id)
+            .where(waiting_of_group)
+            .order_by(t.c.admitted_at, t.c.created_at, t.c.id)
+            .limit(param("n", sa.Integer()))
+            .with_for_update()
+        )
+        # Not before its own countdown, nor before its token's time ``b_due_at`` (the clock
+        # the admission read, plus the token's wait: one clock reading for the whole bucket).
+        due_at = param("due_at", sa.Double())
+        due = greatest(sa.func.coalesce(t.c.run_after, due_at), due_at)
+        #: The waiting job ``b_id`` admitted: it may run at ``b_due_at`` (its token's time),
+        #: and the reaper re-publishes it ``b_wait`` seconds after that if its message is
+        #: lost. MySQL evaluates SET left to right: expires_at reads the old run_after.
+        self.admit = (
+            sa.update(t)
+            .where(p.by_id, p.waiting)
+            .ordered_values(
+                (t.c.expires_at, due + param("wait", sa.Double())),
+                (t.c.run_after, due),
+                (t.c.admitted_at, now),
+                (t.c.sends, 0),
+            )
+        )
+        ids: Any = sa.bindparam("b_ids", expanding=True)
+        #: The jobs just admitted: (id, message, seconds until they may run).
+        self.admitted = sa.select(t.c.id, t.c.message, t.c.run_after - now).where(t.c.id.in_(ids))
+        #: Group ``b_group``'s bucket after an admission: ``b_tokens`` at ``b_at``.
+        self.take_tokens = (
+            sa.update(g)
+            .where(by_name)
+            .values(
+                tokens=param("tokens", sa.Double()),
+                refilled_at=param("at", sa.Double()),
+                admitted_at=now,
+            )
+        )
+        waiting_of_row = sa.and_(
+            t.c.lease_group == g.c.name, t.c.state == QUEUED, t.c.admitted_at.is_(None)
+        )
+        #: Groups with jobs waiting, the longest since an admission first (``b_batch``).
+        self.with_waiting = (
+            sa.select(g.c.name)
+            .where(sa.exists().where(waiting_of_row))
+            .order_by(sa.func.coalesce(g.c.admitted_at, 0.0), g.c.name)
+            .limit(param("batch"))
+        )
+        live_of_row = sa.and_(
+            t.c.lease_group == g.c.name, t.c.state.in_(LIVE_STATES), t.c.admitted_at.is_not(None)
+        )
+        #: Every group (``leases groups``): name, limit, rate, tokens now, admitted and live,
+        #: waiting.
+        self.listing = sa.select(
+            g.c.name,
+            g.c.group_limit,
+            g.c.rate,
+            self.tokens_now,
+            sa.select(sa.func.count()).where(live_of_row).scalar_subquery(),
+            sa.select(sa.func.count()).where(waiting_of_row).scalar_subquery(),
+        ).order_by(g.c.name)
