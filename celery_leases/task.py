@@ -94,7 +94,8 @@ class LeasedTask(Task):  # type: ignore[misc]
     @classmethod
     def on_bound(cls, app: Any) -> None:
         """Bound to ``app``: refuse unknown ``lease_*`` options, an impossible
-        ``lease_debounce`` and a ``lease_key_strategy`` that is none, register the reaper task
+        ``lease_debounce`` (or one beside ``lease_group``) and a ``lease_key_strategy`` that
+        is none, register the reaper task
         (``celery_leases.reap``) in this app only, and connect the worker's signals (once).
         Calls ``super().on_bound(app)``."""
         super().on_bound(app)
@@ -104,6 +105,12 @@ class LeasedTask(Task):  # type: ignore[misc]
             keys.debounce_of(cls.lease_debounce, where=f"lease_debounce of {cls.name}")
         except ArgumentsError as exc:
             raise ConfigurationError(str(exc)) from exc
+        if cls.lease_debounce is not None and cls.lease_group is not None:
+            raise ConfigurationError(
+                f"{cls.name} has lease_debounce and lease_group: a debounced job is due when "
+                f"its burst is over, a grouped one when its group has room, and the two are "
+                f"not combined yet: debounce a task that sends the grouped one"
+            )
         register_reaper(app)
 
     @property

@@ -129,7 +129,7 @@ def test_a_debounced_trigger_after_the_jobs_due_time_waits_as_its_follow_up(
     store: Store,
 ) -> None:
     # Given a burst's job due already, its message on its way (a lagging queue)
-    first = register(store, trigger("t1", payload=1))
+    register(store, trigger("t1", payload=1))
     moved_back(store, "t1", "run_after", QUIET)
     sent = first_message(store, "t1")
 

@@ -20,7 +20,7 @@ from celery_leases import LeasedTask, groups, keys, reap
 from celery_leases.config import settings_for
 from celery_leases.db.rows import Claimed, Refused
 from celery_leases.db.store import Store, store_for
-from celery_leases.errors import ArgumentsError
+from celery_leases.errors import ArgumentsError, ConfigurationError
 from celery_leases.message import GROUP_HEADER, Message
 from celery_leases.settings import DEFAULTS, validate
 from celery_leases.worker.keeper import all_keepers
@@ -271,6 +271,25 @@ def test_a_keyed_jobs_follow_up_waits_in_its_group_and_is_admitted_when_there_is
     assert waiting(store, "t1") == [trigger.id]
     followup = store.get(trigger.id)
     assert followup is not None and followup.lease_key == "acct:a" and followup.waiting
+
+
+def test_a_debounce_and_a_group_together_are_refused_at_binding_and_at_a_call(
+    app: Celery,
+) -> None:
+    store = store_for(settings_for(app))
+
+    @app.task(
+        base=LeasedTask, shared=False, name="tests.both", lease_key="k:{0}",
+        lease_debounce=(1.0, 5.0), lease_group="{0}",
+    )  # fmt: skip
+    def both(tenant: str) -> None:
+        return None
+
+    with pytest.raises(ConfigurationError, match="has lease_debounce and lease_group"):
+        app.tasks["tests.both"]  # binding it
+    with pytest.raises(ArgumentsError, match="a debounced call cannot have a group"):
+        app.tasks["tests.keyed"].apply_async(("t1", "a"), lease_debounce=(1.0, 5.0))
+    assert published(app) == [] and store.list_jobs() == []
 
 
 def test_a_group_limit_that_is_not_a_positive_int_is_refused_and_nothing_is_recorded(
