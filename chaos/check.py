@@ -1764,9 +1764,9 @@ def _debounce(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
     ``min(last trigger + quiet, first trigger + max_wait)`` (less ``DEBOUNCE_ALLOWANCE``), on
     the database clock. How late runs started after that due time, and after ``max_wait``, is
     reported, not checked (faults and a busy queue delay them), with the triggers that moved
-    into a job already past its max wait (each re-publishes the job's message, and the copy
-    already queued becomes a stale version). One run at a time and no trigger lost are the
-    keyed checks' (they cover these keys)."""
+    into a job already past its max wait (none since a burst closes at its due time: before,
+    each re-published the job's message and the copy already queued became a stale version).
+    One run at a time and no trigger lost are the keyed checks' (they cover these keys)."""
     name = "debounce: a burst runs once, after its quiet period, with its last trigger's arguments"
     if e.triggers is None or not e.debounced_keys:
         return Check(name, True, NO_DEBOUNCE)
