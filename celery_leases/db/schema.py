@@ -9,6 +9,11 @@ which the migrations' head must match (a test compares them).
 
 from __future__ import annotations
 
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
@@ -50,6 +55,23 @@ def version_table_name(table: str) -> str:
     return f"{table}_version"
 
 
+#: Defining a table on a shared ``MetaData`` is a check then an insert: two threads of one
+#: process (a thread pool's first operations) could both define it, and the second fails
+#: ("already defined") or reads a half-built one. One lock for all definitions.
+_DEFINING = threading.RLock()
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _serialized(define: _F) -> _F:
+    @functools.wraps(define)
+    def serialized(*args: Any, **kwargs: Any) -> Any:
+        with _DEFINING:
+            return define(*args, **kwargs)
+
+    return cast(_F, serialized)
+
+
+@_serialized
 def jobs_table(
     metadata: sa.MetaData, name: str = "celery_leases_jobs", dialect: Dialect | None = None
 ) -> sa.Table:
@@ -172,6 +194,7 @@ def jobs_table(
     )
 
 
+@_serialized
 def keys_table(metadata: sa.MetaData, jobs: str = "celery_leases_jobs") -> sa.Table:
     """Define ``<jobs>_keys``: the cursor of each lease key, which outlives the key's jobs.
 
@@ -205,6 +228,7 @@ def keys_table(metadata: sa.MetaData, jobs: str = "celery_leases_jobs") -> sa.Ta
     )
 
 
+@_serialized
 def holders_table(metadata: sa.MetaData, jobs: str = "celery_leases_jobs") -> sa.Table:
     """Define ``<jobs>_holders``: one row per keeper (a worker process's thread that renews
     its leases). A keeper renews its one row, not the rows of the jobs it holds: a running
@@ -234,6 +258,7 @@ def holders_table(metadata: sa.MetaData, jobs: str = "celery_leases_jobs") -> sa
     )
 
 
+@_serialized
 def groups_table(metadata: sa.MetaData, jobs: str = "celery_leases_jobs") -> sa.Table:
     """Define ``<jobs>_groups``: one row per job group (``lease_group``), locked by every
     admission of the group: its limit and rate as the last client gave them, and its token
@@ -259,6 +284,7 @@ def groups_table(metadata: sa.MetaData, jobs: str = "celery_leases_jobs") -> sa.
     )
 
 
+@_serialized
 def version_table(metadata: sa.MetaData, name: str) -> sa.Table:
     """The Alembic version table of the jobs table ``name`` (``<name>_version``)."""
     versions = version_table_name(name)
