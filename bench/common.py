@@ -165,3 +165,36 @@ def scratch(url: str, tag: str, *, leases: bool = True) -> Iterator[str]:
                         connection.execute(sa.text(f"DROP TABLE {table}"))
         finally:
             engine.dispose()
+
+
+@contextlib.contextmanager
+def redis_bed(url: str, tag: str, *, workers: int) -> Iterator[Any]:
+    """A :class:`~tests.support.scenario.Scenario` of ``workers`` real workers on a private
+    Redis, a scratch leases table of ``url`` and a queue of its own (a 30 s lease); every
+    process killed at the end."""
+    import tempfile
+
+    from tests.support.scenario import Scenario, kill_all
+    from tests.support.service import private_redis_url
+    from tests.support.worker import Spawner
+
+    with (
+        private_redis_url() as broker,
+        tempfile.TemporaryDirectory(prefix=f"bench-{tag}-") as logs,
+        scratch(url, tag) as table,
+    ):
+        spawner = Spawner(logs)
+        bed = Scenario.create(
+            spawner,
+            broker={"broker_url": broker},
+            database_url=url,
+            table=table,
+            queue=f"{table}_queue",
+            lease_seconds=30.0,
+        )
+        try:
+            bed.start_workers(workers)
+            yield bed
+        finally:
+            kill_all(spawner)
+            bed.close()

@@ -27,10 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import available, parser, print_rows, report, row, scratch
-from tests.support.scenario import Scenario, kill_all
-from tests.support.service import private_redis_url
-from tests.support.worker import Spawner
+from bench.common import available, parser, print_rows, redis_bed, report, row
+from tests.support.scenario import Scenario
 
 TASK = "e2e.keyed_units"
 COLUMNS = "database run triggers burst_s runs delay_s error_s checked"
@@ -83,29 +81,11 @@ def burst(
 def measure(
     database: str, url: str, *, runs: int, triggers: int, gap: float, debounce: tuple[float, float]
 ) -> list[dict[str, Any]]:
-    with (
-        private_redis_url() as broker,
-        tempfile.TemporaryDirectory(prefix="bench-debounce-") as logs,
-        scratch(url, "debounce") as table,
-    ):
-        spawner = Spawner(logs)
-        s = Scenario.create(
-            spawner,
-            broker={"broker_url": broker},
-            database_url=url,
-            table=table,
-            queue=f"{table}_queue",
-            lease_seconds=30.0,
-        )
-        try:
-            s.start_workers(1)
-            return [
-                burst(s, database, run, triggers=triggers, gap=gap, debounce=debounce)
-                for run in range(1, runs + 1)
-            ]
-        finally:
-            kill_all(spawner)
-            s.close()
+    with redis_bed(url, "debounce", workers=1) as s:
+        return [
+            burst(s, database, run, triggers=triggers, gap=gap, debounce=debounce)
+            for run in range(1, runs + 1)
+        ]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

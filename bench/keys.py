@@ -40,10 +40,17 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from bench.common import available, median_ms, p90_ms, parser, print_rows, report, row, scratch
-from tests.support.scenario import Scenario, kill_all
-from tests.support.service import private_redis_url
-from tests.support.worker import Spawner
+from bench.common import (
+    available,
+    median_ms,
+    p90_ms,
+    parser,
+    print_rows,
+    redis_bed,
+    report,
+    row,
+)
+from tests.support.scenario import Scenario
 
 TASK = "e2e.keyed_units"
 #: The long run that keeps the key busy while the clients call (cancelled once they are done).
@@ -172,27 +179,9 @@ def followup_latency(s: Scenario, *, runs: int) -> list[float]:
 def measure(
     database: str, url: str, *, seconds: float, threads: Sequence[int], runs: int
 ) -> tuple[list[dict[str, Any]], list[float]]:
-    with (
-        private_redis_url() as broker,
-        tempfile.TemporaryDirectory(prefix="bench-keys-") as logs,
-        scratch(url, "keys") as table,
-    ):
-        spawner = Spawner(logs)
-        s = Scenario.create(
-            spawner,
-            broker={"broker_url": broker},
-            database_url=url,
-            table=table,
-            queue=f"{table}_queue",
-            lease_seconds=30.0,
-        )
-        try:
-            s.start_workers(2)
-            rows = absorb(s, database, seconds=seconds, threads=threads)
-            return rows, followup_latency(s, runs=runs)
-        finally:
-            kill_all(spawner)
-            s.close()
+    with redis_bed(url, "keys", workers=2) as s:
+        rows = absorb(s, database, seconds=seconds, threads=threads)
+        return rows, followup_latency(s, runs=runs)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

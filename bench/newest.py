@@ -31,10 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import parser, report, row, scratch
-from tests.support.scenario import Scenario, kill_all
-from tests.support.service import private_redis_url
-from tests.support.worker import Spawner
+from bench.common import parser, redis_bed, report, row
+from tests.support.scenario import Scenario
 
 TASK = "e2e.keyed_units"
 #: The long run the newer call supersedes (it never gets near its end).
@@ -67,26 +65,8 @@ def supersede_once(s: Scenario, interval: float) -> tuple[float, float]:
 
 
 def measure(url: str, *, runs: int, interval: float) -> list[tuple[float, float]]:
-    with (
-        private_redis_url() as broker,
-        tempfile.TemporaryDirectory(prefix="bench-newest-") as logs,
-        scratch(url, "newest") as table,
-    ):
-        spawner = Spawner(logs)
-        s = Scenario.create(
-            spawner,
-            broker={"broker_url": broker},
-            database_url=url,
-            table=table,
-            queue=f"{table}_queue",
-            lease_seconds=30.0,
-        )
-        try:
-            s.start_workers(1)
-            return [supersede_once(s, interval) for _ in range(runs)]
-        finally:
-            kill_all(spawner)
-            s.close()
+    with redis_bed(url, "newest", workers=1) as s:
+        return [supersede_once(s, interval) for _ in range(runs)]
 
 
 def summary(name: str, seconds: list[float], interval: float) -> dict[str, Any]:
