@@ -149,6 +149,19 @@ def jobs_table(
         # database, unpublished (``GROUP_WAITING``).
         sa.Column("admitted_at", sa.Double),
         *one_live_job_per_key,
+        *_jobs_indexes(name, family),
+    )
+
+
+def _where_not_null(column: str) -> dict[str, Any]:
+    """A partial index's condition (PostgreSQL's and SQLite's): rows whose ``column`` is set."""
+    condition = sa.text(f"{column} IS NOT NULL")
+    return {"postgresql_where": condition, "sqlite_where": condition}
+
+
+def _jobs_indexes(name: str, family: Dialect) -> list[sa.Index]:
+    """The jobs table's indexes besides the one live job per key, each with the read it serves."""
+    return [
         sa.Index(f"ix_{name}_expiry", "state", "expires_at"),
         sa.Index(f"ix_{name}_finished", "finished_at"),
         sa.Index(f"ix_{name}_followup", "followup_id"),
@@ -159,19 +172,10 @@ def jobs_table(
         # An id prefix (``leases show 8597f7f3``) where the primary key cannot serve LIKE.
         *family.id_prefix_index(name),
         *family.live_expiry_index(name, sa.text(LIVE_PREDICATE)),
-        sa.Index(
-            f"ix_{name}_holder",
-            "holder",
-            postgresql_where=sa.text("holder IS NOT NULL"),
-            sqlite_where=sa.text("holder IS NOT NULL"),
-        ),
+        sa.Index(f"ix_{name}_holder", "holder", **_where_not_null("holder")),
         # The runs of a key, by start: did one start after a trigger (``Keys.started_since``)?
         sa.Index(
-            f"ix_{name}_key_started",
-            "lease_key",
-            "started_at",
-            postgresql_where=sa.text("lease_key IS NOT NULL"),
-            sqlite_where=sa.text("lease_key IS NOT NULL"),
+            f"ix_{name}_key_started", "lease_key", "started_at", **_where_not_null("lease_key")
         ),
         # A group's oldest waiting jobs (state queued, admitted_at NULL, by created_at), and
         # its live admitted ones (counted under the group row's lock at each admission).
@@ -181,17 +185,11 @@ def jobs_table(
             "state",
             "admitted_at",
             "created_at",
-            postgresql_where=sa.text("lease_group IS NOT NULL"),
-            sqlite_where=sa.text("lease_group IS NOT NULL"),
+            **_where_not_null("lease_group"),
         ),
         # The few jobs whose end the result backend has not been told (each reaper pass).
-        sa.Index(
-            f"ix_{name}_notify",
-            "notify",
-            postgresql_where=sa.text("notify IS NOT NULL"),
-            sqlite_where=sa.text("notify IS NOT NULL"),
-        ),
-    )
+        sa.Index(f"ix_{name}_notify", "notify", **_where_not_null("notify")),
+    ]
 
 
 @_serialized

@@ -26,6 +26,7 @@ class Groups:
     def __init__(self, p: Parts, groups: sa.Table) -> None:
         t, g, d, now = p.table, groups, p.dialect, p.now
         self.table = g
+        self._lists(p)
         by_name = g.c.name == param("group", g.c.name.type)
         of_group = t.c.lease_group == param("group", t.c.lease_group.type)
         #: The group ``b_group`` made, or its limit ``b_limit`` and rate ``b_rate`` written; its
@@ -47,11 +48,6 @@ class Groups:
         #: The row of group ``b_group``, locked until the transaction ends.
         self.lock = sa.select(g.c.name).where(by_name).with_for_update()
         live_admitted = sa.and_(of_group, t.c.state.in_(LIVE_STATES), t.c.admitted_at.is_not(None))
-        #: SQL: the tokens of a bucket now (refilled at ``rate`` a second, at most 1).
-        self.tokens_now = sa.case(
-            (g.c.rate.is_(None), g.c.tokens),
-            else_=least(1.0, g.c.tokens + (now - g.c.refilled_at) * g.c.rate),
-        )
         #: Group ``b_group`` as its admission reads it: the clock (read once: the bucket's
         #: arithmetic uses that one reading), its limit, its rate, its bucket's tokens and
         #: when they were counted, and how many of its jobs are admitted and live.
@@ -103,6 +99,15 @@ class Groups:
                 refilled_at=param("at", sa.Double()),
                 admitted_at=now,
             )
+        )
+
+    def _lists(self, p: Parts) -> None:
+        """The reads over all groups: the reaper's, and the operators'."""
+        t, g, now = p.table, self.table, p.now
+        #: SQL: the tokens of a bucket now (refilled at ``rate`` a second, at most 1).
+        self.tokens_now = sa.case(
+            (g.c.rate.is_(None), g.c.tokens),
+            else_=least(1.0, g.c.tokens + (now - g.c.refilled_at) * g.c.rate),
         )
         waiting_of_row = sa.and_(
             t.c.lease_group == g.c.name, t.c.state == QUEUED, t.c.admitted_at.is_(None)
