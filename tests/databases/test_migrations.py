@@ -45,6 +45,12 @@ def test_the_head_revision_makes_exactly_the_table_the_code_reads_and_writes(
 ) -> None:
     migrations.upgrade(store)
 
+    assert_the_code_schema(store)
+
+
+def assert_the_code_schema(store: Store) -> None:
+    """``store``'s tables are exactly the ones its code reads and writes, at the head."""
+    assert migrations.current(store) == migrations.head()
     expected = sa.MetaData()
     jobs_table(expected, store.table.name, store.dialect)
     keys_table(expected, store.table.name)
@@ -54,6 +60,52 @@ def test_the_head_revision_makes_exactly_the_table_the_code_reads_and_writes(
         diff = compare_metadata(MigrationContext.configure(connection), expected)
     ours = [d for d in diff if store.table.name in repr(d) and "_version" not in repr(d)]
     assert ours == []
+
+
+def run_by_hand(store: Store, statements: list[str]) -> None:
+    """Run ``statements`` one by one as a DBA would (``psql -f``: autocommit, the script's
+    own BEGIN and COMMIT)."""
+    engine = sa.create_engine(store.engine.url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as connection:
+            for statement in statements:
+                connection.exec_driver_sql(statement)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("start", [None, "0003"])
+def test_the_revisions_sql_run_by_hand_makes_the_table_the_code_reads_and_writes(
+    store: Store, start: str | None
+) -> None:
+    # Given an empty database, or a table at an older revision
+    if start is not None:
+        migrations.upgrade(store, revision=start)
+
+    # When the SQL of the upgrade is written (nothing runs), then run by hand
+    statements = migrations.sql(store)
+    assert migrations.current(store) == start
+    run_by_hand(store, statements)
+
+    # Then the table is exactly the one the revisions make when they run, at the head, and
+    # the SQL of a table at the head is nothing
+    store.schema_changed()
+    assert_the_code_schema(store)
+    assert migrations.sql(store) == []
+    if start is not None:
+        assert not any("CREATE TABLE" in s and "_holders" in s for s in statements)
+
+
+def test_the_sql_of_a_table_made_before_the_migrations_is_refused_naming_upgrade(
+    store: Store,
+) -> None:
+    jobs_table(sa.MetaData(), store.table.name, store.dialect).create(store.engine)
+
+    with pytest.raises(ConfigurationError) as raised:
+        migrations.sql(store)
+
+    assert "was made before the migrations" in str(raised.value)
+    assert "leases upgrade" in str(raised.value)
 
 
 def test_the_revisions_are_one_line_numbered_by_their_file_names() -> None:

@@ -207,23 +207,35 @@ def test_leased_tasks_without_the_reaper_in_beat_schedule_are_a_warning(tmp_path
 def test_a_leases_table_behind_the_migrations_is_a_database_warning_until_migrate(
     shop: Shop,
 ) -> None:
-    # Given the leases table at the first revision, as an older celery-leases left it
-    migrations.downgrade(shop.store, revision=migrations.revisions()[0])
+    # Given the app migrated back to its first migration: the table at the first revision
+    first = migrations.revisions()[0]
+    shop.manage("migrate", "celery_leases", "0001", "--verbosity", "0")
     try:
         # When the project is checked with and without its database, then migrated
         plain, plain_found = check(shop)
         behind, behind_found = check(shop, "--database", "default")
         shop.manage("migrate", "--verbosity", "0")
         after, after_found = check(shop, "--database", "default")
+        # And when the table goes behind what Django records (a restored backup), then
+        # the command the hint names runs
+        migrations.downgrade(shop.store, revision=first)
+        restored, restored_found = check(shop, "--database", "default")
+        shop.manage("leases", "upgrade")
+        fixed, fixed_found = check(shop, "--database", "default")
     finally:
         migrations.upgrade(shop.store)
+        shop.manage("migrate", "--verbosity", "0")
 
     # Then only the database check sees it, says which revision, and migrate settles it
     assert plain_found == {}, plain.stderr
     assert list(behind_found) == ["celery_leases.W003"], behind.stderr
     assert (
         f"leases table '{TABLE}' in " in behind_found["celery_leases.W003"][0]
-        and f"is at revision {migrations.revisions()[0]}, older than" in behind.stderr
+        and f"is at revision {first}, older than" in behind.stderr
     )
     assert "HINT: run manage.py migrate" in behind_found["celery_leases.W003"][0]
     assert after_found == {}, after.stderr
+    # And a table behind Django's record is told apart: migrate has nothing to apply there
+    assert list(restored_found) == ["celery_leases.W003"], restored.stderr
+    assert "run manage.py leases upgrade" in restored_found["celery_leases.W003"][0]
+    assert fixed_found == {}, fixed.stderr

@@ -4,6 +4,7 @@ delay_on_commit, and the admin (Django's test client)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -35,9 +36,9 @@ def test_migrate_upgrades_a_leases_table_an_older_release_made_keeping_its_jobs(
     shop: Shop,
 ) -> None:
     # Given the leases table at the first revision (as celery-leases before lease keys made
-    # it), holding a job
+    # it, with its first Django migration), holding a job
     first = migrations.revisions()[0]
-    migrations.downgrade(shop.store, revision=first)
+    shop.manage("migrate", "celery_leases", "0001", "--verbosity", "0")
     assert migrations.current(shop.store) == first
     job_id = f"old-{shop.kind}"
     with shop.store.engine.begin() as connection:
@@ -211,3 +212,22 @@ def test_an_in_memory_sqlite_database_is_refused_with_the_reason(tmp_path: Path)
     error = shop.run("url_error")
     assert error is not None and "in-memory SQLite database" in error
     assert "give it a file" in error
+
+
+def test_each_revision_is_a_django_operation_whose_sql_sqlmigrate_prints(shop: Shop) -> None:
+    # When sqlmigrate prints each migration of the app for the project's database
+    printed = [
+        shop.manage("sqlmigrate", "celery_leases", name).stdout
+        for name in ("0001", "0002", "0003")
+    ]
+
+    # Then every celery-leases revision is there once, in order, each with the statements the
+    # revision runs on this database (those `leases upgrade --sql` prints)
+    text = "\n".join(printed)
+    headers = re.findall(r"^-- celery-leases revision (\d{4}): ", text, re.MULTILINE)
+    assert headers == list(migrations.revisions())
+    for revision in migrations.revisions():
+        start = migrations.previous(revision) or "base"
+        for statement in migrations.sql(shop.store, start=start, revision=revision):
+            assert f"{statement};" in text, (revision, statement)
+    assert "CREATE TABLE" in printed[0] and f"{TABLE}_groups" in printed[2]

@@ -420,6 +420,31 @@ def test_a_command_on_a_missing_table_says_to_run_init_db_and_creates_nothing(
         engine.dispose()
 
 
+def test_upgrade_sql_prints_what_upgrade_would_run_and_runs_nothing(
+    fresh_settings: dict[str, Any], database_url: str
+) -> None:
+    table = fresh_settings["leases_table"]
+    cli = Cli(fresh_settings)
+
+    # When the SQL of an upgrade is asked for on an empty database, then past a revision
+    printed = cli.ok("upgrade", "--sql")
+    later = cli.ok("upgrade", "--sql", "--from", "0004")
+    wrong = cli("upgrade", "--from", "0004")
+
+    # Then it is the statements for this database, the version rows among them, and
+    # nothing was made; --from goes with --sql only
+    assert printed.startswith(f"-- celery-leases: table {table} in ")
+    assert f"CREATE TABLE {table} (" in printed and f"CREATE TABLE {table}_groups (" in printed
+    assert f"SET version_num='{migrations.head()}'" in printed
+    assert f"CREATE TABLE {table} (" not in later and f"{table}_groups" in later
+    assert wrong.returncode == 2 and "--from goes with --sql" in wrong.stderr
+    engine = sa.create_engine(database_url)
+    try:
+        assert table not in sa.inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
+
+
 def test_upgrade_brings_a_table_made_by_an_older_release_under_the_migrations(
     fresh_settings: dict[str, Any], database_url: str
 ) -> None:

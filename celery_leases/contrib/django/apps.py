@@ -15,7 +15,8 @@ from .database import default_url
 
 
 class LeasesConfig(AppConfig):
-    """Celery leases: the jobs table's migrations and a read-only admin of the jobs."""
+    """Celery leases: the jobs table's migrations (one Django operation per schema revision),
+    the admin of the jobs, the keys and the groups, checks and ``manage.py leases``."""
 
     name = "celery_leases.contrib.django"
     label = "celery_leases"
@@ -30,7 +31,7 @@ class LeasesConfig(AppConfig):
         register_ambient(transaction.ambient)
         register_unwrap(transaction.unwrap)
         task_postrun.connect(release_after_task, weak=False)
-        post_migrate.connect(upgrade_after_migrate, sender=self)
+        post_migrate.connect(report_after_migrate, sender=self)
 
 
 def release_after_task(sender: Any = None, **_: Any) -> None:
@@ -40,22 +41,11 @@ def release_after_task(sender: Any = None, **_: Any) -> None:
         transaction.release(sender.lease_store)
 
 
-def upgrade_after_migrate(
+def report_after_migrate(
     using: str = "default", verbosity: int = 1, apps: Any = None, **_: Any
 ) -> None:
-    """Every ``manage.py migrate`` of the leases database also applies the celery-leases
-    revisions a newer release brought (one schema history: the package's Alembic revisions),
-    unless it just unapplied this app (``migrate celery_leases zero``)."""
-    from .migration import migrate_database
+    """After ``manage.py migrate`` of the leases database: where the table is and at which
+    revision (the revisions themselves are this app's migrations' operations)."""
+    from .migration import report
 
-    if apps is not None and not _applied(apps):
-        return
-    migrate_database(using, verbosity=verbosity)
-
-
-def _applied(apps: Any) -> bool:
-    try:
-        apps.get_model("celery_leases", "Job")
-    except LookupError:
-        return False
-    return True
+    report(using, verbosity=verbosity)

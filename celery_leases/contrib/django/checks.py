@@ -171,7 +171,12 @@ def check_leases_table(
         return [
             checks.Warning(
                 str(exc),
-                hint=f"run manage.py migrate{where}: it applies celery-leases' migrations",
+                hint=(
+                    "Django records every celery-leases migration as applied: the table was "
+                    "restored or downgraded behind that record; run manage.py leases upgrade"
+                    if _all_applied(alias)
+                    else f"run manage.py migrate{where}: it applies celery-leases' revisions"
+                ),
                 id="celery_leases.W003",
             )
         ]
@@ -196,6 +201,16 @@ def _migrated(alias: str) -> bool:
     if not recorder.has_table():
         return False
     return recorder.migration_qs.filter(app=TAG).exists()
+
+
+def _all_applied(alias: str) -> bool:
+    """Whether Django records every migration of this app as applied on ``alias``."""
+    from django.db import connections
+    from django.db.migrations.loader import MigrationLoader
+
+    loader = MigrationLoader(connections[alias], ignore_no_migrations=True)
+    ours = {node for node in loader.graph.nodes if node[0] == TAG}
+    return ours <= set(loader.applied_migrations)
 
 
 __all__ = ["register"]

@@ -1,25 +1,99 @@
-"""Running the jobs table's migrations (the package's Alembic revisions) from Django's."""
+"""The jobs table's schema revisions as operations of Django migrations.
+
+One history, two front doors: the package's Alembic revisions (``db/migrations``) are what
+``celery -A proj leases upgrade`` runs, and each is also an operation (:class:`Revision`) of
+this app's Django migrations, so ``showmigrations`` and ``migrate --plan`` show it,
+``sqlmigrate`` prints its SQL for the project's database, and ``migrate celery_leases <n>``
+undoes it. A revision runs on the leases database only (``CELERY_LEASES_DATABASE_ALIAS``), on a
+connection of the store's own under its migration lock (as ``leases upgrade`` does), and only
+when the table is not at it or past it already (a table a ``leases upgrade`` brought ahead).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+from django.db.migrations.operations.base import Operation
+
 from ...db import migrations
+from ...errors import ConfigurationError
 from . import database
 
 
-def migrate_database(using: str, *, verbosity: int = 0) -> None:
-    """Create or upgrade the leases table when ``using`` is the leases database; at
-    ``verbosity`` 1 or more, say where it is and at which revision."""
-    if using != database.alias():
-        return
-    migrated = migrations.upgrade(database.store())
-    if verbosity >= 1:
-        print(f"celery-leases: {migrated.describe()}")
+class Revision(Operation):
+    """Bring the leases table to celery-leases' schema revision ``revision`` (backwards: to
+    the one before it; before the first: no table)."""
+
+    reduces_to_sql = True
+    reversible = True
+
+    def __init__(self, revision: str) -> None:
+        self.revision = revision
+
+    def deconstruct(self) -> tuple[str, list[Any], dict[str, Any]]:
+        return (f"{__name__}.{type(self).__name__}", [self.revision], {})
+
+    def describe(self) -> str:
+        return f"celery-leases revision {self.revision}: {migrations.summary(self.revision)}"
+
+    @property
+    def migration_name_fragment(self) -> str:
+        return f"leases_revision_{self.revision}"
+
+    def state_forwards(self, app_label: str, state: Any) -> None:
+        """The tables are unmanaged models: their state is the migrations' other operations."""
+
+    def database_forwards(
+        self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
+    ) -> None:
+        if schema_editor.connection.alias != database.alias():
+            return
+        store = database.store()
+        if schema_editor.collect_sql:  # sqlmigrate
+            start = migrations.previous(self.revision) or "base"
+            for statement in migrations.sql(store, start=start, revision=self.revision):
+                schema_editor.execute(statement, params=None)
+            return
+        if not _at_or_past(migrations.current(store), self.revision):
+            migrations.upgrade(store, revision=self.revision)
+
+    def database_backwards(
+        self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
+    ) -> None:
+        if schema_editor.connection.alias != database.alias():
+            return
+        store = database.store()
+        before = migrations.previous(self.revision) or "base"
+        if schema_editor.collect_sql:  # sqlmigrate --backwards
+            try:
+                statements = migrations.sql(
+                    store, start=self.revision, revision=before, downgrade=True
+                )
+            except ConfigurationError as exc:
+                # SQLite drops a column by rebuilding the table from the live one.
+                reason = str(exc).split(";", 1)[0]
+                statements = [f"-- not writable as SQL here, run migrate instead: {reason}"]
+            for statement in statements:
+                schema_editor.execute(statement, params=None)
+            return
+        if _at_or_past(migrations.current(store), self.revision):
+            migrations.downgrade(store, revision=before)
 
 
-def unmigrate_database(using: str, *, verbosity: int = 0) -> None:
-    """``migrate celery_leases zero``: drop the leases table, and every job in it."""
-    if using != database.alias():
+def _at_or_past(current: str | None, revision: str) -> bool:
+    order = migrations.revisions()
+    return current in order and order.index(current) >= order.index(revision)
+
+
+def report(using: str, *, verbosity: int = 0) -> None:
+    """After ``migrate`` of the leases database, at ``verbosity`` 1 or more: where the table
+    is and at which revision (nothing is migrated here: the revisions are the operations)."""
+    if verbosity < 1 or using != database.alias():
         return
-    dropped = migrations.downgrade(database.store())
-    if verbosity >= 1:
-        print(f"\n  celery-leases: {dropped.describe()}", end="")
+    store = database.store()
+    revision = migrations.current(store)
+    where = f"leases table {store.table.name} in {store.safe_url}"
+    if revision is None:
+        print(f"celery-leases: {where}: none (migrated to zero)")
+    else:
+        print(f"celery-leases: {where}: at revision {revision}")

@@ -8,6 +8,11 @@ linear history whose head is the highest number. A revision reads the table's na
 ``celery -A proj leases upgrade``); a process only reads the version (``Store.check_schema``)
 and never creates anything.
 
+:func:`sql` gives the statements a migration would run, without running them (``leases upgrade
+--sql``, Django's ``sqlmigrate``): a DBA reviews what a deploy will do. Revisions ask what
+exists through :func:`existing`; written as SQL, each revision finds the schema exactly as the
+revisions before it leave it.
+
 Alembic is imported only to migrate: a worker's first operation reads one row, not the scripts.
 """
 
@@ -51,6 +56,27 @@ def revisions() -> tuple[str, ...]:
     """Every revision this celery-leases ships, oldest first (from the file names)."""
     found = (_REVISION_FILE.match(path.name) for path in (HERE / "versions").iterdir())
     return tuple(sorted(match.group(1) for match in found if match))
+
+
+def previous(revision: str) -> str | None:
+    """The revision before ``revision`` (None before the first)."""
+    order = revisions()
+    if revision not in order:
+        raise ConfigurationError(f"no celery-leases revision {revision!r} ({', '.join(order)})")
+    at = order.index(revision)
+    return order[at - 1] if at else None
+
+
+@functools.cache
+def summary(revision: str) -> str:
+    """What ``revision`` does, in a few words: its file's docstring, up to the first full
+    stop after its number (``"lease keys (schema 4)"``)."""
+    import ast
+
+    (path,) = (HERE / "versions").glob(f"{revision}_*.py")
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    first = " ".join(doc.split("\n\n", 1)[0].split()).replace("``", "")
+    return first.split(": ", 1)[-1].split(". ", 1)[0].rstrip(".")
 
 
 def head() -> str:
@@ -105,6 +131,67 @@ def upgrade(store: Store, *, revision: str = "head") -> Migrated:
 def downgrade(store: Store, *, revision: str = "base") -> Migrated:
     """Undo revisions down to ``revision``; ``"base"`` drops the table and every job in it."""
     return _run(store, revision, downgrade=True)
+
+
+def sql(
+    store: Store, *, start: str | None = None, revision: str = "head", downgrade: bool = False
+) -> list[str]:
+    """The statements that migrating ``store``'s table from ``start`` to ``revision`` runs, for
+    its database, one string each (run nothing; the connection only gives the server's
+    dialect and, without ``start``, the table's revision).
+
+    ``start`` None: from the table's revision (none: from an empty database; a table made
+    before the migrations is refused: it is adopted by :func:`upgrade` only, which inspects
+    it). ``downgrade``: the statements undoing ``start`` down to ``revision``."""
+    from alembic import command
+    from alembic.util.exc import CommandError
+
+    table = store.table.name
+    config = _config(store)
+    written = _Statements()
+    with (
+        store.db.wrapped_errors(f"writing the migration SQL of {table}"),
+        store.engine.connect() as connection,
+    ):
+        if start is None:
+            start = _revision(connection, store)
+            if start is None and sa.inspect(connection).has_table(table):
+                raise ConfigurationError(
+                    f"table {table} in {store.safe_url} was made before the migrations: "
+                    f"bring it under them with {UPGRADE_COMMAND} (it inspects the table), "
+                    "then ask for the SQL of later revisions"
+                )
+        config.attributes["connection"] = connection
+        config.attributes["output"] = written
+        span = f"{start or 'base'}:{revision}"
+        try:
+            if downgrade:
+                command.downgrade(config, span, sql=True)
+            else:
+                command.upgrade(config, span, sql=True)
+        except CommandError as exc:
+            raise ConfigurationError(
+                f"cannot write the SQL of {table} from {start or 'base'} to {revision!r}: {exc}"
+            ) from exc
+    if all(statement in ("BEGIN", "COMMIT") for statement in written.statements):
+        return []  # nothing to migrate (PostgreSQL's script still opens a transaction)
+    return written.statements
+
+
+class _Statements:
+    """Alembic's output buffer in offline mode: it writes each statement (or comment) in one
+    call, so the statements are kept apart, never split on ``;`` (a function body has some)."""
+
+    def __init__(self) -> None:
+        self.statements: list[str] = []
+
+    def write(self, text: str) -> None:
+        text = "\n".join(line.rstrip() for line in text.strip().splitlines())
+        if text and not text.startswith("--"):
+            self.statements.append(text.removesuffix(";").rstrip())
+
+    def flush(self) -> None:
+        pass
 
 
 def current(store: Store) -> str | None:
@@ -185,9 +272,15 @@ def run_environment() -> None:
             "celery-leases migrations run through celery_leases.migrate(app) or "
             "`celery -A proj leases upgrade`, not the alembic command"
         )
+    output = config.attributes.get("output")
     context.configure(
         connection=connection,
         version_table=version_table_name(config.attributes["leases_table"]),
+        # Offline (sql()): the statements go to ``output``, compiled for the connection's
+        # dialect (MariaDB's own where it differs from MySQL's), none is run.
+        as_sql=output is not None,
+        output_buffer=output,
+        literal_binds=output is not None,
     )
     with context.begin_transaction():
         context.run_migrations()
@@ -209,6 +302,38 @@ def where() -> str:
     return text
 
 
+def offline() -> bool:
+    """The revision is being written as SQL (:func:`sql`), not run."""
+    from alembic import context
+
+    return bool(context.is_offline_mode())
+
+
+class _Nothing:
+    """What a revision written as SQL finds of its own work: nothing yet (the revisions before
+    it are assumed applied, exactly as they leave the schema)."""
+
+    def has_table(self, name: str) -> bool:
+        return False
+
+    def get_columns(self, name: str) -> list[dict[str, Any]]:
+        return []
+
+    def get_indexes(self, name: str) -> list[dict[str, Any]]:
+        return []
+
+
+def existing() -> Any:
+    """An inspector of what exists, for a revision to skip what is already there (a table
+    adopted from before the migrations, an index made by hand ``CONCURRENTLY``): the live
+    database's, or, when the revision is written as SQL, one that finds nothing."""
+    from alembic import op
+
+    if offline():
+        return _Nothing()
+    return sa.inspect(op.get_bind())
+
+
 def add_column_waiting(table: str, column: sa.Column[Any]) -> None:
     """``ALTER TABLE ... ADD COLUMN``, waiting at most 5 s for the table's lock (a deploy must
     not queue every renewal behind it); a failure says what to run by hand. For nullable
@@ -221,6 +346,10 @@ def add_column_waiting(table: str, column: sa.Column[Any]) -> None:
     spec = sa.schema.CreateColumn(column).compile(dialect=dialect)
     alter = f"ALTER TABLE {name} ADD COLUMN {spec}"
     family = dialect_for(dialect.name)
+    if offline():
+        for statement in family.add_column_sql(dialect, name, str(spec)):
+            op.execute(statement)
+        return
     try:
         for statement in family.add_column_sql(dialect, name, str(spec)):
             bind.exec_driver_sql(statement)

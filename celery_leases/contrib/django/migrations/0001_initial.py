@@ -1,29 +1,19 @@
-"""The jobs table, made by celery-leases' own migrations (the package's Alembic revisions), and
-the unmanaged model that reads it. Later revisions are applied by every ``manage.py migrate``
-of the leases database (``apps.upgrade_after_migrate``): no Django migration per revision."""
+"""The jobs table (celery-leases' schema revision 0001, ``migration.Revision``: the SQL that
+``sqlmigrate`` prints is the revision's for the project's database), and the unmanaged model
+that reads it."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from django.db import migrations, models
 
-from celery_leases.contrib.django.migration import migrate_database, unmigrate_database
+from celery_leases.contrib.django.migration import Revision
 from celery_leases.contrib.django.models import table_name
 from celery_leases.db.schema import STATES
 
 
-def forwards(apps: Any, schema_editor: Any) -> None:
-    migrate_database(schema_editor.connection.alias)
-
-
-def backwards(apps: Any, schema_editor: Any) -> None:
-    unmigrate_database(schema_editor.connection.alias)
-
-
 class Migration(migrations.Migration):
     initial = True
-    # The leases migrations run on a connection of their own, with their own lock.
+    # The revisions run on a connection of the store's own, under its migration lock.
     atomic = False
     dependencies: list[tuple[str, str]] = []
 
@@ -58,5 +48,5 @@ class Migration(migrations.Migration):
                 "managed": False,
             },
         ),
-        migrations.RunPython(forwards, backwards),
+        Revision("0001"),
     ]

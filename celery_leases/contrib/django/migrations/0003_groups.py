@@ -1,19 +1,22 @@
-"""A job's group and admission time, and the job groups' table (``JobGroup``), as the store's
-revision 0005 made them. The tables are the store's: this migration changes Django's state
-only, no SQL."""
+"""celery-leases' schema revision 0005 (``migration.Revision``): a job's group and admission
+time, and the job groups' table, which the unmanaged model ``JobGroup`` reads."""
 
 from __future__ import annotations
 
 from django.db import migrations, models
 
+from celery_leases.contrib.django.migration import Revision
 from celery_leases.contrib.django.models import Moment, table_name
 from celery_leases.db.schema import MAX_KEY_LENGTH
 
 
 class Migration(migrations.Migration):
+    # The revision runs on a connection of the store's own, under its migration lock.
+    atomic = False
     dependencies = [("celery_leases", "0002_datetimes_and_keys")]
 
     operations = [
+        Revision("0005"),
         migrations.AddField(
             model_name="job",
             name="lease_group",

@@ -1,5 +1,5 @@
-"""Revision 0001: the jobs table of celery-leases 0.1 (schema 3), and on PostgreSQL a view of
-it with ``timestamptz`` times and ``jsonb`` values (docs/benchmarks.md section 7 says why
+"""Revision 0001: the jobs table of celery-leases 0.1 (schema 3). On PostgreSQL also a view
+of it with ``timestamptz`` times and ``jsonb`` values (docs/benchmarks.md section 7 says why
 the table itself keeps epoch seconds and JSON text).
 
 A table that an older celery-leases created at first use (schema 2 or 3, no version table) is
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import mysql
 
-from celery_leases.db.migrations import add_column_waiting, table_name, where
+from celery_leases.db.migrations import add_column_waiting, existing, table_name, where
 from celery_leases.errors import ConfigurationError
 
 revision = "0001"
@@ -71,7 +71,7 @@ def columns() -> list[sa.Column[Any]]:
 def upgrade() -> None:
     name = table_name()
     bind = op.get_bind()
-    if sa.inspect(bind).has_table(name):
+    if existing().has_table(name):
         _adopt(bind, name)
     else:
         op.create_table(name, *columns())

@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import mysql
 
-from celery_leases.db.migrations import add_column_waiting, table_name
+from celery_leases.db.migrations import add_column_waiting, existing, table_name
 
 revision = "0002"
 down_revision = "0001"
@@ -49,7 +49,7 @@ def columns() -> list[sa.Column[Any]]:
 def upgrade() -> None:
     name = table_name()
     bind = op.get_bind()
-    present = {c["name"] for c in sa.inspect(bind).get_columns(name)}
+    present = {c["name"] for c in existing().get_columns(name)}
     for column in columns():
         if column.name not in present:
             add_column_waiting(name, column)

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import mysql
 
-from celery_leases.db.migrations import add_column_waiting, table_name
+from celery_leases.db.migrations import add_column_waiting, existing, table_name
 
 revision = "0003"
 down_revision = "0002"
@@ -51,7 +51,7 @@ def key_columns() -> list[sa.Column[Any]]:
 def upgrade() -> None:
     name = table_name()
     bind = op.get_bind()
-    inspector = sa.inspect(bind)
+    inspector = existing()
     present = {c["name"] for c in inspector.get_columns(name)}
     for column in job_columns():
         if column.name not in present:

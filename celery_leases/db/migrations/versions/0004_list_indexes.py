@@ -23,7 +23,7 @@ from typing import Any
 import sqlalchemy as sa
 from alembic import op
 
-from celery_leases.db.migrations import table_name
+from celery_leases.db.migrations import existing, table_name
 from celery_leases.db.schema import LIVE_PREDICATE
 
 revision = "0004"
@@ -49,7 +49,7 @@ def indexes(name: str, dialect: str) -> list[tuple[str, list[Any], dict[str, Any
 def upgrade() -> None:
     name = table_name()
     bind = op.get_bind()
-    present = {index["name"] for index in sa.inspect(bind).get_indexes(name)}
+    present = {index["name"] for index in existing().get_indexes(name)}
     if bind.dialect.name == "postgresql":
         # Wait at most 5 s for the table's lock: writes would queue behind the wait.
         op.execute("SET LOCAL lock_timeout = '5s'")

@@ -18,7 +18,7 @@ from typing import Any
 import sqlalchemy as sa
 from alembic import op
 
-from celery_leases.db.migrations import add_column_waiting, table_name
+from celery_leases.db.migrations import add_column_waiting, existing, table_name
 
 revision = "0005"
 down_revision = "0004"
@@ -36,7 +36,7 @@ def job_columns() -> list[sa.Column[Any]]:
 def upgrade() -> None:
     name = table_name()
     bind = op.get_bind()
-    inspector = sa.inspect(bind)
+    inspector = existing()
     present = {c["name"] for c in inspector.get_columns(name)}
     for column in job_columns():
         if column.name not in present:
