@@ -57,6 +57,17 @@ def rate_of(rate: Any, *, where: str = "lease_group_rate") -> float | None:
     return found
 
 
+def rate_text(rate: float) -> str:
+    """A group's rate (admissions a second, as stored) as a user writes it: ``"10/m"`` for
+    10 a minute, the first of ``/s``, ``/m``, ``/h`` that makes it a whole number;
+    else admissions a second (``"1.5e-05/s"``)."""
+    for unit, seconds in (("s", 1), ("m", 60), ("h", 3600)):
+        count = rate * seconds
+        if count >= 1 and abs(count - round(count)) <= 1e-6 * count:
+            return f"{round(count)}/{unit}"
+    return f"{rate:g}/s"
+
+
 def admit(app: Any, store: Any, group: str, *, most: int | None = None) -> list[str]:
     """Admit the oldest waiting jobs of ``group`` its limit and bucket allow (``Store.admit``)
     and publish them, each with a countdown to its token's time; their ids. A failure is
@@ -118,4 +129,4 @@ def admit_waiting(app: Any, store: Any, *, batch: int) -> list[str]:
     return sent
 
 
-__all__ = ["admit", "admit_waiting", "group_of", "limit_of", "publish", "rate_of"]
+__all__ = ["admit", "admit_waiting", "group_of", "limit_of", "publish", "rate_of", "rate_text"]

@@ -4,8 +4,8 @@ Counters and the checkpoint histogram are labelled by ``task`` (the task name) a
 process that does the work: no database work, nothing sent. With the prefork pool set
 ``PROMETHEUS_MULTIPROC_DIR`` before the worker starts so every pool process writes its
 samples there. :class:`JobsCollector` adds gauges of the jobs in the table by state, read with
-one ``GROUP BY`` at each scrape (never on a worker's hot path); the docs' operating page shows
-how to expose both.
+one ``GROUP BY`` at each scrape, and of the busiest job groups (never on a worker's hot path);
+the docs' operating page shows how to expose both.
 """
 
 from __future__ import annotations
@@ -66,29 +66,44 @@ def checkpoint_seconds(seconds: float, *, task: str) -> None:
         _checkpoint.labels(task).observe(seconds)
 
 
+#: The groups :class:`JobsCollector` exports by default: one series per group and gauge, so a
+#: bound on the labels Prometheus keeps however many groups (tenants) there are.
+MAX_GROUPS = 100
+
+
 class JobsCollector:
-    """A Prometheus collector of the jobs in ``app``'s leases table, by state.
+    """A Prometheus collector of the jobs in ``app``'s leases table, by state, and of its job
+    groups.
 
     ``celery_leases_jobs{state="running"}`` for every state (0 when none), and
-    ``celery_leases_database_up`` (1, or 0 when the table could not be read: the jobs gauge is
-    then left out rather than reported as 0). Each scrape runs one ``GROUP BY state``
+    ``celery_leases_database_up`` (1, or 0 when the table could not be read: the other gauges
+    are then left out rather than reported as 0). Each scrape runs one ``GROUP BY state``
     (``Store.count_by_state``) in the process serving the metrics. Register it with
     ``prometheus_client.REGISTRY.register(JobsCollector(app))`` (or your own registry).
+
+    Job groups (``lease_group``): ``celery_leases_groups`` (how many there are), and for the
+    ``max_groups`` groups with the most jobs waiting, then admitted (default
+    :data:`MAX_GROUPS`, 100; 0: none), ``celery_leases_group_admitted{group="..."}`` (jobs
+    admitted and live: in the broker or running), ``celery_leases_group_waiting`` (jobs
+    waiting for their admission) and ``celery_leases_group_limit`` (groups with a limit).
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, *, max_groups: int = MAX_GROUPS) -> None:
         self.app = app
+        self.max_groups = max_groups
 
     def describe(self) -> list[Any]:
         # Given, so that registering it runs no query (the registry would collect() to learn
         # the metric names).
-        jobs, up = self._families()
-        return [jobs, up]
+        return list(self._families())
 
     def collect(self) -> Iterator[Any]:
-        jobs, up = self._families()
+        jobs, up, total, admitted, waiting, limit = self._families()
         try:
-            counts = store_for(settings_for(self.app)).count_by_state()
+            store = store_for(settings_for(self.app))
+            counts = store.count_by_state()
+            groups = store.busiest_groups(self.max_groups) if self.max_groups > 0 else []
+            total.add_metric([], store.count_groups())
         except LeaseError as exc:
             logger.warning("celery-leases: metrics could not count the jobs: %s", exc)
             up.add_metric([], 0)
@@ -96,21 +111,33 @@ class JobsCollector:
             return
         for state in STATES:
             jobs.add_metric([state], counts.get(state, 0))
+        for group in groups:
+            admitted.add_metric([group.name], group.admitted)
+            waiting.add_metric([group.name], group.waiting)
+            if group.limit is not None:
+                limit.add_metric([group.name], group.limit)
         up.add_metric([], 1)
-        yield jobs
-        yield up
+        yield from (jobs, up, total, admitted, waiting, limit)
 
     @staticmethod
-    def _families() -> tuple[Any, Any]:
+    def _families() -> tuple[Any, ...]:
         from prometheus_client.core import GaugeMetricFamily
 
-        jobs = GaugeMetricFamily(
-            "celery_leases_jobs", "Jobs in the leases table, by state", labels=["state"]
+        def per_group(name: str, documentation: str) -> Any:
+            return GaugeMetricFamily(f"celery_leases_group_{name}", documentation, labels=["group"])
+
+        return (
+            GaugeMetricFamily(
+                "celery_leases_jobs", "Jobs in the leases table, by state", labels=["state"]
+            ),
+            GaugeMetricFamily(
+                "celery_leases_database_up", "1 when the leases table could be read, else 0"
+            ),
+            GaugeMetricFamily("celery_leases_groups", "Job groups (lease_group)"),
+            per_group("admitted", "Jobs of the group admitted and live (in the broker or running)"),
+            per_group("waiting", "Jobs of the group waiting for their admission"),
+            per_group("limit", "The group's limit of jobs admitted at once"),
         )
-        up = GaugeMetricFamily(
-            "celery_leases_database_up", "1 when the leases table could be read, else 0"
-        )
-        return jobs, up
 
 
-__all__ = ["COUNTERS", "LABELS", "JobsCollector", "checkpoint_seconds", "count"]
+__all__ = ["COUNTERS", "LABELS", "MAX_GROUPS", "JobsCollector", "checkpoint_seconds", "count"]

@@ -13,6 +13,7 @@ from kombu.utils import json as kombu_json
 from ..db import Store, store_for
 from ..db.schema import CANCELLED, FAILED, RUNNING, STATES, WAITING
 from ..errors import StoreUnavailable
+from ..groups import rate_text
 from .group import JobId, cli_app, cli_command, cli_settings, find_job
 from .view import (
     COUNT_CAP,
@@ -264,7 +265,7 @@ def list_groups(as_json: bool) -> None:
             "LIMIT": cell("-" if g.limit is None else str(g.limit)),
             "ADMITTED": cell(str(g.admitted)),
             "WAITING": cell(str(g.waiting)),
-            "RATE": cell("-" if g.rate is None else f"{g.rate:g}/s"),
+            "RATE": cell("-" if g.rate is None else rate_text(g.rate)),
             "TOKENS": cell("-" if g.rate is None else f"{g.tokens:.2f}"),
         }
         for g in found

@@ -248,6 +248,76 @@ def admin() -> dict[str, Any]:
     }
     seen["failed job's checkpoint"] = jobs["failed"].checkpoint
     seen.update(_admin_keys(client, store, tag))
+    seen.update(_admin_groups(client, store, tag))
+    return seen
+
+
+def _admin_groups(client: Any, store: Any, tag: str) -> dict[str, Any]:
+    """The job groups' admin: each group's limit, rate, tokens, admitted and waiting jobs, a
+    link to its jobs; the jobs list filtered by group, a waiting job shown ``waiting``, and
+    a job's page showing its group."""
+    import html
+    import re
+
+    from billing.tasks import invoice_orders
+
+    from celery_leases.message import GROUP_HEADER
+    from tests.support.message import job_message
+
+    limited, unlimited = f"tenant:a-{tag}", f"tenant:b-{tag}"
+    members = {limited: [f"a{n}-{tag}" for n in range(3)], unlimited: [f"b0-{tag}"]}
+    for group, ids in members.items():
+        for job_id in ids:
+            header = {GROUP_HEADER: group}
+            store.register(job_message(job_id, invoice_orders.name, args=[job_id, 1], **header))
+    store.admit(limited, limit=1, rate=1 / 6, define=True)  # 10/m: one admitted, two wait
+    store.admit(unlimited, define=True, most=0)  # its admission not run yet: one waits
+    page = "/admin/celery_leases/jobgroup/"
+
+    def cells(text: str, marker: str) -> dict[str, str]:
+        """The cells of the list's row holding ``marker``, by field, as text."""
+        row = next(r for r in re.findall(r"<tr.*?</tr>", text, re.S) if marker in r)
+        found = re.findall(r'class="field-(\w+)[^"]*"[^>]*>(.*?)</t[dh]>', row, re.S)
+        return {name: html.unescape(re.sub("<[^>]+>", "", value)).strip() for name, value in found}
+
+    def cells_of_page(text: str) -> dict[str, str]:
+        """The read-only fields of a change page, by field, as text."""
+        found = re.findall(
+            r'<div class="[^"]*field-(\w+)".*?<div class="readonly">(.*?)</div>', text, re.S
+        )
+        return {name: html.unescape(re.sub("<[^>]+>", "", value)).strip() for name, value in found}
+
+    listing = client.get(f"{page}?q=tenant")
+    text = listing.content.decode()
+    seen: dict[str, Any] = {"groups status": listing.status_code}
+    shown = {group: cells(text, html.escape(group)) for group in members}
+    seen["groups listed"] = {
+        group: [row["limit"], row["rate_shown"], row["admitted"], row["waiting"]]
+        for group, row in shown.items()
+    }
+    seen["tokens now"] = [row["tokens_now"] for row in shown.values()]
+    link = re.search(r'href="([^"]*\?group=[^"]*)"[^>]*>' + re.escape(limited), text)
+    seen["group's jobs link"] = None if link is None else html.unescape(link[1])
+    seen["group add status"] = client.get(f"{page}add/").status_code
+    from django.contrib.admin.utils import quote
+
+    own = client.get(f"{page}{quote(limited)}/change/")
+    seen["group's page"] = [own.status_code, 'name="_save"' in own.content.decode()]
+    seen["group's page shows"] = cells_of_page(own.content.decode())
+    jobs = client.get(seen["group's jobs link"] or "/").content.decode()
+    everyone = [job_id for ids in members.values() for job_id in ids]
+    seen["jobs of the group"] = sorted(j for j in everyone if j in jobs)
+    seen["states shown"] = sorted(cells(jobs, j)["shown_state"] for j in members[limited])
+    seen["group offered in the filter"] = f"?group={limited.replace(':', '%3A')}" in jobs
+    detail = client.get(f"/admin/celery_leases/job/{members[limited][2]}/change/")
+    admitted = client.get(f"/admin/celery_leases/job/{members[limited][0]}/change/")
+    seen["waiting job's page"] = [
+        html.escape(limited) in detail.content.decode(),
+        "waiting for its admission" in detail.content.decode(),
+    ]
+    seen["admitted job's page"] = f"{html.escape(limited)}</a>, admitted " in (
+        admitted.content.decode()
+    )
     return seen
 
 

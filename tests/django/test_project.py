@@ -106,7 +106,7 @@ def test_delay_on_commit_records_and_sends_the_job_only_when_the_block_commits(
     assert seen["after a rollback"] == []
 
 
-def test_the_admin_lists_filters_and_searches_jobs_and_its_actions_use_the_store(
+def test_the_admin_lists_filters_and_searches_jobs_and_groups_and_its_actions_use_the_store(
     shop: Shop,
 ) -> None:
     seen = shop.run("admin")
@@ -150,6 +150,29 @@ def test_the_admin_lists_filters_and_searches_jobs_and_its_actions_use_the_store
     assert any("is held by a job" in m for m in seen["held"][1])
     assert seen["cleared"][2] is None
     assert seen["keyed job's page"] == [True, True, True]
+    # The job groups' page: limit, rate as written, admitted (live) and waiting jobs, and the
+    # bucket's tokens now (the 10/m group took its token moments ago); read-only
+    a, b = sorted(seen["groups listed"])
+    assert seen["groups status"] == 200
+    assert seen["groups listed"] == {a: ["1", "10/m", "1", "2"], b: ["-", "-", "0", "1"]}
+    tokens_a, tokens_b = seen["tokens now"]
+    assert 0.0 <= float(tokens_a) < 0.5 and tokens_b == "-"
+    assert seen["group add status"] == 403
+    assert seen["group's page"] == [200, False]
+    page = seen["group's page shows"]
+    assert [page[f] for f in ("group", "limit", "rate_shown", "admitted", "waiting")] == [
+        a, "1", "10/m", "1", "2",
+    ]  # fmt: skip
+    # A group leads to its jobs, the waiting ones shown waiting; the filter offers the group;
+    # a job's page shows its group and whether it waits
+    assert seen["group's jobs link"] == "/admin/celery_leases/job/?group=" + a.replace(":", "%3A")
+    assert len(seen["jobs of the group"]) == 3 and all(
+        j[0] == "a" for j in seen["jobs of the group"]
+    )
+    assert seen["states shown"] == ["queued", "waiting", "waiting"]
+    assert seen["group offered in the filter"]
+    assert seen["waiting job's page"] == [True, True]
+    assert seen["admitted job's page"]
 
 
 @pytest.mark.parametrize("shop", ["postgres", "mariadb"], indirect=True)
@@ -217,8 +240,7 @@ def test_an_in_memory_sqlite_database_is_refused_with_the_reason(tmp_path: Path)
 def test_each_revision_is_a_django_operation_whose_sql_sqlmigrate_prints(shop: Shop) -> None:
     # When sqlmigrate prints each migration of the app for the project's database
     printed = [
-        shop.manage("sqlmigrate", "celery_leases", name).stdout
-        for name in ("0001", "0002", "0003")
+        shop.manage("sqlmigrate", "celery_leases", name).stdout for name in ("0001", "0002", "0003")
     ]
 
     # Then every celery-leases revision is there once, in order, each with the statements the

@@ -10,6 +10,7 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.utils import display_for_value
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.utils import timezone
@@ -17,8 +18,10 @@ from django.utils.html import format_html
 
 from ... import control
 from ...db.rows import load_message
+from ...db.schema import WAITING
 from ...errors import ArgumentsError, LeaseError
 from . import database
+from .group_admin import GroupFilter, jobs_of  # and registers the groups' admin
 from .models import Job, LeaseKey
 
 
@@ -77,23 +80,23 @@ class CreatedFilter(admin.SimpleListFilter):
 
 @admin.register(Job)
 class JobAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    """Jobs newest first; filters by state and task, search by id (or its start)."""
+    """Jobs newest first; filters by state, task and group, search by id (or its start)."""
 
     list_display = (
         "id",
         "task",
-        "state",
+        "shown_state",
         "owner",
         "attempts",
         "progress",
         "created",
         "checkpointed",
     )
-    list_filter = ("state", "task", CreatedFilter)
+    list_filter = ("state", "task", GroupFilter, CreatedFilter)
     search_fields = ("^id",)
     actions = (retry, cancel, release)
     readonly_fields = (
-        "id", "task", "state", "lease_key", "arguments", "waiting_followup", "owner",
+        "id", "task", "shown_state", "lease_key", "group", "arguments", "waiting_followup", "owner",
         "attempts", "token", "progress", "checkpoint_json",
         "error", "stop_requested", "result_json", "created", "claimed", "renewed",
         "checkpointed", "finished", "lease_expires",
@@ -113,6 +116,27 @@ class JobAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def has_change_permission(self, request: HttpRequest, obj: Job | None = None) -> bool:
         # The list's actions need the change permission; a job itself is never edited.
         return obj is None and super().has_change_permission(request)
+
+    @admin.display(description="state", ordering="state")
+    def shown_state(self, job: Job) -> str:
+        """The job's state; ``waiting`` for a job of a group not admitted yet, as
+        ``celery leases list`` shows it."""
+        return WAITING if job.waiting else job.state
+
+    @admin.display(description="group")
+    def group(self, job: Job) -> str:
+        """The job's group, a link to its jobs, and whether it waits or when it was
+        admitted (as ``celery leases show``)."""
+        if job.lease_group is None:
+            return "-"
+        if job.waiting:
+            said = "waiting for its admission"
+        elif job.admitted_at is None:
+            said = "not admitted"
+        else:
+            said = f"admitted {display_for_value(job.admitted_at, '-')}"
+        group = job.lease_group
+        return format_html('<a href="{}">{}</a>, {}', jobs_of(group), group, said)
 
     @admin.display(description="progress")
     def progress(self, job: Job) -> str:

@@ -9,7 +9,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from ...db.schema import MAX_ID_LENGTH, MAX_KEY_LENGTH, STATES
+from ...db.schema import MAX_ID_LENGTH, MAX_KEY_LENGTH, QUEUED, STATES
 from ...errors import LeaseError
 from ...settings import DEFAULTS
 
@@ -83,6 +83,11 @@ class Job(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task} {self.id}"
+
+    @property
+    def waiting(self) -> bool:
+        """A job of a group waiting in the database for its admission (never published)."""
+        return self.lease_group is not None and self.admitted_at is None and self.state == QUEUED
 
     def save(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise LeaseError("leased jobs are changed by the store's operations only, never saved")

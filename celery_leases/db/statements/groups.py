@@ -122,13 +122,25 @@ class Groups:
         live_of_row = sa.and_(
             t.c.lease_group == g.c.name, t.c.state.in_(LIVE_STATES), t.c.admitted_at.is_not(None)
         )
-        #: Every group (``leases groups``): name, limit, rate, tokens now, admitted and live,
-        #: waiting.
-        self.listing = sa.select(
+        admitted = sa.select(sa.func.count()).where(live_of_row).scalar_subquery()
+        waiting = sa.select(sa.func.count()).where(waiting_of_row).scalar_subquery()
+        columns = sa.select(
             g.c.name,
             g.c.group_limit,
             g.c.rate,
             self.tokens_now,
-            sa.select(sa.func.count()).where(live_of_row).scalar_subquery(),
-            sa.select(sa.func.count()).where(waiting_of_row).scalar_subquery(),
-        ).order_by(g.c.name)
+            admitted.label("admitted"),
+            waiting.label("waiting"),
+        )
+        #: Every group (``leases groups``): name, limit, rate, tokens now, admitted and live,
+        #: waiting.
+        self.listing = columns.order_by(g.c.name)
+        names: Any = sa.bindparam("b_names", expanding=True)
+        #: The groups named ``b_names`` as ``listing`` shows them (a page of the admin's).
+        self.listing_of = columns.where(g.c.name.in_(names)).order_by(g.c.name)
+        #: The ``b_n`` groups with the most jobs waiting, then admitted, as ``listing`` shows
+        #: them (the metrics' groups).
+        busiest_first: Any = (sa.desc("waiting"), sa.desc("admitted"), g.c.name)
+        self.busiest = columns.order_by(*busiest_first).limit(param("n", sa.Integer()))
+        #: How many groups there are.
+        self.count = sa.select(sa.func.count()).select_from(g)

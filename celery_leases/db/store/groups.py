@@ -133,10 +133,24 @@ class Groups(StoreBase):
         found = self._run(lambda c: c.execute(with_waiting, {"b_batch": batch}).all())
         return [r[0] for r in found]
 
-    def groups(self) -> list[GroupRow]:
-        """Every group: its limit, rate, tokens, admitted and waiting jobs (``leases groups``)."""
-        listing = self.sql.groups.listing
-        found: Any = self._run(lambda c: c.execute(listing).all())
+    def groups(self, *, names: list[str] | None = None) -> list[GroupRow]:
+        """Every group, or those named ``names``, by name: its limit, rate, tokens now,
+        admitted and waiting jobs (``leases groups``, the admin)."""
+        sql = self.sql.groups
+        if names is None:
+            return self._group_rows(sql.listing, {})
+        return self._group_rows(sql.listing_of, {"b_names": list(names)}) if names else []
+
+    def busiest_groups(self, n: int) -> list[GroupRow]:
+        """The ``n`` groups with the most jobs waiting, then admitted (the metrics')."""
+        return self._group_rows(self.sql.groups.busiest, {"b_n": n})
+
+    def count_groups(self) -> int:
+        """How many groups there are."""
+        return int(self._run(lambda c: c.execute(self.sql.groups.count).scalar_one()))
+
+    def _group_rows(self, statement: Any, values: dict[str, Any]) -> list[GroupRow]:
+        found: Any = self._run(lambda c: c.execute(statement, values).all())
         return [
             GroupRow(
                 name,
