@@ -13,6 +13,11 @@ Configured from the environment like ``leased_app`` (see its ``app_env``). Both 
 
 ``tail_seconds`` is a sleep after the last checkpoint, before the job finishes.
 
+``chaos.grouped_<g>(count, unit_seconds, tail_seconds=0, group=g)`` is ``chaos.exactly_once``
+in job group ``g`` (``lease_group="{group}"``), with that group's limit and rate (``GROUPS``);
+:func:`install_admission_log` copies every admission (``admitted_at`` and the token's time,
+``run_after``) into ``<table>_admissions``.
+
 A job sent with a ``soft_time_limit`` (``--soft-limits``) gets ``SoftTimeLimitExceeded`` wherever
 it is when the limit passes: often inside a statement, as the run's slow-statement trigger
 (:func:`install_slow_statements`) makes every update of its row take up to
@@ -95,7 +100,21 @@ from tests.support.unit_log import ProcessTable, UnitLog
 
 #: Errors of the task's own database writes that a retry from the checkpoint cures.
 TRANSIENT = (sa.exc.OperationalError, sa.exc.InterfaceError, StoreUnavailable)
-TASKS = ("chaos.exactly_once", "chaos.at_least_once")
+#: The job groups of ``--grouped-jobs``: name -> (``lease_group_limit``, ``lease_group_rate``),
+#: each with a task of its own (``GROUPED_TASK``: ``chaos.exactly_once`` with ``lease_group``
+#: over its ``group`` argument, and the group's limit and rate).
+GROUPS: dict[str, tuple[int | None, str | None]] = {
+    "g0": (2, None),
+    "g1": (1, "5/s"),
+    "g2": (3, "1/s"),
+}
+GROUPED_TASK = "chaos.grouped_{group}"
+GROUP_FORMAT = "{group}"
+TASKS = (
+    "chaos.exactly_once",
+    "chaos.at_least_once",
+    *(GROUPED_TASK.format(group=group) for group in GROUPS),
+)
 #: The keyed task: one run per resource (lease key ``account:<account>``).
 KEYED_TASK = "chaos.keyed"
 KEY_FORMAT = "account:{account}"
@@ -380,8 +399,13 @@ def add_chaos_tasks(app: Celery) -> Celery:
 
     hold_dir = os.environ.get(HOLD_DIR_ENV)
 
-    @app.task(name="chaos.exactly_once", **options)  # type: ignore[untyped-decorator]
-    def exactly_once(self: Task, count: int, unit_seconds: float, tail_seconds: float = 0.0) -> int:
+    def exactly_once(
+        self: Task,
+        count: int,
+        unit_seconds: float,
+        tail_seconds: float = 0.0,
+        group: str | None = None,
+    ) -> int:
         run = uuid.uuid4().hex
         engine, paused = tx_engine(self.lease.job_id)
         try:
@@ -400,6 +424,16 @@ def add_chaos_tasks(app: Celery) -> Celery:
             # Nothing to add: each unit's checkpoint committed with it, or neither did.
             soft_limit(self, exc, None)
         return count
+
+    app.task(name="chaos.exactly_once", **options)(exactly_once)
+    for group, (limit, rate) in GROUPS.items():
+        app.task(
+            name=GROUPED_TASK.format(group=group),
+            lease_group=GROUP_FORMAT,
+            lease_group_limit=limit,
+            lease_group_rate=rate,
+            **options,
+        )(exactly_once)
 
     @app.task(name="chaos.at_least_once", **options)  # type: ignore[untyped-decorator]
     def at_least_once(
@@ -750,6 +784,77 @@ def install_state_log(engine: Engine, jobs_table: str) -> sa.Table:
 def remove_state_log(engine: Engine, jobs_table: str) -> None:
     """Drop the triggers of :func:`install_state_log`; the table is left to its owner."""
     trigger = f"{jobs_table}_st"
+    with engine.begin() as connection:
+        if engine.dialect.name == "postgresql":
+            connection.execute(sa.text(f"DROP FUNCTION IF EXISTS {trigger}() CASCADE"))
+        elif engine.dialect.name == "sqlite":
+            connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger}_i"))
+            connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger}_u"))
+
+
+def admissions_table(jobs_table: str) -> sa.Table:
+    return sa.Table(
+        f"{jobs_table}_admissions",
+        sa.MetaData(),
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("job_id", sa.String(155), nullable=False, index=True),
+        sa.Column("lease_group", sa.String(255), nullable=False),
+        sa.Column("admitted_at", sa.Double, nullable=False),
+        sa.Column("run_after", sa.Double),
+    )
+
+
+def install_admission_log(engine: Engine, jobs_table: str) -> sa.Table:
+    """Create ``<jobs_table>_admissions`` and triggers that add a row (job, group, its
+    ``admitted_at`` and the ``run_after`` the admission wrote: its token's time) each time a
+    job of a group gets an ``admitted_at`` it did not have (PostgreSQL and SQLite)."""
+    log = admissions_table(jobs_table)
+    log.create(engine, checkfirst=True)
+    trigger = f"{jobs_table}_ad"
+    values = (
+        f"INSERT INTO {log.name} (job_id, lease_group, admitted_at, run_after) "
+        f"VALUES (NEW.id, NEW.lease_group, NEW.admitted_at, NEW.run_after)"
+    )
+    admitted = "NEW.lease_group IS NOT NULL AND NEW.admitted_at IS NOT NULL"
+    with engine.begin() as connection:
+        if engine.dialect.name == "postgresql":
+            connection.execute(
+                sa.text(
+                    f"CREATE OR REPLACE FUNCTION {trigger}() RETURNS trigger AS $$ BEGIN "
+                    f"IF {admitted} AND (TG_OP = 'INSERT' "
+                    f"OR NEW.admitted_at IS DISTINCT FROM OLD.admitted_at) THEN {values}; "
+                    f"END IF; RETURN NEW; END $$ LANGUAGE plpgsql"
+                )
+            )
+            connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger} ON {jobs_table}"))
+            connection.execute(
+                sa.text(
+                    f"CREATE TRIGGER {trigger} AFTER INSERT OR UPDATE ON {jobs_table} "
+                    f"FOR EACH ROW EXECUTE FUNCTION {trigger}()"
+                )
+            )
+        elif engine.dialect.name == "sqlite":
+            connection.execute(
+                sa.text(
+                    f"CREATE TRIGGER IF NOT EXISTS {trigger}_i AFTER INSERT ON {jobs_table} "
+                    f"FOR EACH ROW WHEN {admitted} BEGIN {values}; END"
+                )
+            )
+            connection.execute(
+                sa.text(
+                    f"CREATE TRIGGER IF NOT EXISTS {trigger}_u AFTER UPDATE ON {jobs_table} "
+                    f"FOR EACH ROW WHEN {admitted} AND NEW.admitted_at IS NOT OLD.admitted_at "
+                    f"BEGIN {values}; END"
+                )
+            )
+        else:
+            raise NotImplementedError(f"no admission log on {engine.dialect.name}")
+    return log
+
+
+def remove_admission_log(engine: Engine, jobs_table: str) -> None:
+    """Drop the triggers of :func:`install_admission_log`; the table is left to its owner."""
+    trigger = f"{jobs_table}_ad"
     with engine.begin() as connection:
         if engine.dialect.name == "postgresql":
             connection.execute(sa.text(f"DROP FUNCTION IF EXISTS {trigger}() CASCADE"))

@@ -148,6 +148,17 @@ class CursorRow:
 
 
 @dataclass(frozen=True)
+class Admission:
+    """One admission of a job of a group (the admission log): ``at`` its ``admitted_at``, and
+    ``due`` the ``run_after`` it wrote, its token's time (database clock, epoch seconds)."""
+
+    job_id: str
+    group: str
+    at: float
+    due: float | None = None
+
+
+@dataclass(frozen=True)
 class Control:
     """A revoke or a cancel the driver sent to one job; ``at`` is the database clock (epoch
     seconds) once it was sent.
@@ -251,6 +262,13 @@ class Evidence:
     debounced_keys: set[str] = field(default_factory=set)
     newest_keys: set[str] = field(default_factory=set)
     debounce: tuple[float, float] = (0.0, 0.0)
+    #: job id -> its group, for the jobs sent in a job group (``--grouped-jobs``); each
+    #: group's limit (None: none) and rate (admissions a second, None: none); the admission
+    #: log (None: not recorded)
+    groups: dict[str, str] = field(default_factory=dict)
+    group_limits: dict[str, int | None] = field(default_factory=dict)
+    group_rates: dict[str, float | None] = field(default_factory=dict)
+    admissions: list[Admission] | None = None
     #: the cursor of each key at the end (key -> JSON value), and the cursor log
     cursors: dict[str, Any] = field(default_factory=dict)
     cursor_log: list[CursorRow] = field(default_factory=list)
@@ -321,6 +339,9 @@ def check_all(e: Evidence) -> list[Check]:
         _cursors(e, rows_by_job),
         _debounce(e, rows_by_job),
         _newest(e, rows_by_job),
+        _group_limit(e, rows_by_job),
+        _group_rate(e),
+        _grouped_jobs(e),
     ]
 
 
@@ -1956,6 +1977,209 @@ def _newest(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
         f"{superseded} jobs superseded, {after_units} units they committed after the call that "
         f"superseded them (in flight); {stopped_last} keys whose last trigger a control "
         f"stopped; {len(problems)} problems"
+    )
+    for problem in problems[:4]:
+        text += f"\n      {problem}"
+    return Check(name, not problems, text)
+
+
+# -- job groups -------------------------------------------------------------------------------
+
+NO_GROUPS = "no grouped jobs in this run"
+#: Seconds a grouped job's first claim may precede its token's time (both on the database
+#: clock; the claim compares them in SQL): rounding only.
+RATE_ALLOWANCE = 0.01
+
+
+def admissions_by_job(e: Evidence) -> dict[str, list[Admission]]:
+    found: dict[str, list[Admission]] = {}
+    for admission in e.admissions or []:
+        found.setdefault(admission.job_id, []).append(admission)
+    return found
+
+
+def end_after(e: Evidence, job_id: str, at: float) -> float:
+    """When job ``job_id`` reached a finished state after ``at`` (the state log, else its
+    row's ``finished_at``); infinity while it did not."""
+    for row in e.history or []:
+        if row.job_id == job_id and row.state in FINISHED and row.at >= at:
+            return row.at
+    job = e.jobs.get(job_id)
+    if e.history is None and job is not None and job.finished_at is not None:
+        return job.finished_at
+    return float("inf")
+
+
+def most_at_once(spans: list[tuple[str, float, float]]) -> tuple[int, float]:
+    """The most distinct jobs whose spans (job, from, to) cover one moment, and the first
+    moment it happens (an end at the moment another span starts does not overlap it)."""
+    events = sorted(
+        [(start, 1, job) for job, start, _ in spans] + [(end, -1, job) for job, _, end in spans],
+        key=lambda event: (event[0], event[1]),
+    )
+    live: Counter[str] = Counter()
+    most, when = 0, 0.0
+    for at, step, job in events:
+        live[job] += step
+        count = sum(1 for n in live.values() if n > 0)
+        if count > most:
+            most, when = count, at
+    return most, when
+
+
+def _group_limit(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
+    """Never more than a group's limit of its jobs at once: admitted and live (from each
+    admission to the job's next end: the admission and state logs), nor running (from the unit
+    log: committed units, each clipped to its job's admitted span, of distinct jobs)."""
+    name = "group limit: never more than a group's limit of its jobs admitted or running at once"
+    if not e.groups or e.admissions is None:
+        return Check(name, True, NO_GROUPS if not e.groups else "no admission log recorded")
+    admitted = admissions_by_job(e)
+    problems: list[str] = []
+    parts: list[str] = []
+    for group in sorted(set(e.groups.values())):
+        limit = e.group_limits.get(group)
+        jobs = sorted(j for j, g in e.groups.items() if g == group)
+        spans = [(j, a.at, end_after(e, j, a.at)) for j in jobs for a in admitted.get(j, [])]
+        running = [
+            (j, max(r.started_at, start), min(r.ended_at or r.started_at, end))
+            for j, start, end in spans
+            for r in rows_by_job.get(j, [])
+            if r.committed and r.started_at < end and (r.ended_at or 0.0) > start
+        ]
+        most_admitted, at_admitted = most_at_once(spans)
+        most_running, at_running = most_at_once(running)
+        e.figures[f"group_{group}_most_admitted"] = most_admitted
+        e.figures[f"group_{group}_most_running"] = most_running
+        parts.append(
+            f"{group} (limit {limit if limit is not None else 'none'}): {len(jobs)} jobs, at "
+            f"most {most_admitted} admitted and {most_running} running at once"
+        )
+        if limit is None:
+            continue
+        if most_admitted > limit:
+            problems.append(
+                f"{group}: {most_admitted} jobs admitted and live at {at_admitted:.3f} "
+                f"(limit {limit})"
+            )
+        if most_running > limit:
+            problems.append(
+                f"{group}: {most_running} jobs running committed units at {at_running:.3f} "
+                f"(limit {limit})"
+            )
+    e.figures["group_limit_problems"] = len(problems)
+    text = "; ".join(parts) + f"; {len(problems)} problems"
+    for problem in problems[:4]:
+        text += f"\n      {problem}"
+    return Check(name, not problems, text)
+
+
+def _group_rate(e: Evidence) -> Check:
+    """A group with a rate admits as its token bucket (one token at most, ``rate`` a second)
+    allows: the tokens' times its admissions wrote (``run_after``) number at most ``rate *
+    window + 1`` in any window; and no job of it was first claimed before its first admission's
+    token time (less ``RATE_ALLOWANCE``). Attempts after a crash are the admitted job's: no
+    admission. How many admissions waited for a token, and the most first claims within one
+    second, are reported."""
+    name = "group rate: admissions follow the group's token bucket and wait for their token"
+    if not e.groups or e.admissions is None:
+        return Check(name, True, NO_GROUPS if not e.groups else "no admission log recorded")
+    admitted = admissions_by_job(e)
+    problems: list[str] = []
+    parts: list[str] = []
+    for group in sorted(g for g, rate in e.group_rates.items() if rate):
+        rate = float(e.group_rates[group] or 0.0)
+        rows = [a for a in e.admissions if a.group == group]
+        dues = sorted(a.due if a.due is not None else a.at for a in rows)
+        worst = (0.0, 0, 0.0)  # (excess, tokens, window)
+        for j, last in enumerate(dues):
+            for i in range(j):
+                excess = (j - i + 1) - (rate * (last - dues[i]) + 1)
+                if excess > 1e-6 and excess > worst[0]:
+                    worst = (excess, j - i + 1, last - dues[i])
+        if worst[1]:
+            problems.append(
+                f"{group} ({rate:g}/s): {worst[1]} admissions' tokens within {worst[2]:.3f} s "
+                f"(at most {rate * worst[2] + 1:.2f})"
+            )
+        early = []
+        for job_id in sorted(j for j, g in e.groups.items() if g == group):
+            job, first = e.jobs.get(job_id), admitted.get(job_id)
+            if job is None or job.started_at is None or not first:
+                continue
+            due = first[0].due if first[0].due is not None else first[0].at
+            if job.started_at < due - RATE_ALLOWANCE:
+                early.append(f"{job_id}: first claimed at {job.started_at:.3f}, token {due:.3f}")
+        problems += [f"{group}: {problem}" for problem in early]
+        waited = sum(1 for a in rows if a.due is not None and a.due > a.at + 1e-3)
+        starts = sorted(
+            job.started_at
+            for j, g in e.groups.items()
+            if g == group and (job := e.jobs.get(j)) is not None and job.started_at is not None
+        )
+        busiest = max(
+            (sum(1 for s in starts[n:] if s < start + 1.0) for n, start in enumerate(starts)),
+            default=0,
+        )
+        e.figures[f"group_{group}_admissions"] = len(rows)
+        e.figures[f"group_{group}_waited_for_token"] = waited
+        parts.append(
+            f"{group} ({rate:g}/s): {len(rows)} admissions, {waited} waited for a token, at most "
+            f"{busiest} first claims within 1 s, {len(early)} claimed before their token"
+        )
+    e.figures["group_rate_problems"] = len(problems)
+    text = ("; ".join(parts) or "no group with a rate") + f"; {len(problems)} problems"
+    for problem in problems[:4]:
+        text += f"\n      {problem}"
+    return Check(name, not problems, text)
+
+
+def _grouped_jobs(e: Evidence) -> Check:
+    """No grouped job lost: every one ended, done (admitted first: an admission logged before
+    its first claim) or as its control decided; none left waiting for its admission or live.
+    Its units are the exactly-once check's. How long jobs waited for their admission (from the
+    row's insert, the state log) is reported."""
+    name = "no grouped job lost: every grouped job admitted and ended done or as decided"
+    if not e.groups:
+        return Check(name, True, NO_GROUPS)
+    admitted = admissions_by_job(e)
+    by_job = controls_by_job(e)
+    problems: list[str] = []
+    states: Counter[str] = Counter()
+    waits: list[float] = []
+    inserted: dict[str, float] = {}
+    for row in e.history or []:
+        inserted.setdefault(row.job_id, row.at)
+    for job_id in sorted(e.groups):
+        job = e.jobs.get(job_id)
+        states[job.state if job else "lost"] += 1
+        first = next(iter(admitted.get(job_id, [])), None)
+        if first is not None and job_id in inserted:
+            waits.append(first.at - inserted[job_id])
+        if job is None:
+            problems.append(f"{job_id}: no row (lost)")
+        elif job.state in LIVE:
+            what = "waiting for its admission" if first is None else "admitted, still live"
+            problems.append(f"{job_id} ({e.groups[job_id]}): {job.state}, {what}")
+        elif job.state not in allowed_ends(e, job_id, by_job.get(job_id, [])):
+            problems.append(f"{job_id} ({e.groups[job_id]}): ended {job.state}")
+        elif e.admissions is not None and job.started_at is not None and first is None:
+            problems.append(f"{job_id} ({e.groups[job_id]}): ran, never admitted")
+        elif job.started_at is not None and first is not None and job.started_at < first.at:
+            problems.append(
+                f"{job_id} ({e.groups[job_id]}): claimed at {job.started_at:.3f}, "
+                f"admitted at {first.at:.3f}"
+            )
+    e.figures.update(
+        grouped_jobs=len(e.groups),
+        grouped_done=states[DONE],
+        grouped_longest_wait=round(max(waits, default=0.0), 2),
+        grouped_problems=len(problems),
+    )
+    text = (
+        f"{len(e.groups)} jobs in {len(set(e.groups.values()))} groups: {states[DONE]} done, "
+        f"{states[REVOKED] + states[CANCELLED]} revoked or cancelled, waited for admission up to "
+        f"{max(waits, default=0.0):.2f} s; {len(problems)} problems"
     )
     for problem in problems[:4]:
         text += f"\n      {problem}"

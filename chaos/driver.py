@@ -70,6 +70,7 @@ from celery_leases import LeaseError
 from celery_leases.config import settings_for
 from celery_leases.db import migrations
 from celery_leases.db.store import store_for
+from celery_leases.groups import rate_of
 from chaos import client as dying_client
 from chaos import fault as F
 from chaos import reaper as namespaced_reaper
@@ -77,6 +78,8 @@ from chaos import trigger as T
 from chaos.app import (
     DEBOUNCE,
     DEBOUNCED_TASK,
+    GROUPED_TASK,
+    GROUPS,
     ISOLATION_ENV,
     ISOLATIONS,
     KEYED_TASK,
@@ -88,10 +91,12 @@ from chaos.app import (
     add_chaos_tasks,
     callback_log_for,
     chaos_log_for,
+    install_admission_log,
     install_checkpoint_log,
     install_cursor_log,
     install_slow_statements,
     install_state_log,
+    remove_admission_log,
     remove_checkpoint_log,
     remove_cursor_log,
     remove_slow_statements,
@@ -101,6 +106,7 @@ from chaos.app import (
 from chaos.check import (
     AT_LEAST_ONCE,
     EXACTLY_ONCE,
+    Admission,
     Callback,
     Check,
     CheckpointRow,
@@ -222,6 +228,9 @@ class Config:
     #: besides the ``keys`` coalescing ones; the bursts are drawn over all of them.
     debounced_keys: int = 0
     newest_keys: int = 0
+    #: Jobs (of ``jobs``) sent in job groups (``chaos.grouped_<g>``, exactly-once), spread
+    #: over the groups of ``chaos.app.GROUPS`` in turn; 0: none.
+    grouped_jobs: int = 0
     #: Fraction of the jobs sent with a ``soft_time_limit`` of ``soft_limit_units`` units (a
     #: unit and half the slowest statement each); their row's updates are slowed.
     soft_limits: float = 0.0
@@ -320,6 +329,15 @@ class Config:
                 f"; {self.soft_limited_jobs} jobs sent with a soft time limit of "
                 f"{self.soft_limit_units[0]:g}-{self.soft_limit_units[1]:g} units"
                 if self.soft_limited_jobs
+                else ""
+            )
+            + (
+                f"; {self.grouped_jobs} jobs in groups "
+                + ", ".join(
+                    f"{g} (limit {limit or 'none'}, rate {rate or 'none'})"
+                    for g, (limit, rate) in GROUPS.items()
+                )
+                if self.grouped_jobs
                 else ""
             )
             + (f"; transactions at {self.isolation}" if self.isolation else "")
@@ -532,6 +550,8 @@ class Chaos:
         self.key_controls: list[Control] = []
         self.key_expires: dict[str, float] = {}
         self.soft_limited: dict[str, float] = {}
+        #: The grouped jobs' numbers and their groups (``--grouped-jobs``).
+        self.groups: dict[int, str] = {}
         self.clients: list[DyingClient] = []
         self.pauses: list[Pause] = []
         self.restarts: list[float] = []
@@ -576,9 +596,22 @@ class Chaos:
         triggers = trigger_log_for(client)
         # Their own generator: the other draws stay as they were for a seed.
         soft = set(random.Random(f"{c.seed}-soft").sample(range(c.jobs), c.soft_limited_jobs))
+        # Their own generator too; a grouped job is exactly-once, its group in its id.
+        grouped = sorted(
+            random.Random(f"{c.seed}-groups").sample(range(c.jobs), min(c.grouped_jobs, c.jobs))
+        )
+        names = list(GROUPS)
+        self.groups = {number: names[n % len(names)] for n, number in enumerate(grouped)}
         ids = {
-            f"chaos-{c.seed}-{number:05d}-{'eo' if mode == EXACTLY_ONCE else 'alo'}"
-            + (SOFT_SUFFIX if number in soft else ""): mode
+            f"chaos-{c.seed}-{number:05d}-"
+            + (
+                f"eo-{self.groups[number]}"
+                if number in self.groups
+                else ("eo" if mode == EXACTLY_ONCE else "alo")
+            )
+            + (SOFT_SUFFIX if number in soft else ""): EXACTLY_ONCE
+            if number in self.groups
+            else mode
             for number, mode in enumerate(modes)
         }
         limits = random.Random(f"{c.seed}-soft-limits")
@@ -610,6 +643,7 @@ class Chaos:
             triggers.create()
             checkpoint_log = install_checkpoint_log(store.engine, self.table)
             state_log = install_state_log(store.engine, self.table)
+            admission_log = install_admission_log(store.engine, self.table)
             cursor_log = install_cursor_log(store.engine, self.table)
             if self.soft_limited and not install_slow_statements(store.engine, self.table):
                 self.out("chaos: no slow statements on this database (PostgreSQL only)")
@@ -624,7 +658,9 @@ class Chaos:
             self._thaw_all()
             kill_all(self.spawner)
             seconds = time.monotonic() - self.started
-            evidence = self._evidence(store, log, checkpoint_log, state_log, cursor_log, ids)
+            evidence = self._evidence(
+                store, log, checkpoint_log, state_log, cursor_log, admission_log, ids
+            )
         finally:
             self._thaw_all()
             self._stop_sender()
@@ -633,6 +669,7 @@ class Chaos:
                 remove_checkpoint_log,
                 remove_state_log,
                 remove_cursor_log,
+                remove_admission_log,
                 remove_slow_statements,
             ):
                 with contextlib.suppress(Exception):
@@ -748,9 +785,12 @@ class Chaos:
                 finished, committed = new_finished, new_committed
             while pending and len(submitted) - finished < window:
                 job_id, mode = pending[0]
+                group = group_of_id(job_id)
+                task = GROUPED_TASK.format(group=group) if group else TASK_OF_MODE[mode]
                 try:
-                    client.tasks[TASK_OF_MODE[mode]].apply_async(
+                    client.tasks[task].apply_async(
                         (c.units, c.unit_seconds),
+                        {"group": group} if group else None,
                         task_id=job_id,
                         link=client.signature(CALLBACK_TASK, args=(job_id,)),
                         link_error=client.signature("chaos.errback"),
@@ -1270,6 +1310,7 @@ class Chaos:
         checkpoint_log: sa.Table,
         state_log: sa.Table,
         cursor_log: sa.Table,
+        admission_log: sa.Table,
         ids: dict[str, str],
     ) -> Evidence:
         t = store.table
@@ -1314,6 +1355,15 @@ class Chaos:
                     sa.select(
                         ku.c.lease_key, ku.c.job_id, ku.c.token, ku.c.cursor_state, ku.c.at
                     ).order_by(ku.c.id)
+                )
+            ]
+            al = admission_log
+            admissions = [
+                Admission(r.job_id, r.lease_group, r.admitted_at, r.run_after)
+                for r in connection.execute(
+                    sa.select(
+                        al.c.job_id, al.c.lease_group, al.c.admitted_at, al.c.run_after
+                    ).order_by(al.c.id)
                 )
             ]
             k = store.keys
@@ -1390,6 +1440,10 @@ class Chaos:
             debounced_keys={c.account(n)[1] for n in range(c.keys, c.keys + c.debounced_keys)},
             newest_keys={c.account(n)[1] for n in range(c.keys + c.debounced_keys, c.all_keys)},
             debounce=DEBOUNCE,
+            groups={i: g for i in ids if (g := group_of_id(i)) is not None},
+            group_limits={g: limit for g, (limit, _) in GROUPS.items()},
+            group_rates={g: rate_of(rate) for g, (_, rate) in GROUPS.items()},
+            admissions=admissions,
             cursors=saved,
             cursor_log=cursors,
             key_controls=list(self.key_controls),
@@ -1536,6 +1590,13 @@ def _tally(jobs: sa.Table, log: Any, units: int, *, exclude: str = "") -> tuple[
     return finished, int(units_done) - int(units_stopped) + units * ended_early
 
 
+def group_of_id(job_id: str) -> str | None:
+    """The group of a job of the run, from its id (``...-eo-<group>``, then maybe the soft
+    limit's suffix); None for a job of no group."""
+    parts = job_id.removesuffix(SOFT_SUFFIX).split("-")
+    return parts[-1] if len(parts) >= 5 and parts[-1] in GROUPS else None
+
+
 def _redis_db(url: str | None) -> tuple[int, ...]:
     """The database number of a Redis URL on the Redis a restart fault restarts, else ()."""
     if not url or not F.local_redis(url):
@@ -1625,6 +1686,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="accounts (besides --keys) whose newest trigger wins (lease_key_strategy=newest)",
+    )
+    parser.add_argument(
+        "--grouped-jobs",
+        type=int,
+        default=0,
+        help="jobs (of --jobs, exactly-once) sent in job groups, in turn: "
+        + ", ".join(
+            f"{g} (limit {limit or 'none'}, rate {rate or 'none'})"
+            for g, (limit, rate) in GROUPS.items()
+        ),
     )
     parser.add_argument(
         "--soft-limits",
@@ -1735,6 +1806,7 @@ def config_of(args: argparse.Namespace) -> Config:
         key_units=args.key_units,
         debounced_keys=args.debounced_keys,
         newest_keys=args.newest_keys,
+        grouped_jobs=args.grouped_jobs,
         soft_limits=args.soft_limits,
         key_expiring=0.0 if args.no_keyed_controls or args.no_controls else args.key_expiring,
         isolation=None if args.database.startswith("sqlite") else args.isolation,

@@ -12,6 +12,7 @@ from dataclasses import replace
 from chaos.check import (
     AT_LEAST_ONCE,
     EXACTLY_ONCE,
+    Admission,
     Callback,
     CheckpointRow,
     Control,
@@ -1181,3 +1182,126 @@ def test_a_superseded_job_the_result_backend_does_not_call_revoked_is_caught() -
     wrong = replace(e, key_backend={**(e.key_backend or {}), "x": Outcome("SUCCESS", KEY_UNITS)})
 
     assert failed_checks(wrong) == [LOST]
+
+
+GROUP_LIMIT = "group limit"
+GROUP_RATE = "group rate"
+GROUPED = "no grouped job lost"
+
+
+def grouped(
+    starts: dict[str, float],
+    *,
+    limit: int | None = 1,
+    rate: float | None = None,
+    admitted: dict[str, float] | None = None,
+    dues: dict[str, float] | None = None,
+    states: dict[str, str] | None = None,
+) -> Evidence:
+    """Exactly-once jobs of group ``g``, each admitted at ``admitted`` (default: 0.1 s before
+    its start) with its token at ``dues`` (default: its admission), claimed at its start,
+    running ``UNITS`` units back to back and ending done 0.05 s after its last one."""
+    admitted = admitted or {j: s - 0.1 for j, s in starts.items()}
+    dues = dues or {}
+    rows = [r for j, s in starts.items() for r in run_of(j, 1, range(UNITS), s)]
+    jobs = {
+        j: replace(done(j, 1), finished_at=s + UNITS + 0.05, started_at=s - 0.01)
+        for j, s in starts.items()
+    }
+    for j, state in (states or {}).items():
+        jobs[j] = replace(jobs[j], state=state)
+    e = consistent(
+        Evidence(
+            units=UNITS,
+            modes=dict.fromkeys(starts, EXACTLY_ONCE),
+            jobs=jobs,
+            table_rows=len(starts),
+            unit_rows=rows,
+            checkpoints=[
+                CheckpointRow(j, 1, json.dumps({"next": n + 1}), s + n + 1)
+                for j, s in starts.items()
+                for n in range(UNITS)
+            ],
+            groups=dict.fromkeys(starts, "g"),
+            group_limits={"g": limit},
+            group_rates={"g": rate},
+            admissions=[
+                Admission(j, "g", at, dues.get(j, at))
+                for j, at in sorted(admitted.items(), key=lambda item: item[1])
+            ],
+        )
+    )
+    return e
+
+
+def test_grouped_jobs_admitted_one_after_another_keep_every_invariant() -> None:
+    # Given a, b, c of a group of limit 1 and rate 1/s, each admitted once the last ended
+    e = grouped({"a": 0.0, "b": 4.2, "c": 8.4}, rate=1.0)
+
+    assert failed_checks(e) == []
+    assert e.figures["group_g_most_admitted"] == e.figures["group_g_most_running"] == 1
+    assert e.figures["grouped_done"] == 3
+
+
+def test_two_jobs_of_a_group_of_limit_one_at_once_are_caught() -> None:
+    # Given b admitted at 1.9 and running from 2 while a (admitted at -0.1) runs until 4
+    e = grouped({"a": 0.0, "b": 2.0})
+
+    assert failed_checks(e) == [GROUP_LIMIT]
+    (check,) = [c for c in check_all(e) if c.name.startswith(GROUP_LIMIT)]
+    assert "g: 2 jobs admitted and live at 1.900 (limit 1)" in check.text
+    assert "g: 2 jobs running committed units at 2.000 (limit 1)" in check.text
+    # The same with a limit of 2 is no problem
+    assert failed_checks(replace(e, group_limits={"g": 2})) == []
+
+
+def test_admissions_beyond_the_groups_token_bucket_are_caught() -> None:
+    # Given a group of limit 3 and rate 1/s whose three jobs' tokens are 0.3 s apart
+    starts = {"a": 0.0, "b": 0.3, "c": 0.6}
+    e = grouped(starts, limit=3, rate=1.0)
+
+    assert failed_checks(e) == [GROUP_RATE]
+    (check,) = [c for c in check_all(e) if c.name.startswith(GROUP_RATE)]
+    assert "g (1/s): 3 admissions' tokens within 0.600 s (at most 1.60)" in check.text
+
+    # Admitted together, tokens a second apart, claimed at their tokens: within the bucket
+    tokens = {"a": 0.0, "b": 1.0, "c": 2.0}
+    together = dict.fromkeys(tokens, -0.1)
+    spaced = grouped(tokens, limit=3, rate=1.0, admitted=together, dues={**tokens, "a": -0.1})
+    assert failed_checks(spaced) == []
+    assert spaced.figures["group_g_waited_for_token"] == 2
+
+    # But claimed before its token is caught
+    early = grouped(tokens, limit=3, rate=1.0, admitted=together, dues={**tokens, "c": 2.5})
+    assert failed_checks(early) == [GROUP_RATE]
+    (check,) = [c for c in check_all(early) if c.name.startswith(GROUP_RATE)]
+    assert "g: c: first claimed at 1.990, token 2.500" in check.text
+
+
+def test_a_crashed_jobs_second_attempt_is_no_new_admission() -> None:
+    # Given a (rate 1/s) whose first attempt died in unit 1 and whose second ran from 0.5:
+    # one admission, so b's token a second after a's is within the bucket
+    e = grouped({"a": 0.0, "b": 5.0}, rate=1.0, admitted={"a": -0.1, "b": 4.95})
+    rows = [unit("a", 0, 1, 0.0, None), *run_of("a", 2, range(UNITS), 0.5)]
+    rows += [r for r in e.unit_rows if r.job_id == "b"]
+    jobs = {**e.jobs, "a": replace(e.jobs["a"], attempts=2, token=2, finished_at=4.55)}
+    e = consistent(replace(e, unit_rows=rows, jobs=jobs, history=None))
+
+    assert failed_checks(e) == []
+
+
+def test_a_grouped_job_left_waiting_or_run_without_admission_is_caught() -> None:
+    # Given b still queued at the end, never admitted
+    e = grouped({"a": 0.0, "b": 4.2}, admitted={"a": -0.1}, states={"b": "queued"})
+    e = replace(e, unit_rows=[r for r in e.unit_rows if r.job_id == "a"])
+    e = replace(e, jobs={**e.jobs, "b": replace(e.jobs["b"], finished_at=None, started_at=None)})
+
+    assert set(failed_checks(e)) == {EVERY_JOB, GROUPED}
+    (check,) = [c for c in check_all(e) if c.name.startswith(GROUPED)]
+    assert "b (g): queued, waiting for its admission" in check.text
+
+    # Given b done, never admitted (no admission logged): it ran outside its group's limit
+    unadmitted = grouped({"a": 0.0, "b": 4.2}, admitted={"a": -0.1})
+    assert failed_checks(unadmitted) == [GROUPED]
+    (check,) = [c for c in check_all(unadmitted) if c.name.startswith(GROUPED)]
+    assert "b (g): ran, never admitted" in check.text

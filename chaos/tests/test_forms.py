@@ -13,7 +13,7 @@ import pytest
 
 from chaos import fault as F
 from chaos import trigger as T
-from chaos.driver import build_parser, config_of
+from chaos.driver import build_parser, config_of, group_of_id
 from tests.chaos.test_chaos import POSTGRES_ISOLATION, POSTGRES_KINDS, SHORT, SQLITE_KINDS
 
 MAKEFILE = Path(__file__).resolve().parents[2] / "Makefile"
@@ -199,3 +199,12 @@ def test_debounced_and_newest_accounts_come_after_the_coalescing_ones_and_defaul
     ]
     bursts = T.plan(random.Random(3), triggers=60, keys=config.all_keys, largest=4, gap=0.5)
     assert {b.account for b in bursts} == set(range(5))
+
+
+def test_grouped_jobs_are_exactly_once_jobs_of_the_long_form_named_by_their_group() -> None:
+    assert config_of(build_parser().parse_args([])).grouped_jobs == SHORT.grouped_jobs == 0
+    assert config_of(build_parser().parse_args(long_form_arguments())).grouped_jobs >= 1
+
+    assert group_of_id("chaos-7-00012-eo-g1") == "g1"
+    assert group_of_id("chaos-7-00012-eo-g2-s") == "g2"
+    assert group_of_id("chaos-7-00012-eo") is group_of_id("chaos-7-00012-alo-s") is None
