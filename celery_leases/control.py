@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from . import groups
 from .config import settings_for
 from .db import Store, store_for
 from .db.migrations import Migrated, upgrade
@@ -55,14 +56,18 @@ def retry(app: Any, store: Store, job_id: str) -> str:
 
 
 def cancel(app: Any, store: Store, job_id: str) -> str:
-    """Cancel a job: a queued one will not run (the result backend is told REVOKED), a
-    running one stops at its next checkpoint and ends ``cancelled``."""
+    """Cancel a job: a queued one will not run (the result backend is told REVOKED; an
+    admitted one of a group hands its room to the group's next waiting job), a running one
+    stops at its next checkpoint and ends ``cancelled`` (its worker then admits the next)."""
     job = store.get(job_id)
     for _ in range(3):  # the job may change state between the read and the write
         if job is None:
             break
         if job.state == QUEUED and store.cancel_queued(job.id):
             announce_pending(app, store, batch=settings_for(app).reap_batch)
+            if job.lease_group is not None and not job.waiting:
+                # Its room in its group goes to the next waiting job now, not at a reaper pass.
+                groups.admit(app, store, job.lease_group)
             return (
                 f"job {job.id} ({job.task}) cancelled: its message is dropped when a worker "
                 f"receives it"

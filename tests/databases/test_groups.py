@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_leases import LeasedTask, groups, keys, reap
+from celery_leases import LeasedTask, control, groups, keys, reap
 from celery_leases.config import settings_for
 from celery_leases.db.rows import Claimed, Refused
 from celery_leases.db.store import Store, store_for
@@ -231,6 +231,23 @@ def test_five_calls_of_a_group_of_two_publish_two_and_return_every_id_at_once(
     assert store.groups()[-1].name == "vip"
     rows = {g.name: (g.limit, g.admitted, g.waiting) for g in store.groups()}
     assert rows == {"t1": (2, 2, 3), "vip": (10, 1, 0)}
+
+
+def test_an_operator_cancel_of_an_admitted_job_admits_the_next_at_once(app: Celery) -> None:
+    store = store_for(settings_for(app))
+    calls = [app.tasks["tests.work"].delay("t1", n) for n in range(4)]
+    assert published(app) == [c.id for c in calls[:2]]
+
+    # When an operator cancels a waiting job, then an admitted (queued) one
+    control.cancel(app, store, calls[3].id)
+    assert published(app) == []
+    control.cancel(app, store, calls[0].id)
+
+    # Then the waiting one never runs, and the admitted one's room went to the next at once,
+    # not at the reaper's next pass
+    assert published(app) == [calls[2].id]
+    assert waiting(store, "t1") == []
+    assert admitted_live(store, "t1") == 2
 
 
 def test_a_callable_limit_gives_each_group_its_tier(app: Celery) -> None:
