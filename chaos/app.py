@@ -675,7 +675,12 @@ def install_cursor_log(engine: Engine, jobs_table: str) -> sa.Table:
 
 def remove_cursor_log(engine: Engine, jobs_table: str) -> None:
     """Drop the triggers of :func:`install_cursor_log`; the table is left to its owner."""
-    trigger = f"{jobs_table}_cur"
+    _drop_log_triggers(engine, f"{jobs_table}_cur")
+
+
+def _drop_log_triggers(engine: Engine, trigger: str) -> None:
+    """Drop a log's triggers named ``trigger`` (PostgreSQL: its function, and with it the
+    trigger; SQLite: the insert and update triggers ``<trigger>_i`` and ``_u``)."""
     with engine.begin() as connection:
         if engine.dialect.name == "postgresql":
             connection.execute(sa.text(f"DROP FUNCTION IF EXISTS {trigger}() CASCADE"))
@@ -854,13 +859,7 @@ def install_admission_log(engine: Engine, jobs_table: str) -> sa.Table:
 
 def remove_admission_log(engine: Engine, jobs_table: str) -> None:
     """Drop the triggers of :func:`install_admission_log`; the table is left to its owner."""
-    trigger = f"{jobs_table}_ad"
-    with engine.begin() as connection:
-        if engine.dialect.name == "postgresql":
-            connection.execute(sa.text(f"DROP FUNCTION IF EXISTS {trigger}() CASCADE"))
-        elif engine.dialect.name == "sqlite":
-            connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger}_i"))
-            connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger}_u"))
+    _drop_log_triggers(engine, f"{jobs_table}_ad")
 
 
 def make_app(environ: Mapping[str, str] | None = None, *, name: str = "chaos_app") -> Celery:
