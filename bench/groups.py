@@ -5,12 +5,15 @@ A real ``celery worker`` with 8 prefork processes runs the e2e tasks of
 plain Celery); the client is this process. PostgreSQL + Redis.
 
 - **fairness**: tenant A sends ``--jobs`` jobs of one 0.5 s unit at once, tenant B one such
-  job 1 s later. With groups (each tenant a group, limit 2), A has at most 2 jobs in the broker
-  or running and the rest wait in the database, so B's job is published at once; in plain
+  job 1 s later (``--runs`` times with groups, ``--plain-runs`` times in plain Celery, each
+  on a fresh table and broker; the median and the worst of B's waits). With groups (each
+  tenant a group, limit 2), A has at most 2 jobs in the broker or running and the rest wait
+  in the database, so B's job is published at once; in plain
   Celery B's job waits behind A's whole queue. B's wait: from its send to its unit's start
   (database clock). Also the most jobs of A running at once (from the unit log).
 - **rate**: 200 jobs of one group at ``lease_group_rate="10/s"`` (no concurrency limit), one
-  unit of 0.01 s each, sent at once: the most not-before times (``run_after``, written at
+  unit of 0.01 s each, sent at once, run by ``--rate-workers`` workers of 2 processes each (a
+  limit held in the database, not per worker): the most not-before times (``run_after``, written at
   admission: the bucket holds one token, as Celery's) and the most actual starts in any 1 s
   window, how late each started after its time, and the time from the first start to the
   last against the ideal 19.9 s.
@@ -21,7 +24,7 @@ plain Celery); the client is this process. PostgreSQL + Redis.
   one ends) and of limit 64 (the broker always holds some), from the first claim to the last
   end (database clock).
 
-    python -m bench.groups [--quick] [--jobs N]
+    python -m bench.groups [--quick] [--jobs N] [--runs N] [--plain-runs N] [--rate-workers N]
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from tests.support.worker import Spawner
 
 UNIT_SECONDS = 0.5
 FAIRNESS_COLUMNS = "mode a_jobs a_send_s b_wait_s a_most_at_once"
+FAIRNESS_SUMMARY_COLUMNS = "mode runs b_wait_median_s b_wait_worst_s a_most_at_once"
 RATE_COLUMNS = (
     "rate jobs most_due_in_1s min_due_gap_s most_starts_in_1s min_start_gap_s "
     "late_median_s late_max_s first_to_last_s ideal_s"
@@ -122,6 +126,25 @@ def fairness(s: Scenario, *, jobs: int, grouped: bool) -> dict[str, Any]:
     )
     print(found, flush=True)
     return found
+
+
+def fairness_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """B's wait over the runs of each mode: the median and the worst."""
+    summary = []
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        waits = [r["b_wait_s"] for r in runs if r["mode"] == mode]
+        most = max(r["a_most_at_once"] for r in runs if r["mode"] == mode)
+        summary.append(
+            row(
+                FAIRNESS_SUMMARY_COLUMNS,
+                mode,
+                len(waits),
+                statistics.median(waits),
+                max(waits),
+                most,
+            )
+        )
+    return summary
 
 
 def rate(s: Scenario, *, jobs: int = 200) -> dict[str, Any]:
@@ -233,6 +256,13 @@ def throughput(s: Scenario, *, jobs: int, limit: int | None) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> None:
     options = parser(__doc__)
     options.add_argument("--jobs", type=int, help="tenant A's jobs, and the no-op jobs (1000)")
+    options.add_argument("--runs", type=int, help="fairness runs with groups (10; quick 2)")
+    options.add_argument(
+        "--plain-runs", type=int, help="fairness runs in plain Celery (2; quick 1)"
+    )
+    options.add_argument(
+        "--rate-workers", type=int, default=4, help="workers (2 processes each) of the rate run (4)"
+    )
     options.add_argument(
         "--parts",
         nargs="+",
@@ -242,6 +272,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = options.parse_args(argv)
     jobs = args.jobs or (200 if args.quick else 1000)
+    runs = {
+        True: args.runs or (2 if args.quick else 10),
+        False: args.plain_runs or (1 if args.quick else 2),
+    }
     url = available("postgres")
     if url is None:
         return
@@ -251,21 +285,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     rates: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-groups-") as logs:
         for grouped in (True, False) if "fairness" in args.parts else ():
-            with private_redis_url() as broker, scratch(url, "groups") as table:
-                spawner = Spawner(logs)
-                s = scenario(spawner, url, table, broker)
-                try:
-                    s.start_workers(1, concurrency=8)
-                    fair.append(fairness(s, jobs=jobs, grouped=grouped))
-                finally:
-                    kill_all(spawner)
-                    s.close()
+            for _ in range(runs[grouped]):
+                with private_redis_url() as broker, scratch(url, "groups") as table:
+                    spawner = Spawner(logs)
+                    s = scenario(spawner, url, table, broker)
+                    try:
+                        s.start_workers(1, concurrency=8)
+                        fair.append(fairness(s, jobs=jobs, grouped=grouped))
+                    finally:
+                        kill_all(spawner)
+                        s.close()
         with private_redis_url() as broker, scratch(url, "groups") as table:
             spawner = Spawner(logs)
             s = scenario(spawner, url, table, broker)
             try:
                 if "rate" in args.parts:
-                    s.start_workers(1, concurrency=8)
+                    s.start_workers(args.rate_workers, concurrency=2)
                     rated = [rate(s)]
                     kill_all(spawner)
                 if "cost" in args.parts:
@@ -276,7 +311,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             finally:
                 kill_all(spawner)
                 s.close()
-    print_rows("Rate limit: 200 jobs of one group at 10/s", rated)
+    summary = fairness_summary(fair)
+    print_rows("Fairness, every run", fair)
+    print_rows("Fairness: tenant B's wait, median and worst", summary)
+    print_rows(f"Rate limit: 200 jobs of one group at 10/s, {args.rate_workers} workers x 2", rated)
     print_rows("Statements on the store's connection", costs)
     print_rows("Throughput of no-op leased jobs, one worker -c 8", rates)
     report(
@@ -284,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         fair,
         quick=args.quick,
         title="Fairness: tenant B's one job behind tenant A's queue (one worker, -c 8)",
+        summary=summary,
         rate=rated,
         statements=costs,
         throughput=rates,
