@@ -23,6 +23,7 @@ from celery.signals import (
     worker_shutting_down,
 )
 
+from .. import groups
 from ..config import settings_for, uses_leases
 from ..db import store_for
 from ..db.migrations import upgrade
@@ -210,6 +211,18 @@ def end_job(task: Any, job_id: str, state: str, error: str, *, unheld_only: bool
         logger.warning(
             "celery-leases: job %s is %s: %s", job_id, state, error, extra=job_fields(job_id)
         )
+        _make_room(task, store, job_id)
+
+
+def _make_room(task: Any, store: Any, job_id: str) -> None:
+    """A job of a group that ended outside any attempt hands its room to the group's next
+    waiting job now, not at the reaper's next pass (one read, on this rare path only)."""
+    try:
+        job = store.get(job_id)
+    except LeaseError:
+        return  # the reaper admits them
+    if job is not None and job.lease_group is not None and job.admitted_at is not None:
+        groups.admit(task.app, store, job.lease_group)
 
 
 def _is_leased(task: Any) -> bool:

@@ -10,6 +10,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from celery_leases.errors import ArgumentsError, ConfigurationError
 from celery_leases.message import GROUP_HEADER, Message
 from celery_leases.settings import DEFAULTS, validate
 from celery_leases.worker.keeper import all_keepers
+from celery_leases.worker.signals import record_revoke
 from tests.databases.test_keys import published
 from tests.support.concurrent import at_once
 from tests.support.message import job_message
@@ -248,6 +250,22 @@ def test_an_operator_cancel_of_an_admitted_job_admits_the_next_at_once(app: Cele
     assert published(app) == [calls[2].id]
     assert waiting(store, "t1") == []
     assert admitted_live(store, "t1") == 2
+
+
+def test_a_job_celery_revokes_in_the_worker_admits_the_next_at_once(app: Celery) -> None:
+    store = store_for(settings_for(app))
+    calls = [app.tasks["tests.work"].delay("t1", n) for n in range(3)]
+    assert published(app) == [c.id for c in calls[:2]]
+
+    # When the worker's main process discards an admitted job's message as revoked (the
+    # receiver of Celery's task_revoked signal)
+    request = SimpleNamespace(id=calls[0].id, hostname="worker@test")
+    record_revoke(sender=app.tasks["tests.work"], request=request)
+
+    # Then it ends revoked, and its room goes to the next waiting job at once
+    assert store.get(calls[0].id).state == "revoked"  # type: ignore[union-attr]
+    assert published(app) == [calls[2].id]
+    assert waiting(store, "t1") == []
 
 
 def test_a_callable_limit_gives_each_group_its_tier(app: Celery) -> None:
