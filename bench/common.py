@@ -167,6 +167,21 @@ def scratch(url: str, tag: str, *, leases: bool = True) -> Iterator[str]:
             engine.dispose()
 
 
+def bench_scenario(spawner: Any, url: str, table: str, broker: str) -> Any:
+    """A :class:`~tests.support.scenario.Scenario` for a bench: ``broker``, the scratch leases
+    ``table`` of ``url``, a queue of its own, a 30 s lease; no worker started."""
+    from tests.support.scenario import Scenario
+
+    return Scenario.create(
+        spawner,
+        broker={"broker_url": broker},
+        database_url=url,
+        table=table,
+        queue=f"{table}_queue",
+        lease_seconds=30.0,
+    )
+
+
 @contextlib.contextmanager
 def redis_bed(url: str, tag: str, *, workers: int) -> Iterator[Any]:
     """A :class:`~tests.support.scenario.Scenario` of ``workers`` real workers on a private
@@ -174,7 +189,7 @@ def redis_bed(url: str, tag: str, *, workers: int) -> Iterator[Any]:
     process killed at the end."""
     import tempfile
 
-    from tests.support.scenario import Scenario, kill_all
+    from tests.support.scenario import kill_all
     from tests.support.service import private_redis_url
     from tests.support.worker import Spawner
 
@@ -184,14 +199,7 @@ def redis_bed(url: str, tag: str, *, workers: int) -> Iterator[Any]:
         scratch(url, tag) as table,
     ):
         spawner = Spawner(logs)
-        bed = Scenario.create(
-            spawner,
-            broker={"broker_url": broker},
-            database_url=url,
-            table=table,
-            queue=f"{table}_queue",
-            lease_seconds=30.0,
-        )
+        bed = bench_scenario(spawner, url, table, broker)
         try:
             bed.start_workers(workers)
             yield bed

@@ -39,7 +39,15 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from bench.common import available, parser, print_rows, report, row, scratch
+from bench.common import (
+    available,
+    bench_scenario,
+    parser,
+    print_rows,
+    report,
+    row,
+    scratch,
+)
 from celery_leases.db.rows import Claimed
 from tests.support.driver import executed
 from tests.support.scenario import Scenario, kill_all
@@ -55,17 +63,6 @@ RATE_COLUMNS = (
 )
 COST_COLUMNS = "what statements kinds"
 THROUGHPUT_COLUMNS = "mode jobs seconds jobs_per_s"
-
-
-def scenario(spawner: Spawner, url: str, table: str, broker: str) -> Scenario:
-    return Scenario.create(
-        spawner,
-        broker={"broker_url": broker},
-        database_url=url,
-        table=table,
-        queue=f"{table}_queue",
-        lease_seconds=30.0,
-    )
 
 
 def wait_started(s: Scenario, job_id: str, timeout: float) -> float:
@@ -288,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for _ in range(runs[grouped]):
                 with private_redis_url() as broker, scratch(url, "groups") as table:
                     spawner = Spawner(logs)
-                    s = scenario(spawner, url, table, broker)
+                    s = bench_scenario(spawner, url, table, broker)
                     try:
                         s.start_workers(1, concurrency=8)
                         fair.append(fairness(s, jobs=jobs, grouped=grouped))
@@ -297,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         s.close()
         with private_redis_url() as broker, scratch(url, "groups") as table:
             spawner = Spawner(logs)
-            s = scenario(spawner, url, table, broker)
+            s = bench_scenario(spawner, url, table, broker)
             try:
                 if "rate" in args.parts:
                     s.start_workers(args.rate_workers, concurrency=2)
@@ -312,8 +309,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 kill_all(spawner)
                 s.close()
     summary = fairness_summary(fair)
-    print_rows("Fairness, every run", fair)
-    print_rows("Fairness: tenant B's wait, median and worst", summary)
+    if fair:
+        print_rows("Fairness, every run", fair)
+        print_rows("Fairness: tenant B's wait, median and worst", summary)
     print_rows(f"Rate limit: 200 jobs of one group at 10/s, {args.rate_workers} workers x 2", rated)
     print_rows("Statements on the store's connection", costs)
     print_rows("Throughput of no-op leased jobs, one worker -c 8", rates)

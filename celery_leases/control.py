@@ -65,9 +65,7 @@ def cancel(app: Any, store: Store, job_id: str) -> str:
             break
         if job.state == QUEUED and store.cancel_queued(job.id):
             announce_pending(app, store, batch=settings_for(app).reap_batch)
-            if job.lease_group is not None and not job.waiting:
-                # Its room in its group goes to the next waiting job now, not at a reaper pass.
-                groups.admit(app, store, job.lease_group)
+            groups.make_room(app, store, job)
             return (
                 f"job {job.id} ({job.task}) cancelled: its message is dropped when a worker "
                 f"receives it"

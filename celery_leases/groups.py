@@ -81,6 +81,15 @@ def admit(app: Any, store: Any, group: str, *, most: int | None = None) -> list[
     return publish(app, group, admitted)
 
 
+def make_room(app: Any, store: Any, job: Any) -> list[str]:
+    """``job`` ended outside any attempt (an operator's cancel, Celery's revoke in a worker):
+    if it was admitted in a group, its room goes to the group's next waiting job now, not at
+    the reaper's next pass; the ids published."""
+    if job is None or job.lease_group is None or job.admitted_at is None:
+        return []
+    return admit(app, store, job.lease_group)
+
+
 def publish(app: Any, group: str, admitted: list[Any]) -> list[str]:
     """Publish the jobs ``admitted`` in ``group``; the ids sent."""
     sent: list[str] = []
@@ -129,4 +138,13 @@ def admit_waiting(app: Any, store: Any, *, batch: int) -> list[str]:
     return sent
 
 
-__all__ = ["admit", "admit_waiting", "group_of", "limit_of", "publish", "rate_of", "rate_text"]
+__all__ = [
+    "admit",
+    "admit_waiting",
+    "group_of",
+    "limit_of",
+    "make_room",
+    "publish",
+    "rate_of",
+    "rate_text",
+]

@@ -211,18 +211,11 @@ def end_job(task: Any, job_id: str, state: str, error: str, *, unheld_only: bool
         logger.warning(
             "celery-leases: job %s is %s: %s", job_id, state, error, extra=job_fields(job_id)
         )
-        _make_room(task, store, job_id)
-
-
-def _make_room(task: Any, store: Any, job_id: str) -> None:
-    """A job of a group that ended outside any attempt hands its room to the group's next
-    waiting job now, not at the reaper's next pass (one read, on this rare path only)."""
-    try:
-        job = store.get(job_id)
-    except LeaseError:
-        return  # the reaper admits them
-    if job is not None and job.lease_group is not None and job.admitted_at is not None:
-        groups.admit(task.app, store, job.lease_group)
+        try:
+            ended_job = store.get(job_id)  # its group, on this rare path only
+        except LeaseError:
+            return  # the reaper admits its group's next
+        groups.make_room(task.app, store, ended_job)
 
 
 def _is_leased(task: Any) -> bool:
