@@ -38,20 +38,27 @@ def get_job(app: Any, job_id: str) -> Job | None:
 
 def retry(app: Any, store: Store, job_id: str) -> str:
     """Queue a ``failed`` or ``cancelled`` job again and publish its message: it resumes from
-    its checkpoint. A publish that fails leaves the job cancelled, to be retried again."""
+    its checkpoint. A publish that fails leaves the job cancelled, to be retried again. A job
+    of a group waits for its admission again, as a new call of its group would."""
     job = store.requeue(job_id, queued_timeout=settings_for(app).queued_timeout)
-    try:
-        job.message.send(app)
-    except Exception as exc:
-        store.cancel_queued(job.id)
-        raise LeaseError(
-            f"job {job.id} could not be published ({exc}); it is left cancelled, retry it again"
-        ) from exc
     start = (
         "from its checkpoint"
         if job.checkpoint is not None
         else "from the start (it has no checkpoint)"
     )
+    if job.lease_group is not None and job.id not in groups.admit(app, store, job.lease_group):
+        return (
+            f"job {job.id} ({job.task}) queued again: it waits for its admission in group "
+            f"{job.lease_group}, then resumes {start}"
+        )
+    if job.lease_group is None:
+        try:
+            job.message.send(app)
+        except Exception as exc:
+            store.cancel_queued(job.id)
+            raise LeaseError(
+                f"job {job.id} could not be published ({exc}); it is left cancelled, retry it again"
+            ) from exc
     return f"job {job.id} ({job.task}) queued again: attempt {job.attempts + 1} resumes {start}"
 
 

@@ -268,6 +268,32 @@ def test_a_job_celery_revokes_in_the_worker_admits_the_next_at_once(app: Celery)
     assert waiting(store, "t1") == []
 
 
+def test_an_operator_retry_of_a_grouped_job_waits_for_its_admission(app: Celery) -> None:
+    store = store_for(settings_for(app))
+    task = app.tasks["tests.work"]
+    calls = [task.apply_async(("t1", n), lease_group_limit=1) for n in range(2)]
+    assert published(app) == [calls[0].id]
+    # Given the first job failed and the second admitted in its room
+    job = store.get(calls[0].id)
+    assert job is not None
+    outcome = store.claim(job.message, owner=OWNER, duration=30.0)
+    assert isinstance(outcome, Claimed)
+    assert store.fail(job.id, outcome.token, error="boom")
+    assert groups.admit(app, store, "t1") == [calls[1].id]
+    assert published(app) == [calls[1].id]
+
+    # When an operator retries the failed one while the group is full
+    said = control.retry(app, store, calls[0].id)
+
+    # Then it waits for its admission, unpublished, and is admitted when the room frees
+    assert "waits for its admission in group t1" in said
+    assert published(app) == []
+    assert waiting(store, "t1") == [calls[0].id]
+    finished(store, calls[1].id)
+    assert groups.admit(app, store, "t1") == [calls[0].id]
+    assert published(app) == [calls[0].id]
+
+
 def test_a_callable_limit_gives_each_group_its_tier(app: Celery) -> None:
     store = store_for(settings_for(app))
     tiered = app.tasks["tests.tiered"]

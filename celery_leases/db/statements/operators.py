@@ -91,6 +91,7 @@ class Operators:
             .values(stop_requested=param("kind"))
         )
         #: A finished job queued again, its checkpoint kept.
+        grouped = t.c.lease_group.is_not(None)
         self.requeue = (
             sa.update(t)
             .where(p.by_id, t.c.state.in_(sa.bindparam("b_from_states", expanding=True)))
@@ -99,7 +100,11 @@ class Operators:
                 owner=None,
                 session=None,
                 holder=None,
-                expires_at=now + param("queued_timeout", sa.Double()),
+                # A job of a group waits for a new admission (no expiry: no reaper re-sends it).
+                admitted_at=None,
+                expires_at=sa.case(
+                    (grouped, sa.null()), else_=now + param("queued_timeout", sa.Double())
+                ),
                 error=None,
                 finished_at=None,
                 stalled_attempts=0,
