@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -56,6 +57,10 @@ class LeasedRequest(Request):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: Held while this job's dead process is handled: by ``Deaths`` the moment it died,
+        #: or by billiard's report (``on_failure``), which then waits for the first to end
+        #: instead of racing it (one connection, and a report that tells what happened).
+        self._death_lock = threading.Lock()
         if SHUTTING_DOWN.is_set() and not self.acknowledged:
             # This worker is going down: a job received now (the hand-off of one of its own
             # jobs, say) would wait among its reserved messages until the shutdown ends, and
@@ -88,10 +93,11 @@ class LeasedRequest(Request):  # type: ignore[misc]
         """The pool process that took this job has died (seen by ``deaths.Deaths``): hand its
         lease back and send the job again now; nothing if the job has moved on or ended."""
         try:
-            store = store_for(self.task.lease_settings)
-            self._resumed_after_death = self._resume_at_once(
-                store, self._dead_owner(), seen_at_once=True
-            )
+            with self._death_lock:
+                store = store_for(self.task.lease_settings)
+                self._resumed_after_death = self._resume_at_once(
+                    store, self._dead_owner(), seen_at_once=True
+                )
         except Exception as exc:  # billiard's report of the death comes later and retries
             logger.warning(
                 "celery-leases: job %s: pool process lost, %r",
@@ -108,11 +114,14 @@ class LeasedRequest(Request):  # type: ignore[misc]
     ) -> Any:
         if isinstance(_unwrapped(exc_info.exception), TimeLimitExceeded):
             self._time_limit_reported = True
-        if self._lost(exc_info.exception) and self._handled_loss():
-            task_ready(self)
-            if self.task.acks_late:
-                self.acknowledge()
-            return None
+        if self._lost(exc_info.exception):
+            with self._death_lock:  # after the Deaths thread's hand-back, if it is at it
+                handled = self._handled_loss()
+            if handled:
+                task_ready(self)
+                if self.task.acks_late:
+                    self.acknowledge()
+                return None
         return super().on_failure(
             exc_info, send_failed_event=send_failed_event, return_ok=return_ok
         )

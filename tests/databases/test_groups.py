@@ -54,7 +54,7 @@ def waiting(store: Store, group: str = "tenant:a") -> list[str]:
             connection.execute(
                 sa.select(t.c.id)
                 .where(t.c.lease_group == group, t.c.state == "queued", t.c.admitted_at.is_(None))
-                .order_by(t.c.created_at, t.c.id)
+                .order_by(*store.dialect.arrival_order(t))
             ).scalars()
         )
 
@@ -233,6 +233,23 @@ def test_five_calls_of_a_group_of_two_publish_two_and_return_every_id_at_once(
     assert store.groups()[-1].name == "vip"
     rows = {g.name: (g.limit, g.admitted, g.waiting) for g in store.groups()}
     assert rows == {"t1": (2, 2, 3), "vip": (10, 1, 0)}
+
+
+def test_a_burst_of_calls_of_a_group_is_admitted_first_in_first_out(app: Celery) -> None:
+    # Given a burst of calls of a group of one, several in each tick of SQLite's clock (a
+    # millisecond)
+    store = store_for(settings_for(app))
+    task = app.tasks["tests.work"]
+    calls = [task.apply_async(("t1", n), lease_group_limit=1) for n in range(30)]
+    admitted = published(app)
+
+    # When each admitted job is cancelled in turn (its room goes to the next at once)
+    for _ in calls[1:]:
+        control.cancel(app, store, admitted[-1])
+        admitted += published(app)
+
+    # Then they were admitted in the order they were called
+    assert admitted == [c.id for c in calls]
 
 
 def test_an_operator_cancel_of_an_admitted_job_admits_the_next_at_once(app: Celery) -> None:

@@ -154,6 +154,12 @@ class Dialect:
             t.c.lease_key == key, sa.or_(t.c.state.in_(live), t.c.followup_id.is_not(None))
         )
 
+    def arrival_order(self, table: sa.Table) -> tuple[Any, ...]:
+        """What orders ``table``'s jobs by when they were recorded (first in, first out):
+        the database clock at their insert, and their id where two share a clock reading
+        (microseconds apart here: calls that close are concurrent, no order to keep)."""
+        return (table.c.created_at, table.c.id)
+
     def locking_candidates(self, select: sa.Select[Any]) -> sa.Select[Any]:
         """``select`` (the reaper's orphan candidates) in the form that locks what it returns,
         where the database locks only the rows it returns."""

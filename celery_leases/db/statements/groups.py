@@ -61,12 +61,13 @@ class Groups:
         ).where(by_name)
         waiting_of_group = sa.and_(of_group, t.c.state == QUEUED, t.c.admitted_at.is_(None))
         #: The ``b_n`` oldest waiting jobs of group ``b_group`` (first in, first out), locked.
-        #: Ordered as ``ix_<table>_group_waiting`` is (admitted_at is NULL in every row): the
-        #: index is read in order up to ``b_n``, never the group's whole backlog sorted.
+        #: Ordered as ``ix_<table>_group_waiting`` is (admitted_at is NULL in every row), ties
+        #: of the clock broken as ``Dialect.arrival_order`` says: the index is read in order
+        #: up to ``b_n``, never the group's whole backlog sorted.
         self.oldest_waiting = (
             sa.select(t.c.id)
             .where(waiting_of_group)
-            .order_by(t.c.admitted_at, t.c.created_at, t.c.id)
+            .order_by(t.c.admitted_at, *d.arrival_order(t))
             .limit(param("n", sa.Integer()))
             .with_for_update()
         )
