@@ -6,6 +6,7 @@ returns as JSON on its last line. ``tests/django/conftest.py`` (``Shop.run``) ru
 from __future__ import annotations
 
 import json
+import re
 import sys
 import uuid
 from collections.abc import Callable
@@ -223,6 +224,29 @@ def admin() -> dict[str, Any]:
     seen["created_at"] = [type(created).__name__, created.tzinfo is not None]
     seen["created since an hour ago"] = jobs.filter(created_at__gte=an_hour_ago).count()
     seen["created before an hour ago"] = jobs.filter(created_at__lt=an_hour_ago).count()
+    # Transforms read the time as a datetime in SQL: each job's day there is its day here
+    days = {job_id: timezone.localdate(jobs.get(id=job_id).created_at) for job_id in ids.values()}
+    seen["__date as in Python"] = [
+        jobs.filter(created_at__date=day).filter(id=job_id).exists()
+        and jobs.filter(created_at__date=day).count() == list(days.values()).count(day)
+        for job_id, day in days.items()
+    ]
+    local = timezone.localtime(created)
+    seen["__year and __hour"] = [
+        jobs.filter(created_at__year=local.year, created_at__hour=local.hour)
+        .filter(id=ids["running"])
+        .exists()
+    ]
+    seen["datetimes by day"] = [d.date() for d in jobs.datetimes("created_at", "day")] == sorted(
+        set(days.values())
+    )
+    # The date hierarchy: its links, and the jobs of the running job's day through them
+    day = days[ids["running"]]
+    text = client.get(page).content.decode()
+    seen["date hierarchy links"] = bool(re.search(r'href="\?created_at__(day|month|year)=', text))
+    by_day = f"?created_at__year={day.year}&created_at__month={day.month}&created_at__day={day.day}"
+    seen["listed on the running job's day"] = listed(by_day)
+    seen["expected on that day"] = sorted(s for s, i in ids.items() if days[i] == day)
     detail = client.get(f"{page}{ids['running']}/change/")
     seen["detail status"] = detail.status_code
     seen["detail has a save button"] = 'name="_save"' in detail.content.decode()

@@ -16,7 +16,9 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -155,6 +157,32 @@ def test_a_staff_user_sees_a_running_job_progress_in_the_admin_and_cancels_it(
 
         wait_for("the job cancelled in the admin", cancelled)
         driver.save_screenshot(str(tmp_path / "admin-cancelled.png"))
+
+    # When they drill into the date hierarchy down to the day the job was created
+    day = datetime.fromtimestamp(job.created_at, tz=UTC)  # the project's TIME_ZONE is UTC
+    driver.get(f"{site}/admin/celery_leases/job/")
+    for _ in range(3):
+        links = [
+            (parse_qs(urlsplit(a.get_attribute("href") or "").query), a)
+            for a in driver.find_elements(By.CSS_SELECTOR, "nav.toplinks a:not(.date-back)")
+        ]
+        part, chosen = next(
+            (
+                (part, a)
+                for part in ("day", "month", "year")
+                for query, a in links
+                if query.get(f"created_at__{part}") == [str(getattr(day, part))]
+            ),
+            ("", None),
+        )
+        assert chosen is not None, [query for query, _ in links]
+        chosen.click()
+        if part == "day":
+            break
+
+    # Then the day's list holds the job
+    WebDriverWait(driver, 30).until(lambda d: "created_at__day=" in d.current_url)
+    assert driver.find_elements(By.XPATH, f"//tr[.//input[@value='{job.id}']]"), driver.current_url
 
     # When they set a free lease key's cursor on its page
     key = f"acct-{uuid.uuid4().hex[:8]}"

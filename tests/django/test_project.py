@@ -119,6 +119,12 @@ def test_the_admin_lists_filters_and_searches_jobs_and_groups_and_its_actions_us
     assert seen["created in the past hour"] == ["failed", "queued", "running"]
     assert seen["created_at"] == ["datetime", True]
     assert (seen["created since an hour ago"], seen["created before an hour ago"]) == (3, 1)
+    assert seen["__date as in Python"] == [True] * 4
+    assert seen["__year and __hour"] == [True]
+    assert seen["datetimes by day"]
+    assert seen["date hierarchy links"]
+    assert seen["listed on the running job's day"] == seen["expected on that day"]
+    assert "running" in seen["expected on that day"]
     # Read-only: a job's page shows it, with no save button, and refuses a POST; no add page
     assert (seen["detail status"], seen["detail has a save button"]) == (200, False)
     assert seen["detail shows the checkpoint"]

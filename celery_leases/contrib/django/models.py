@@ -24,11 +24,41 @@ def moment(seconds: float | None) -> datetime | None:
     return None if seconds is None else datetime.fromtimestamp(seconds, tz=UTC)
 
 
-class Moment(models.FloatField):  # type: ignore[type-arg]
-    """A stored time (epoch seconds, database clock) that the ORM reads as an aware datetime
-    and that lookups take as a datetime (``filter(created_at__gte=...)``; a naive one is in
-    Django's current time zone) or as epoch seconds. The column stays the float the store
-    writes and indexes: no schema change."""
+class AsDatetime(models.Func):
+    """A stored time (epoch seconds) as the database's own datetime, for what Django computes
+    in SQL on a datetime (``Trunc``, ``Extract``, ``__date``, ``__year``): the conversion of
+    each database, to UTC as Django stores datetimes with ``USE_TZ``."""
+
+    arity = 1
+    output_field = models.DateTimeField()
+
+    def as_postgresql(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+        return self.as_sql(compiler, connection, template="to_timestamp(%(expressions)s)")
+
+    def as_mysql(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+        # FROM_UNIXTIME would read the session's time zone; this is the same UTC everywhere.
+        template = (
+            "TIMESTAMPADD(MICROSECOND, CAST(ROUND(%(expressions)s * 1000000) AS SIGNED),"
+            " '1970-01-01 00:00:00')"
+        )
+        return self.as_sql(compiler, connection, template=template)
+
+    def as_sqlite(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+        # Django keeps SQLite's datetimes as this text (whole seconds here).
+        return self.as_sql(compiler, connection, template="datetime(%(expressions)s, 'unixepoch')")
+
+
+class Moment(models.DateTimeField):  # type: ignore[type-arg]
+    """A stored time (epoch seconds, database clock) that the ORM reads as an aware datetime.
+
+    The column stays the float the store writes and indexes (no schema change). Comparisons
+    take a datetime (``filter(created_at__gte=...)``; a naive one is in Django's current time
+    zone) or epoch seconds and compare the column itself, so its indexes serve them.
+    Transforms (``__date``, ``__year``, ``__hour``) and ``QuerySet.datetimes()`` (the admin's
+    ``date_hierarchy``) read it converted to a datetime in SQL (``AsDatetime``)."""
+
+    def get_internal_type(self) -> str:
+        return "FloatField"  # the column's type, and the database's converters, are a float's
 
     def from_db_value(self, value: float | None, expression: Any, connection: Any) -> Any:
         return moment(value)
@@ -36,15 +66,48 @@ class Moment(models.FloatField):  # type: ignore[type-arg]
     def to_python(self, value: Any) -> datetime | None:
         if value is None or isinstance(value, datetime):
             return value
-        return moment(float(super().to_python(value)))
+        if isinstance(value, int | float):
+            return moment(float(value))
+        parsed: datetime | None = super().to_python(value)
+        return parsed
 
-    def get_prep_value(self, value: Any) -> float | None:
+    def get_prep_value(self, value: Any) -> Any:
         if isinstance(value, datetime):
             if timezone.is_naive(value):
                 value = timezone.make_aware(value)
             return value.timestamp()
-        prepared: float | None = super().get_prep_value(value)
-        return prepared
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        return value  # None, or an expression
+
+    def get_db_prep_value(self, value: Any, connection: Any, prepared: bool = False) -> Any:
+        return value if prepared else self.get_prep_value(value)
+
+    def get_transform(self, lookup_name: str) -> Any:
+        transform = super().get_transform(lookup_name)
+        if transform is None:
+            return None
+        return lambda lhs, *args, **kwargs: transform(AsDatetime(lhs), *args, **kwargs)
+
+
+class Moments(models.QuerySet):  # type: ignore[type-arg]
+    """``dates()`` and ``datetimes()`` over a ``Moment`` (the admin's ``date_hierarchy``
+    lists years, months and days with them): truncated from its datetime (``AsDatetime``)."""
+
+    def dates(self, field_name: str, kind: str, order: str = "ASC") -> Any:
+        name, queryset = self._as_datetime(field_name)
+        return super(Moments, queryset).dates(name, kind, order)
+
+    def datetimes(self, field_name: str, kind: str, order: str = "ASC", tzinfo: Any = None) -> Any:
+        name, queryset = self._as_datetime(field_name)
+        return super(Moments, queryset).datetimes(name, kind, order, tzinfo)
+
+    def _as_datetime(self, field_name: str) -> tuple[str, Moments]:
+        fields = {f.name: f for f in self.model._meta.get_fields()}
+        if not isinstance(fields.get(field_name), Moment):
+            return field_name, self
+        name = f"{field_name}_as_datetime"
+        return name, self.alias(**{name: AsDatetime(field_name)})
 
 
 class Job(models.Model):
@@ -74,6 +137,8 @@ class Job(models.Model):
     message = models.TextField()
     lease_group = models.CharField(max_length=MAX_KEY_LENGTH, null=True)
     admitted_at = Moment(null=True)
+
+    objects = Moments.as_manager()
 
     class Meta:
         managed = False
@@ -108,6 +173,8 @@ class LeaseKey(models.Model):
     pending_id = models.CharField(max_length=MAX_ID_LENGTH, null=True)
     pending_at = Moment(null=True)
 
+    objects = Moments.as_manager()
+
     class Meta:
         managed = False
         db_table = f"{table_name()}_keys"
@@ -136,6 +203,8 @@ class JobGroup(models.Model):
     refilled_at = Moment()
     admitted_at = Moment(null=True)
     created_at = Moment()
+
+    objects = Moments.as_manager()
 
     class Meta:
         managed = False
