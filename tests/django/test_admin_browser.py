@@ -22,8 +22,10 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
+from celery_leases.message import GROUP_HEADER
 from tests.django.conftest import PROJECT, Shop
-from tests.django.test_worker import job_of, wait_for
+from tests.django.test_worker import TASK, job_of, wait_for
+from tests.support.message import job_message
 from tests.support.service import in_ci, private_redis_url
 from tests.support.worker import REPO_ROOT, Spawner
 
@@ -201,3 +203,29 @@ def test_a_staff_user_sees_a_running_job_progress_in_the_admin_and_cancels_it(
     ended = job_of(shop, batch)
     assert ended is not None and ended.state == "cancelled"
     assert (ended.progress_done or 0) < 600
+
+    # Given a group of one with a job admitted and one waiting for its admission
+    group, tag = f"tenant:browser-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:6]
+    members = [f"g{n}-{tag}" for n in range(2)]
+    for job_id in members:
+        sent = job_message(job_id, TASK, args=[job_id, 1], **{GROUP_HEADER: group})
+        shop.store.register(sent)
+    shop.store.admit(group, limit=1, define=True)
+
+    # When they open the job groups' page and follow the group to its jobs
+    driver.get(f"{site}/admin/celery_leases/jobgroup/?q={group}")
+    row = driver.find_element(By.XPATH, f"//tr[contains(., '{group}')]")
+    cells = {
+        name: row.find_element(By.CSS_SELECTOR, f".field-{name}").text
+        for name in ("limit", "admitted", "waiting")
+    }
+    row.find_element(By.CSS_SELECTOR, "a[href*='?group=']").click()
+    WebDriverWait(driver, 30).until(lambda d: "group=" in d.current_url)
+    states = [
+        driver.find_element(By.XPATH, f"//tr[.//input[@value='{job_id}']]").text
+        for job_id in members
+    ]
+
+    # Then the group shows its limit, one admitted and one waiting, and so do its jobs
+    assert cells == {"limit": "1", "admitted": "1", "waiting": "1"}
+    assert ["queued" in states[0], "waiting" in states[1]] == [True, True], states
