@@ -211,7 +211,7 @@ def admin() -> dict[str, Any]:
         )
     seen["created in the past hour"] = listed("?created=hour")
     # The times are datetimes in the ORM, and lookups take datetimes
-    from datetime import timedelta
+    from datetime import date, timedelta
 
     from django.utils import timezone
 
@@ -224,6 +224,11 @@ def admin() -> dict[str, Any]:
     seen["created_at"] = [type(created).__name__, created.tzinfo is not None]
     seen["created since an hour ago"] = jobs.filter(created_at__gte=an_hour_ago).count()
     seen["created before an hour ago"] = jobs.filter(created_at__lt=an_hour_ago).count()
+    # ... or a date, a datetime's text, epoch seconds (each job was created after 2000)
+    seen["taken as a date, text and seconds"] = [
+        jobs.filter(created_at__gte=since).count()
+        for since in (date(2000, 1, 1), "2000-01-01 00:00", 946684800)
+    ]
     # Transforms read the time as a datetime in SQL: each job's day there is its day here
     days = {job_id: timezone.localdate(jobs.get(id=job_id).created_at) for job_id in ids.values()}
     seen["__date as in Python"] = [

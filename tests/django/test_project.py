@@ -119,6 +119,7 @@ def test_the_admin_lists_filters_and_searches_jobs_and_groups_and_its_actions_us
     assert seen["created in the past hour"] == ["failed", "queued", "running"]
     assert seen["created_at"] == ["datetime", True]
     assert (seen["created since an hour ago"], seen["created before an hour ago"]) == (3, 1)
+    assert seen["taken as a date, text and seconds"] == [4, 4, 4]
     assert seen["__date as in Python"] == [True] * 4
     assert seen["__year and __hour"] == [True]
     assert seen["datetimes by day"]

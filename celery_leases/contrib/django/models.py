@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
@@ -66,19 +67,21 @@ class Moment(models.DateTimeField):  # type: ignore[type-arg]
     def to_python(self, value: Any) -> datetime | None:
         if value is None or isinstance(value, datetime):
             return value
-        if isinstance(value, int | float):
-            return moment(float(value))
-        parsed: datetime | None = super().to_python(value)
+        if isinstance(value, int | float | str):
+            with contextlib.suppress(ValueError):
+                return moment(float(value))  # epoch seconds, or their text
+        parsed: datetime | None = super().to_python(value)  # a date, a datetime's text
         return parsed
 
     def get_prep_value(self, value: Any) -> Any:
-        if isinstance(value, datetime):
-            if timezone.is_naive(value):
-                value = timezone.make_aware(value)
-            return value.timestamp()
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        return value  # None, or an expression
+        if value is None or hasattr(value, "resolve_expression"):
+            return value
+        value = self.to_python(value)
+        if value is None:
+            return None
+        if timezone.is_naive(value):
+            value = timezone.make_aware(value)
+        return value.timestamp()
 
     def get_db_prep_value(self, value: Any, connection: Any, prepared: bool = False) -> Any:
         return value if prepared else self.get_prep_value(value)
