@@ -16,8 +16,12 @@ from typing import Any
 
 from celery import states
 from celery.app.task import Context
+from celery.backends.base import DisabledBackend
+from celery.exceptions import TaskRevokedError
 
+from .db import store_for
 from .db.rows import Job
+from .db.schema import CANCELLED, REVOKED
 from .errors import GaveUp
 from .log import job_fields
 from .message import EMBED
@@ -103,3 +107,40 @@ def announce_pending(app: Any, store: Any, *, batch: int, max_batches: int = 10)
         if len(jobs) < batch:
             break
     return told
+
+
+def keep_revoked(task: Any, job_id: str) -> bool:
+    """Store REVOKED again for ``job_id`` if its row ended revoked or cancelled and the
+    result backend says RETRY or STARTED: an attempt's trace wrote over Celery's REVOKED.
+
+    Celery's retry sends the retry's message before it stores RETRY, so a worker can discard
+    that message as revoked or expired, and store REVOKED, before the retrying trace stores
+    RETRY, and a client in ``AsyncResult.get()`` would wait forever. Run after each of the
+    two writes (the revoke's, in the main process; the retry's), it sees the second one. The
+    state only: the chord part was counted, and REVOKED fires no errback. True when stored."""
+    backend = task.backend
+    if isinstance(backend, DisabledBackend) or not backend.persistent or task.ignore_result:
+        return False  # (the RPC backend's states are messages to the client, read once)
+    try:
+        if backend.get_state(job_id) not in (states.RETRY, states.STARTED):
+            return False
+        job = store_for(task.lease_settings).get(job_id)
+        if job is None or job.state not in (REVOKED, CANCELLED):
+            return False
+        backend.store_result(job_id, TaskRevokedError(job.error or job.state), states.REVOKED)
+    except Exception as exc:  # the backend or the database is down: the row is the truth
+        logger.info(
+            "celery-leases: job %s: could not check its state in the result backend: %r",
+            job_id,
+            exc,
+            extra=job_fields(job_id),
+        )
+        return False
+    logger.warning(
+        "celery-leases: job %s is %s, but a retry stored RETRY in the result backend after "
+        "it; REVOKED stored again",
+        job_id,
+        job.state,
+        extra=job_fields(job_id),
+    )
+    return True

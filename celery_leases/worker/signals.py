@@ -14,6 +14,7 @@ from celery.signals import (
     task_failure,
     task_postrun,
     task_prerun,
+    task_retry,
     task_revoked,
     task_unknown,
     worker_init,
@@ -23,7 +24,7 @@ from celery.signals import (
     worker_shutting_down,
 )
 
-from .. import groups
+from .. import groups, notice
 from ..config import settings_for, uses_leases
 from ..db import store_for
 from ..db.migrations import upgrade
@@ -177,6 +178,15 @@ def record_revoke(
     # An expired copy of the message of a job an attempt runs under a live lease (the reaper
     # sent it again meanwhile) leaves that attempt alone, as Celery does a running task.
     end_job(sender, job_id, REVOKED, error, unheld_only=expired)
+    notice.keep_revoked(sender, job_id)
+
+
+def keep_revoked_after_retry(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """A leased job's retry stored RETRY: if a worker revoked the job meanwhile (discarded the
+    retry's message as expired, say), REVOKED again (``notice.keep_revoked``)."""
+    job_id = getattr(request, "id", None)
+    if _is_leased(sender) and job_id:
+        notice.keep_revoked(sender, job_id)
 
 
 def record_failure_in_main_process(
@@ -241,6 +251,7 @@ RECEIVERS = (
     (worker_shutting_down, preempt_on_shutdown),
     (task_unknown, wait_for_a_worker_that_knows),
     (task_revoked, record_revoke),
+    (task_retry, keep_revoked_after_retry),
     (task_failure, record_failure_in_main_process),
     # A leased execution gets its soft time limit once (billiard resends it at shutdown).
     (task_prerun, execution_starts),

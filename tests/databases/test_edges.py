@@ -582,3 +582,55 @@ def test_a_trigger_behind_a_job_with_a_long_countdown_waits_for_that_countdown(
     store.finish("t1", outcome.token, result='"ok"')
     assert store.settle("acct:1").served
     assert store.get("t2").served_by == "t1"  # type: ignore[union-attr]
+
+
+def test_a_retry_that_stored_retry_over_a_revoke_leaves_the_job_revoked_for_the_client(
+    database_url: str, table_name: str
+) -> None:
+    from types import SimpleNamespace
+
+    from celery.exceptions import TaskRevokedError
+
+    from celery_leases.worker.signals import keep_revoked_after_retry, record_revoke
+
+    app = Celery("edges_retry_over_revoke", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        result_backend="cache+memory://",
+        leases_database_url=database_url,
+        leases_table=table_name,
+        task_default_queue=table_name,
+    )
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.retried")
+    def retried(self: LeasedTask) -> None:
+        raise self.retry(countdown=0.1)
+
+    backend, store = app.backend, store_for(settings_for(app))
+    first, second, live = (retried.delay() for _ in range(3))
+
+    # Given a retry's message a worker discarded as expired the moment it was sent: Celery
+    # stored REVOKED, then the retrying trace stored RETRY, then the worker's main process
+    # recorded the revoke (task_revoked)
+    backend.mark_as_revoked(first.id, "expired")
+    backend.mark_as_retry(first.id, RuntimeError("the database is restarting"))
+    record_revoke(sender=retried, request=SimpleNamespace(id=first.id, hostname="w"), expired=True)
+    # ... and the same, the retrying trace's RETRY stored after the revoke was recorded
+    record_revoke(sender=retried, request=SimpleNamespace(id=second.id, hostname="w"), expired=True)
+    backend.mark_as_retry(second.id, RuntimeError("the database is restarting"))
+    keep_revoked_after_retry(sender=retried, request=SimpleNamespace(id=second.id))
+    # ... and a retry of a job that lives on
+    backend.mark_as_retry(live.id, RuntimeError("the database is restarting"))
+    keep_revoked_after_retry(sender=retried, request=SimpleNamespace(id=live.id))
+
+    # Then the revoked ones are REVOKED for their clients (whose get() would wait forever on
+    # RETRY), and the live one's retry is left as it is
+    states = [backend.get_state(r.id) for r in (first, second, live)]
+    assert states == ["REVOKED", "REVOKED", "RETRY"]
+    assert [store.get(r.id).state for r in (first, second, live)] == [  # type: ignore[union-attr]
+        "revoked",
+        "revoked",
+        "queued",
+    ]
+    with pytest.raises(TaskRevokedError, match="expired in Celery"):
+        first.get(timeout=1)
