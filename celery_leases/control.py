@@ -46,12 +46,13 @@ def retry(app: Any, store: Store, job_id: str) -> str:
         if job.checkpoint is not None
         else "from the start (it has no checkpoint)"
     )
-    if job.lease_group is not None and job.id not in groups.admit(app, store, job.lease_group):
-        return (
-            f"job {job.id} ({job.task}) queued again: it waits for its admission in group "
-            f"{job.lease_group}, then resumes {start}"
-        )
-    if job.lease_group is None:
+    if job.lease_group is not None:
+        if job.id not in groups.admit(app, store, job.lease_group):
+            return (
+                f"job {job.id} ({job.task}) queued again: it waits for its admission in group "
+                f"{job.lease_group}, then resumes {start}"
+            )
+    else:
         try:
             job.message.send(app)
         except Exception as exc:

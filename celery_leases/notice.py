@@ -21,7 +21,7 @@ from celery.exceptions import TaskRevokedError
 
 from .db import store_for
 from .db.rows import Job
-from .db.schema import CANCELLED, REVOKED
+from .db.schema import REVOKED_ENDS
 from .errors import GaveUp
 from .log import job_fields
 from .message import EMBED
@@ -110,14 +110,16 @@ def announce_pending(app: Any, store: Any, *, batch: int, max_batches: int = 10)
 
 
 def keep_revoked(task: Any, job_id: str) -> bool:
-    """Store REVOKED again for ``job_id`` if its row ended revoked or cancelled and the
-    result backend says RETRY or STARTED: an attempt's trace wrote over Celery's REVOKED.
+    """Store REVOKED again for ``job_id`` if its row ended as a revoke (``REVOKED_ENDS``:
+    revoked, cancelled, superseded) and the result backend says RETRY or STARTED: an
+    attempt's trace wrote over that REVOKED.
 
-    Celery's retry sends the retry's message before it stores RETRY, so a worker can discard
-    that message as revoked or expired, and store REVOKED, before the retrying trace stores
-    RETRY, and a client in ``AsyncResult.get()`` would wait forever. Run after each of the
-    two writes (the revoke's, in the main process; the retry's), it sees the second one. The
-    state only: the chord part was counted, and REVOKED fires no errback. True when stored."""
+    Celery's retry sends the retry's message before it stores RETRY, so the retry can end
+    in between (a worker discards its message as revoked or expired; a newer trigger of its
+    key supersedes it) and REVOKED be stored before the retrying trace stores RETRY, and a
+    client in ``AsyncResult.get()`` would wait forever. Run after each of the two writes
+    (the revoke's, in the main process; the retry's), it sees the second one. The state
+    only: the chord part was counted, and REVOKED fires no errback. True when stored."""
     backend = task.backend
     if isinstance(backend, DisabledBackend) or not backend.persistent or task.ignore_result:
         return False  # (the RPC backend's states are messages to the client, read once)
@@ -125,7 +127,7 @@ def keep_revoked(task: Any, job_id: str) -> bool:
         if backend.get_state(job_id) not in (states.RETRY, states.STARTED):
             return False
         job = store_for(task.lease_settings).get(job_id)
-        if job is None or job.state not in (REVOKED, CANCELLED):
+        if job is None or job.state not in REVOKED_ENDS:
             return False
         backend.store_result(job_id, TaskRevokedError(job.error or job.state), states.REVOKED)
     except Exception as exc:  # the backend or the database is down: the row is the truth

@@ -33,6 +33,8 @@ LIVE_STATES = (QUEUED, RUNNING)
 #: write the states as literals, so that a generic plan can prove it).
 LIVE_PREDICATE = "state IN ('queued', 'running')"
 FINISHED_STATES = (DONE, FAILED, CANCELLED, REVOKED, REPLACED, SUPERSEDED)
+#: The ends a client sees as REVOKED in the result backend.
+REVOKED_ENDS = (CANCELLED, REVOKED, SUPERSEDED)
 #: A job of a group that waits in the database for its admission (never published yet): it
 #: is ``queued`` (live: it holds its lease key) with no ``admitted_at`` and no ``expires_at``
 #: (no reaper re-publishes it). Shown as ``waiting`` by ``leases list``.

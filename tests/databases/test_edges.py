@@ -31,6 +31,7 @@ from celery_leases.publish import Recorder
 from celery_leases.reaper import reap
 from celery_leases.settings import DEFAULTS, validate
 from celery_leases.worker.keeper import all_keepers
+from tests.support.memory import memory_app
 from tests.support.message import job_message
 
 OWNER = "worker@edges/test/1"
@@ -264,15 +265,7 @@ def test_a_claim_that_meets_a_lock_timeout_is_delivered_again_not_failed(
 
     # Given a database whose sessions give up on a row lock after 0.3 s (lock_timeout)
     url = f"{database_url}?options=-c%20lock_timeout%3D300"
-    app = Celery("edges_claim_conflict", set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        result_backend="cache+memory://",
-        leases_database_url=url,
-        leases_table=table_name,
-        task_default_queue=table_name,
-        leases_db_retry_max_delay=0.5,
-    )
+    app = memory_app("edges_claim_conflict", url, table_name, leases_db_retry_max_delay=0.5)
 
     @app.task(base=LeasedTask, bind=True, shared=False, name="tests.locked")
     def locked(self: LeasedTask) -> int:
@@ -340,15 +333,7 @@ def test_a_message_over_the_packet_limit_is_refused_at_once_with_the_databases_r
 
 @pytest.fixture
 def app(database_url: str, table_name: str) -> Iterator[Celery]:
-    app = Celery("edges", set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        result_backend="cache+memory://",
-        leases_database_url=database_url,
-        leases_table=table_name,
-        leases_reap_grace=5.0,
-        task_default_queue=table_name,
-    )
+    app = memory_app("edges", database_url, table_name, leases_reap_grace=5.0)
 
     @app.task(base=LeasedTask, bind=True, shared=False, name="tests.sync", lease_key="{0}")
     def sync(self: LeasedTask, account: str) -> str:
@@ -471,14 +456,7 @@ def test_a_retry_after_checkpoints_resumes_from_the_checkpoint_unless_it_is_clea
 ) -> None:
     from celery.contrib.testing.worker import start_worker
 
-    app = Celery("edges_retry", set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        result_backend="cache+memory://",
-        leases_database_url=database_url,
-        leases_table=table_name,
-        task_default_queue=table_name,
-    )
+    app = memory_app("edges_retry", database_url, table_name)
     seen: list[Any] = []
 
     @app.task(base=LeasedTask, bind=True, shared=False, name="tests.pages", max_retries=1)
@@ -511,14 +489,7 @@ def test_a_retry_or_replace_asked_inside_the_tasks_transaction_waits_for_it_to_e
 ) -> None:
     from celery.contrib.testing.worker import start_worker
 
-    app = Celery("edges_inside", set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        result_backend="cache+memory://",
-        leases_database_url=database_url,
-        leases_table=table_name,
-        task_default_queue=table_name,
-    )
+    app = memory_app("edges_inside", database_url, table_name)
     engine = sa.create_engine(database_url)
     seen: list[Any] = []
 
@@ -593,14 +564,7 @@ def test_a_retry_that_stored_retry_over_a_revoke_leaves_the_job_revoked_for_the_
 
     from celery_leases.worker.signals import keep_revoked_after_retry, record_revoke
 
-    app = Celery("edges_retry_over_revoke", set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        result_backend="cache+memory://",
-        leases_database_url=database_url,
-        leases_table=table_name,
-        task_default_queue=table_name,
-    )
+    app = memory_app("edges_retry_over_revoke", database_url, table_name)
 
     @app.task(base=LeasedTask, bind=True, shared=False, name="tests.retried")
     def retried(self: LeasedTask) -> None:

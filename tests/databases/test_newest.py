@@ -20,6 +20,7 @@ from celery_leases.errors import ConfigurationError
 from celery_leases.message import KEY_HEADER, KEY_STRATEGY_HEADER, Message
 from celery_leases.settings import DEFAULTS, validate
 from celery_leases.worker.keeper import all_keepers
+from tests.support.memory import memory_app
 from tests.support.message import job_message
 
 OWNER = "worker-a/1"
@@ -246,14 +247,7 @@ def test_a_run_that_ignores_the_supersede_and_ends_done_leaves_the_newest_run_to
 
 @pytest.fixture
 def app(database_url: str, table_name: str) -> Iterator[Celery]:
-    app = Celery("newest_tests", set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        result_backend="cache+memory://",
-        leases_database_url=database_url,
-        leases_table=table_name,
-        task_default_queue=table_name,  # memory:// queues live as long as this process
-    )
+    app = memory_app("newest_tests", database_url, table_name)
 
     @app.task(
         base=LeasedTask,
@@ -337,6 +331,27 @@ def test_one_call_may_ask_for_newest_and_a_queued_job_is_superseded_at_once(
     assert first.state == "REVOKED"  # told at once, not at the reaper's next pass
     assert published(app) == [(first.id, {}), (second.id, {"since": 5})]
     assert store.get(second.id).state == "queued"  # type: ignore[union-attr]
+
+
+def test_a_retry_stored_after_its_job_was_superseded_leaves_it_revoked_for_the_client(
+    app: Celery,
+) -> None:
+    from types import SimpleNamespace
+
+    from celery_leases.worker.signals import keep_revoked_after_retry
+
+    # Given a job superseded by a newer trigger after its retry's message was sent and before
+    # the retrying trace stored RETRY (Celery stores it after sending)
+    sync = app.tasks["tests.sync"]
+    first = sync.delay("42")
+    sync.apply_async(("42",), {"since": 5}, lease_key_strategy="newest")
+    app.backend.mark_as_retry(first.id, RuntimeError("retried"))
+
+    # When the task_retry receiver runs after that write
+    keep_revoked_after_retry(sender=sync, request=SimpleNamespace(id=first.id))
+
+    # Then its client sees REVOKED, not a RETRY its get() would wait on forever
+    assert first.state == "REVOKED"
 
 
 def test_a_strategy_that_is_none_is_refused(app: Celery) -> None:
