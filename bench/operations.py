@@ -161,9 +161,9 @@ def ids_starting_with(store: Store, prefix: str) -> list[str]:
 
 def reaper_steps(app: Any) -> dict[str, Callable[[], Any]]:
     """The store calls of one reaper pass (``celery_leases.reaper.reap``), one by one, as the
-    pass makes them (the settling of waiting triggers: ``keys.settle`` of each key
+    pass makes them (the settling of waiting triggers: ``lifecycle.settle`` of each key
     ``pending_keys`` names); the publishes a pass would make are left out."""
-    from celery_leases import keys
+    from celery_leases import lifecycle
     from celery_leases.config import settings_for
     from celery_leases.db import store_for
 
@@ -179,7 +179,7 @@ def reaper_steps(app: Any) -> dict[str, Callable[[], Any]]:
             max_attempts=settings.max_attempts,
         ),
         "pending_keys + settle each": lambda: [
-            keys.settle(app, store, key) for key in store.pending_keys(batch=batch)
+            lifecycle.settle(app, store, key) for key in store.pending_keys(batch=batch)
         ],
         "followups_pending": lambda: store.followups_pending(batch=batch),
         "take_notices": lambda: store.take_notices(batch=batch),

@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import logging
 import random
-import traceback
 from dataclasses import replace
 from typing import Any, NoReturn, TypeVar
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from . import groups, keys, metrics
-from .checkpoint import lost_commits
-from .db import Store, rows
+from . import lifecycle, metrics
+from .db import Store
 from .db.errors import conflict_in, ended_idle_transaction, first_line
 from .db.joined import Joined, ambient
 from .db.rows import Refused
-from .db.schema import CANCELLED, QUEUED, SUPERSEDED
-from .db.statements.common import SUPERSEDED_TEXT
 from .errors import (
     Cancelled,
     ConfigurationError,
@@ -34,7 +30,7 @@ from .errors import (
     Superseded,
     WriteConflict,
 )
-from .lease import Lease, holding, queued_by, recorded, until_deadline
+from .lease import Lease, holding
 from .log import job_fields, lease_fields
 from .message import (
     COALESCE,
@@ -46,6 +42,7 @@ from .message import (
     Message,
 )
 from .process import owner_name
+from .states import State
 from .worker.keeper import Keeper, keeper_for
 from .worker.limits import body_over
 
@@ -133,10 +130,10 @@ class Attempt:
         try:
             # Task.apply() runs the job now, as Celery does, even one that has ended.
             holder = None if keeper is None else keeper.holder_for(self.owner, settings.duration)
-            outcome = self.store.claim(
+            outcome = lifecycle.claim(
+                self.task,
                 delivery,
                 owner=self.owner,
-                duration=settings.duration,
                 holder=holder,
                 fresh=request.is_eager,
                 connection=outer,
@@ -150,11 +147,12 @@ class Attempt:
             raise Ignore() from exc
         except CorruptJob as exc:
             # The row cannot be read: fail it for good rather than redeliver it forever.
-            self.store.give_up(request.id, error=str(exc))
-            logger.error("job %s: %s; marked failed", request.id, exc, extra=job_fields(request.id))
+            lifecycle.give_up_corrupt(self.task, request.id, str(exc))
             raise
         if isinstance(outcome, Refused):
-            self.refused(outcome, delivery)
+            redelivered = bool((request.delivery_info or {}).get("redelivered"))
+            lifecycle.refused(self.task, outcome, delivery, redelivered=redelivered)
+            raise Ignore()
         lease = Lease(
             job_id=request.id,
             token=outcome.token,
@@ -194,56 +192,6 @@ class Attempt:
             )
         return lease
 
-    def refused(self, refused: Refused, delivery: Message) -> NoReturn:
-        """Drop this delivery (always raises Ignore)."""
-        request = self.request
-        if refused.reason == "held" and (request.delivery_info or {}).get("redelivered"):
-            # The broker gave back the message of an attempt that died (acks_late with
-            # reject_on_worker_lost, a lost connection) before its lease ran out: come back
-            # when it has, or nothing but a reaper would ever run the job again.
-            delay = max(refused.expires_in or 0.0, 0.0) + 0.25
-            logger.info(
-                "job %s: redelivered while a lease still holds it (owner %s); "
-                "delivering again in %.1f s, when that lease has ended",
-                request.id,
-                refused.owner,
-                delay,
-                extra=job_fields(request.id),
-            )
-            delivery.send(self.task.app, countdown=delay)
-            raise Ignore()
-        if refused.reason == "early":
-            # A debounced or rate-limited job's message came before its due time (the database's
-            # clock; the sender's and this worker's may disagree): come back then.
-            delay = max(refused.expires_in or 0.0, 0.0)
-            logger.info(
-                "job %s: due in %.2f s (a debounce, or its group's rate); delivering again then",
-                request.id,
-                delay,
-                extra=job_fields(request.id),
-            )
-            delivery.send(self.task.app, countdown=delay)
-            raise Ignore()
-        if refused.reason == "coalesced":
-            logger.info(
-                "job %s: its lease key %s has a live job; coalesced into job %s",
-                request.id,
-                delivery.key,
-                refused.serving,
-                extra=job_fields(request.id),
-            )
-            if refused.freed and delivery.key is not None:
-                keys.settle(self.task.app, self.store, delivery.key)
-            raise Ignore()
-        metrics.count("duplicates_dropped", task=self.task.name)
-        logger.info(
-            "job %s: message dropped, %s",
-            request.id,
-            _refusal_text(refused),
-            extra=job_fields(request.id),
-        )
-        raise Ignore()
-
     def redeliver_later(self, delivery: Message, exc: Exception) -> None:
         """The claim could not be made (the database is down, or it kept losing to concurrent
         transactions): send the message again later instead of running unleased."""
@@ -274,14 +222,14 @@ class Attempt:
             body_over()
 
     def outcome(self, lease: Lease, args: Any, kwargs: Any) -> Any:
-        store = self.store
+        task = self.task
         try:
             result = self.body(args, kwargs)
             self.held_back(lease)
         except Retry:
             self.held_back(lease)
             if not lease.released:
-                self.hand_back(lease, reap_in=0.0)
+                lifecycle.hand_back(task, lease, reap_in=0.0)
             if lease.fenced_out:
                 # A stale attempt (frozen, then woken) whose error asked for a retry: the job
                 # lives on under a newer token. Its retry message is a copy the claim drops;
@@ -299,8 +247,8 @@ class Attempt:
             if exc.requeue:
                 # Celery puts the message back only with acks_late; otherwise it is gone and
                 # the reaper sends the job again at once.
-                wait = self.settings.reap_grace if self.task.acks_late else 0.0
-                self.hand_back(lease, reap_in=wait)
+                wait = self.settings.reap_grace if task.acks_late else 0.0
+                lifecycle.hand_back(task, lease, reap_in=wait)
             else:
                 self.failed(lease, exc)  # Celery stores FAILURE for it
             raise
@@ -313,25 +261,15 @@ class Attempt:
             )
             raise Ignore() from None
         except Cancelled as exc:
-            # Handed back already (a retry met the cancel): the reaper tells the backend.
-            if not lease.released and store.fail(
-                lease.job_id, lease.token, error=str(exc), state=CANCELLED, connection=lease.joined
-            ):
-                self.revoked(str(exc))
-                self.ended(lease)
+            lifecycle.stop(task, lease, State.CANCELLED, str(exc))
             logger.info(
                 "job %s: cancelled at its checkpoint", lease.job_id, extra=lease_fields(lease)
             )
             raise Ignore() from None
         except Superseded as exc:
             # The key's next run has the newest trigger's arguments: it starts once this end
-            # is recorded (``ended`` settles the key). Handed back already (a retry met the
-            # supersede): the reaper tells the backend and settles the key.
-            if not lease.released and store.fail(
-                lease.job_id, lease.token, error=str(exc), state=SUPERSEDED, connection=lease.joined
-            ):
-                self.revoked(SUPERSEDED_TEXT)
-                self.ended(lease)
+            # is recorded (its end is handed on: the key settled).
+            lifecycle.stop(task, lease, State.SUPERSEDED, str(exc))
             logger.info(
                 "job %s: superseded by a newer trigger of its key %s, stopped at its checkpoint",
                 lease.job_id,
@@ -340,8 +278,8 @@ class Attempt:
             )
             raise Ignore() from None
         except Preempted:
-            if self.hand_back(lease, reap_in=0.0) == QUEUED:
-                self.delivery.send(self.task.app)
+            if lifecycle.hand_back(task, lease, reap_in=0.0) == State.QUEUED:
+                lifecycle.send_again(task, lease, self.delivery)
                 logger.info(
                     "job %s: handed back at its checkpoint for another worker",
                     lease.job_id,
@@ -364,7 +302,7 @@ class Attempt:
         except GOING_DOWN:
             # The process is going down: hand the job back so it resumes at once elsewhere.
             # Any other BaseException leaves the lease to expire, as a crash would.
-            self.hand_back(lease, reap_in=0.0)
+            lifecycle.hand_back(task, lease, reap_in=0.0)
             raise
         self.finish(lease, result)
         return result
@@ -381,19 +319,10 @@ class Attempt:
             self.task.replace_now(lease, held_back[1])
             return
         _, message, countdown = held_back
-        wait = self.settings.queued_timeout or self.settings.reap_grace
         try:
-            state = recorded(
-                already=lambda: queued_by(self.store, lease),
-                write=lambda: until_deadline(
-                    lease,
-                    lambda: self.store.hand_back_retry(
-                        lease.job_id, lease.token, message, reap_in=countdown + wait
-                    ),
-                    waiting=f"the retry of job {lease.job_id} waits for the database",
-                    gave_up=f"job {lease.job_id}: the database stayed down; its retry is not sent",
-                ),
-            )
+            recording = lifecycle.retry_now(self.task, lease, message, countdown, lost=False)
+        except (Cancelled, Superseded):
+            raise Ignore() from None  # a cancel met the retry: the reaper says REVOKED
         except LeaseError as exc:
             logger.warning(
                 "job %s: could not hand the lease back for its retry (%s); it expires in %.0f s",
@@ -403,13 +332,8 @@ class Attempt:
                 extra=lease_fields(lease),
             )
             raise Ignore() from exc
-        lease.released = state is not None
-        lease.fenced_out = state is None
-        if state in (CANCELLED, SUPERSEDED):  # a cancel met the retry: the reaper says REVOKED
-            self.ended(lease)
-            raise Ignore()
-        if state == QUEUED:
-            message.send(self.task.app)
+        if recording.message is not None and lease.released:
+            recording.message.send(self.task.app)
 
     def idle_transaction_ended(self, lease: Lease, exc: Exception) -> NoReturn:
         """The database ended the task's transaction after its checkpoint: it sat idle longer
@@ -440,8 +364,21 @@ class Attempt:
         if tries > CONFLICT_TRIES:
             return  # failed by the caller, with the error
         delay = min(0.1 * 2**tries, self.settings.db_retry_max_delay) * random.uniform(0.5, 1)
-        if self.hand_back(lease, reap_in=self.settings.reap_grace) == QUEUED:
-            self.delivery.send(self.task.app, countdown=delay, **{CONFLICT_HEADER: tries})
+        # The count travels in the job's message (every copy sent again carries it).
+        again = self.delivery.with_headers(**{CONFLICT_HEADER: tries})
+        try:
+            state = lifecycle.hand_back_for_retry(self.task, lease, again, delay)
+        except LeaseError as store_exc:
+            logger.warning(
+                "job %s: could not release the lease (%s); it expires in %.0f s",
+                lease.job_id,
+                store_exc,
+                lease.duration,
+                extra=lease_fields(lease),
+            )
+            state = None
+        if state == State.QUEUED:
+            lifecycle.send_again(self.task, lease, again, countdown=delay)
         logger.warning(
             "job %s: its transaction lost to a concurrent one (%s); it runs again from its last "
             "checkpoint in %.1f s (try %d)",
@@ -454,118 +391,11 @@ class Attempt:
         raise Ignore() from None
 
     def failed(self, lease: Lease, exc: Exception) -> None:
-        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        try:
-            ended = recorded(
-                lambda: self.store.fail(
-                    lease.job_id, lease.token, error=text, connection=lease.joined
-                )
-            )
-        except LeaseError as store_exc:
-            logger.error(
-                "job %s: failed, and the failure could not be recorded: %s",
-                lease.job_id,
-                store_exc,
-                extra=lease_fields(lease),
-            )
-            return
-        if not ended:
-            logger.warning(
-                "job %s: a stale attempt failed (token %d); not recorded",
-                lease.job_id,
-                lease.token,
-                extra=lease_fields(lease),
-            )
-            raise Ignore() from None
-        self.ended(lease)
+        if lifecycle.fail(self.task, lease, exc) is False:
+            raise Ignore() from None  # a stale attempt's failure: not recorded
 
     def finish(self, lease: Lease, result: Any) -> None:
         if lease.released:
             return
-        ended = recorded(
-            lambda: until_deadline(
-                lease,
-                lambda: self.store.finish(
-                    lease.job_id,
-                    lease.token,
-                    result=rows.dumps_result(result),
-                    connection=lease.joined,
-                ),
-                waiting=f"job {lease.job_id}: done, waiting for the database to record it",
-                gave_up=f"job {lease.job_id}: done, but the database stayed down until the "
-                f"lease ended; it will run again from its checkpoint",
-                first_delay=0.2,
-            )
-        )
-        if not ended:
-            metrics.count("leases_lost", task=self.task.name)
-            if not lost_commits(self.task, lease, "its result is dropped"):
-                logger.warning(
-                    "job %s: attempt with token %d finished after losing its lease; "
-                    "its result is dropped",
-                    lease.job_id,
-                    lease.token,
-                    extra=lease_fields(lease),
-                )
+        if not lifecycle.finish(self.task, lease, result):
             raise Ignore()
-        self.ended(lease)
-
-    def ended(self, lease: Lease) -> None:
-        """The job has ended: settle the triggers waiting on its key (``keys.settle``), and
-        admit the next waiting jobs of its group (``groups.admit``), each a statement of its
-        own after the end's."""
-        # Nothing is held any more: the keeper's next tick must not keep the lease while the
-        # triggers are settled.
-        lease.released = True
-        if lease.key is not None:
-            keys.settle(self.task.app, self.store, lease.key, connection=lease.joined)
-        if lease.group is not None and lease.joined is None:
-            groups.admit(self.task.app, self.store, lease.group)
-
-    def hand_back(self, lease: Lease, *, reap_in: float | None) -> str | None:
-        """Give the lease back; the job's state after it (None: not handed back)."""
-        try:
-            state = recorded(
-                already=lambda: queued_by(self.store, lease),
-                write=lambda: self.store.hand_back(
-                    lease.job_id, lease.token, reap_in=reap_in, connection=lease.joined
-                ),
-            )
-        except LeaseError as exc:
-            logger.warning(
-                "job %s: could not release the lease (%s); it expires in %.0f s",
-                lease.job_id,
-                exc,
-                lease.duration,
-                extra=lease_fields(lease),
-            )
-            return None
-        lease.released = state is not None
-        lease.fenced_out = state is None  # a newer token holds the job, or it ended
-        lease.lost = lease.lost or lease.fenced_out
-        if state in (CANCELLED, SUPERSEDED):
-            self.ended(lease)
-        return state
-
-    def revoked(self, reason: str) -> None:
-        """Store REVOKED for the job, as Celery does for a revoked task (chord part counted)."""
-        request = self.request
-        try:
-            self.task.backend.mark_as_revoked(
-                request.id, reason, request=request, store_result=not request.ignore_result
-            )
-        except Exception as exc:  # a backend that is down or disabled: the row is the truth
-            logger.error(
-                "job %s: could not store REVOKED: %r", request.id, exc, extra=job_fields(request.id)
-            )
-
-
-def _refusal_text(refused: Refused) -> str:
-    if refused.reason == "held":
-        left = f", {refused.expires_in:.1f} s left" if refused.expires_in is not None else ""
-        return f"a live lease holds it (owner {refused.owner}{left}): duplicate delivery"
-    if refused.reason == "stale":
-        return "another message of this id is the recorded one: a stale or duplicate delivery"
-    if refused.reason == "waiting":
-        return "the job waits for its admission in its group, which publishes it"
-    return f"the job is already {refused.reason}"

@@ -9,9 +9,10 @@ from typing import Any, NoReturn
 
 from . import event, metrics
 from .db import rows
-from .db.joined import Joined, joined
-from .errors import Cancelled, CheckpointError, LeaseError, LeaseLost, Preempted, Superseded
+from .db.joined import Joined, joined, refuse_unjoined
+from .errors import Cancelled, CheckpointError, LeaseLost, Preempted, Superseded
 from .lease import Lease, until_deadline
+from .lifecycle.run import lost_commits
 from .log import job_fields, lease_fields
 from .signals import checkpoint_saved
 
@@ -108,6 +109,8 @@ def joined_by(store: Any, lease: Lease, connection: Any) -> Joined | None:
     if connection is None and lease.joined is not None:
         return lease.joined  # type: ignore[no-any-return]
     transaction = joined(store, connection)
+    if transaction is None and connection is None:
+        refuse_unjoined(store, lease)
     if transaction is not None:
         lease.joined_write = True
     if transaction is not None and transaction.guard_idle:
@@ -139,30 +142,6 @@ def fenced_out(task: Any, lease: Lease, what: str) -> NoReturn:
             extra=lease_fields(lease),
         )
     raise LeaseLost(f"job {lease.job_id}: another attempt holds the lease; stop")
-
-
-def lost_commits(task: Any, lease: Lease, what: str) -> bool:
-    """After a fenced write of ``lease``'s attempt was refused: whether the database went
-    back behind it (the job gone, or at an older token: a failover to a replica that missed
-    commits, or a restore), said at ERROR, with the ``lost_commits`` counter. The job's
-    stored checkpoint may then be older than this attempt's last one. One read, on this
-    refusal only; False when it cannot tell (the database is down)."""
-    try:
-        behind = task.lease_store.lost_commits(lease.job_id, lease.token)
-    except LeaseError:
-        return False
-    if behind:
-        metrics.count("lost_commits", task=task.name)
-        logger.error(
-            "job %s: the database is behind this attempt (token %s): it lost commits (a "
-            "failover to a replica that missed them, or a restore); its checkpoint may have "
-            "gone back; %s, this attempt stops",
-            lease.job_id,
-            lease.token,
-            what,
-            extra=lease_fields(lease),
-        )
-    return bool(behind)
 
 
 def _encoded(task: Any, lease: Lease, state: Any, what: str) -> str:

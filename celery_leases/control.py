@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from . import groups
+from . import lifecycle
 from .config import settings_for
 from .db import Store, store_for
 from .db.migrations import Migrated, upgrade
 from .db.rows import Job, dumps
-from .db.schema import FINISHED_STATES, QUEUED, RUNNING
-from .errors import ArgumentsError, InvalidJobState, LeaseError
-from .notice import announce_pending
+from .errors import ArgumentsError, InvalidJobState
 
 
 def migrate(app: Any, *, revision: str = "head") -> Migrated:
@@ -40,54 +38,15 @@ def retry(app: Any, store: Store, job_id: str) -> str:
     """Queue a ``failed`` or ``cancelled`` job again and publish its message: it resumes from
     its checkpoint. A publish that fails leaves the job cancelled, to be retried again. A job
     of a group waits for its admission again, as a new call of its group would."""
-    job = store.requeue(job_id, queued_timeout=settings_for(app).queued_timeout)
-    start = (
-        "from its checkpoint"
-        if job.checkpoint is not None
-        else "from the start (it has no checkpoint)"
-    )
-    if job.lease_group is not None:
-        if job.id not in groups.admit(app, store, job.lease_group):
-            return (
-                f"job {job.id} ({job.task}) queued again: it waits for its admission in group "
-                f"{job.lease_group}, then resumes {start}"
-            )
-    else:
-        try:
-            job.message.send(app)
-        except Exception as exc:
-            store.cancel_queued(job.id)
-            raise LeaseError(
-                f"job {job.id} could not be published ({exc}); it is left cancelled, retry it again"
-            ) from exc
-    return f"job {job.id} ({job.task}) queued again: attempt {job.attempts + 1} resumes {start}"
+    return lifecycle.requeue(app, store, job_id, queued_timeout=settings_for(app).queued_timeout)
 
 
 def cancel(app: Any, store: Store, job_id: str) -> str:
-    """Cancel a job: a queued one will not run (the result backend is told REVOKED; an
-    admitted one of a group hands its room to the group's next waiting job), a running one
-    stops at its next checkpoint and ends ``cancelled`` (its worker then admits the next)."""
-    job = store.get(job_id)
-    for _ in range(3):  # the job may change state between the read and the write
-        if job is None:
-            break
-        if job.state == QUEUED and store.cancel_queued(job.id):
-            announce_pending(app, store, batch=settings_for(app).reap_batch)
-            groups.make_room(app, store, job)
-            return (
-                f"job {job.id} ({job.task}) cancelled: its message is dropped when a worker "
-                f"receives it"
-            )
-        if job.state == RUNNING and store.request_stop([job.id], "cancel"):
-            return (
-                f"job {job.id} ({job.task}) running on {job.owner}: it stops at its next "
-                f"checkpoint and ends cancelled"
-            )
-        if job.state in FINISHED_STATES:
-            break
-        job = store.get(job.id)
-    state = "gone" if job is None else job.state
-    raise InvalidJobState(f"job {job_id} is {state}; only queued or running jobs can be cancelled")
+    """Cancel a job: a waiting or queued one will not run (the result backend is told
+    REVOKED; an admitted one of a group hands its room to the group's next waiting job), a
+    running one stops at its next checkpoint and ends ``cancelled`` (its worker then admits
+    the next)."""
+    return lifecycle.cancel(app, store, job_id)
 
 
 def set_cursor(store: Store, key: str, text: str | None) -> str:
@@ -119,13 +78,4 @@ def cursor_text(value: str) -> str:
 def release(store: Store, job_id: str) -> str:
     """Expire a running job's lease now (its host is dead): the next reaper pass publishes
     the job again, to resume elsewhere."""
-    job = store.get(job_id)
-    if job is None or not store.release(job_id):
-        job = store.get(job_id)
-        state = "gone" if job is None else job.state
-        raise InvalidJobState(f"job {job_id} is {state}; only a running job holds a lease")
-    return (
-        f"job {job.id} ({job.task}): lease of {job.owner} expired; the next reaper pass "
-        f"re-publishes it ('leases reap' does it now). If {job.owner} is alive after all, its "
-        f"next renewal takes the lease back."
-    )
+    return lifecycle.release(store, job_id)

@@ -13,6 +13,10 @@ One broker publish per such checkpoint, no database work; not sent for eager or 
 never retried (a broker that is down never delays a checkpoint). Sent when the worker sends
 task events (``-E``, ``worker_send_task_events``, as Flower needs anyway), or always with
 ``leases_progress_events = True``; never with ``False``.
+
+Sent by the pool process, while Celery's ``task-succeeded`` comes from the worker's main process
+over another connection: a monitor can receive a task's last progress event after its end
+(docs/operating.md, "Progress and Flower").
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, TypeVar
 
 from billiard.exceptions import SoftTimeLimitExceeded
@@ -19,6 +20,22 @@ T = TypeVar("T")
 logger = logging.getLogger("celery_leases")
 
 _UNREAD: Any = object()
+
+
+class Hold(str, Enum):
+    """Where an attempt's hold on its job's lease stands."""
+
+    #: The attempt holds the lease (its writes are fenced by its token).
+    HELD = "held"
+    #: Given back (a hand-back, a retry) or ended with the job: nothing held, nothing lost.
+    RELEASED = "released"
+    #: Another attempt took the job, or renewals failed past the lease's end.
+    LOST = "lost"
+    #: A hand-back was refused by the fence: a newer attempt holds the job, or it ended (lost).
+    FENCED_OUT = "fenced out"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -42,15 +59,13 @@ class Lease:
     kill_when_stalled: bool = False
     #: Seconds since the checkpoint was saved, at claim time (None without one).
     checkpoint_age: float | None = None
-    #: Set when another attempt took the job, or renewals failed past the lease's end.
-    lost: bool = False
+    #: Where the hold stands (held, released, lost, fenced out): ``released``, ``lost`` and
+    #: ``fenced_out`` read it.
+    hold: Hold = Hold.HELD
     #: ``cancel`` or ``preempt`` when the job was asked to stop at its next checkpoint.
     stop_requested: str | None = None
     #: A checkpoint already saw the stop request (it raises at the next one at the latest).
     stop_seen: bool = False
-    released: bool = False
-    #: A hand-back was refused by the fence: a newer attempt holds the job, or it ended.
-    fenced_out: bool = False
     #: A checkpoint joined a transaction of the task's (``checkpoint(connection=...)``) on a
     #: database that bounds that transaction's idle time by the lease (PostgreSQL, MariaDB;
     #: ``database.ended_idle_transaction`` tells its error).
@@ -86,10 +101,49 @@ class Lease:
         self.last_progress = self.last_progress or now
 
     @property
+    def released(self) -> bool:
+        """Given back, or ended with its job: nothing is held any more."""
+        return self.hold is Hold.RELEASED
+
+    @released.setter
+    def released(self, value: bool) -> None:
+        if value:
+            self.hold = Hold.RELEASED
+        elif self.hold is Hold.RELEASED:
+            self.hold = Hold.HELD
+
+    @property
+    def lost(self) -> bool:
+        """Another attempt took the job, or renewals failed past the lease's end (a refused
+        hand-back included)."""
+        return self.hold in (Hold.LOST, Hold.FENCED_OUT)
+
+    @lost.setter
+    def lost(self, value: bool) -> None:
+        if value and not self.lost:
+            self.hold = Hold.LOST
+
+    @property
+    def fenced_out(self) -> bool:
+        """A hand-back was refused by the fence: a newer attempt holds the job, or it ended."""
+        return self.hold is Hold.FENCED_OUT
+
+    def handed_back(self, state: str | None) -> None:
+        """A hand-back left the job in ``state``: released, or (None) refused by the fence."""
+        self.hold = Hold.RELEASED if state is not None else Hold.FENCED_OUT
+
+    @property
     def cursor(self) -> Any:
         """The cursor of the job's lease key: what the key's runs saved with
         ``self.save_cursor()`` (None before the first), read at first use. It outlives the
         job: the key's next run starts from it."""
+        if self.key is None and self.detached:
+            raise LeaseError(
+                "a leased task called directly (task(...), not task.delay() or task.apply()) "
+                "runs here with no job in the leases table: no lease key, no cursor, and its "
+                "checkpoints are kept in memory only; send it with .delay() (.apply() in a "
+                "test) to run it as a job"
+            )
         if self.key is None:
             raise LeaseError(
                 f"job {self.job_id} has no lease key: give its task a lease_key option (or "

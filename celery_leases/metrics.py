@@ -17,6 +17,7 @@ from typing import Any
 from .config import settings_for
 from .db import store_for
 from .db.schema import STATES
+from .db.store.heartbeat import last_pass
 from .errors import LeaseError
 
 logger = logging.getLogger("celery_leases")
@@ -83,9 +84,13 @@ class JobsCollector:
 
     Job groups (``lease_group``): ``celery_leases_groups`` (how many there are), and for the
     ``max_groups`` groups with the most jobs waiting, then admitted (default
-    :data:`MAX_GROUPS`, 100; 0: none), ``celery_leases_group_admitted{group="..."}`` (jobs
+    ``MAX_GROUPS``, 100; 0: none), ``celery_leases_group_admitted{group="..."}`` (jobs
     admitted and live: in the broker or running), ``celery_leases_group_waiting`` (jobs
     waiting for their admission) and ``celery_leases_group_limit`` (groups with a limit).
+
+    The reaper: ``celery_leases_reaper_last_pass_age_seconds``, seconds since the last reaper
+    pass ended (database clock; absent while none is recorded): alert when it passes a few
+    reaper intervals (beat down, or never started).
     """
 
     def __init__(self, app: Any, *, max_groups: int = MAX_GROUPS) -> None:
@@ -98,10 +103,11 @@ class JobsCollector:
         return list(self._families())
 
     def collect(self) -> Iterator[Any]:
-        jobs, up, total, admitted, waiting, limit = self._families()
+        jobs, up, total, admitted, waiting, limit, reaper = self._families()
         try:
             store = store_for(settings_for(self.app))
             counts = store.count_by_state()
+            last = last_pass(store)
             groups = store.busiest_groups(self.max_groups) if self.max_groups > 0 else []
             total.add_metric([], store.count_groups())
         except LeaseError as exc:
@@ -116,8 +122,10 @@ class JobsCollector:
             waiting.add_metric([group.name], group.waiting)
             if group.limit is not None:
                 limit.add_metric([group.name], group.limit)
+        if last is not None:
+            reaper.add_metric([], last.age)
         up.add_metric([], 1)
-        yield from (jobs, up, total, admitted, waiting, limit)
+        yield from (jobs, up, total, admitted, waiting, limit, reaper)
 
     @staticmethod
     def _families() -> tuple[Any, ...]:
@@ -137,6 +145,10 @@ class JobsCollector:
             per_group("admitted", "Jobs of the group admitted and live (in the broker or running)"),
             per_group("waiting", "Jobs of the group waiting for their admission"),
             per_group("limit", "The group's limit of jobs admitted at once"),
+            GaugeMetricFamily(
+                "celery_leases_reaper_last_pass_age_seconds",
+                "Seconds since the last reaper pass ended (database clock)",
+            ),
         )
 
 

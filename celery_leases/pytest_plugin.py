@@ -18,7 +18,9 @@ app, then ask for the fixtures::
 Fixtures (override any of them in your ``conftest.py``):
 
 - ``leases_app``: your Celery app (default: an empty app, for tasks defined in the test);
-- ``leases_database_url``: the leases database (default: an SQLite file of the test's own);
+- ``leases_database_url``: the leases database (default: Django's test database in a Django
+  project with ``celery_leases.contrib.django`` installed, pytest-django's; elsewhere an
+  SQLite file of the test's own);
 - ``leases_config``: the settings the test runs with (default: that database, an in-memory
   broker and result backend, 5 s leases);
 - ``leased_app``: ``leases_app`` with ``leases_config`` applied, put back as it was after the
@@ -45,6 +47,7 @@ from typing import Any
 
 import pytest
 
+from . import lifecycle
 from .config import reread_settings, settings_for
 from .control import migrate
 from .db import Store, store_for
@@ -64,6 +67,7 @@ class Crash:
         self.app = app
         self._armed: list[tuple[str, int, bool]] = []  # (task name, after N, resume)
         self._saved: dict[tuple[str, int], int] = {}
+        self._resumers: list[threading.Thread] = []
         checkpoint_saved.connect(self._on_checkpoint, weak=False)
 
     @property
@@ -85,16 +89,27 @@ class Crash:
         for index, (name, after, resume) in enumerate(self._armed):
             if name == getattr(sender, "name", None) and saved == after:
                 del self._armed[index]
-                if resume:
+                if resume and lease.joined_write:
+                    # The checkpoint is in the task's transaction (Django's atomic()), which
+                    # holds the job's row until the crash rolls it back: end the lease once
+                    # it has, from another thread.
+                    resumer = threading.Thread(target=self._resume, args=(lease.job_id,))
+                    resumer.start()
+                    self._resumers.append(resumer)
+                elif resume:
                     # The new attempt may start before this one has unwound: the token fences
                     # this one off, as it would a process that is slow to die.
-                    self.expire(lease.job_id)
-                    self.reap()
+                    self._resume(lease.job_id)
                 raise SimulatedCrash(f"simulated crash after checkpoint {saved}")
+
+    def _resume(self, job_id: str) -> None:
+        """End the job's lease and run one reaper pass, as after its holder's death."""
+        self.expire(job_id)
+        self.reap()
 
     def expire(self, job_id: str) -> bool:
         """End the job's lease now, as when its holder is gone; False if no lease held it."""
-        return self.store.release(job_id)
+        return lifecycle.end_lease(self.store, job_id)
 
     def reap(self) -> ReapReport:
         """One reaper pass: expired jobs are published again, to resume on a worker."""
@@ -116,6 +131,8 @@ class Crash:
 
     def close(self) -> None:
         checkpoint_saved.disconnect(self._on_checkpoint)
+        for resumer in self._resumers:
+            resumer.join()
 
 
 @pytest.fixture
@@ -127,9 +144,35 @@ def leases_app() -> Any:
 
 
 @pytest.fixture
-def leases_database_url(tmp_path: Path) -> str:
-    """The leases database of the test: an SQLite file of its own."""
-    return f"sqlite:///{tmp_path}/leases.sqlite3"
+def leases_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The leases database of the test: under pytest-django, in a project with
+    ``celery_leases.contrib.django`` installed, Django's test database (set up first), where the
+    leases table is migrated and a checkpoint joins the task's ``atomic()`` blocks; elsewhere
+    (without pytest-django, or when ``CELERY_LEASES_DATABASE_URL`` keeps the leases out of
+    Django's databases) an SQLite file of the test's own, never the project's own database."""
+    url = _django_test_database(request)
+    return url if url is not None else f"sqlite:///{tmp_path}/leases.sqlite3"
+
+
+def _django_test_database(request: pytest.FixtureRequest) -> str | None:
+    """The URL of Django's test database of the leases, or None without the Django app."""
+    try:
+        from .contrib.django import database
+    except ImportError:  # no Django here
+        return None
+    try:
+        if not database.installed():
+            return None
+    except Exception:  # Django's settings cannot load: not a Django test run
+        return None
+    from django.conf import settings
+
+    if getattr(settings, database.django_key("database_url"), None):
+        return None  # the leases live outside Django's databases: not in a test database
+    if not request.config.pluginmanager.hasplugin("django"):
+        return None  # no test database without pytest-django: never the project's own
+    request.getfixturevalue("django_db_setup")  # pytest-django's test databases
+    return database.url_for(database.alias())
 
 
 @pytest.fixture
@@ -139,6 +182,9 @@ def leases_config(leases_database_url: str) -> dict[str, Any]:
         "leases_database_url": leases_database_url,
         "leases_duration": 5.0,
         "broker_url": "memory://",
+        # kombu's in-memory transport looks for messages once a second by default: a job the
+        # reaper sends again after a crash would wait for it.
+        "broker_transport_options": {"polling_interval": 0.01},
         "result_backend": "cache+memory://",
         "task_always_eager": False,
     }
@@ -192,6 +238,22 @@ def leased_worker(leased_app: Any) -> Iterator[Any]:
         leased_app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=10
     ) as worker:
         yield worker
+        _stop_soon(leased_app, worker)
+
+
+def _stop_soon(app: Any, worker: Any) -> None:
+    """Stop ``worker`` now rather than in up to 4 s: its loop (Celery's ``synloop``, for a
+    broker with no event loop such as the in-memory one) waits 2 s for a message before it
+    looks at the stop request, then once more before it stops. Two remote-control pings end
+    both waits; without remote control (or with the broker gone) it stops as before."""
+    from celery.worker import state
+
+    state.should_terminate = 0
+    try:
+        for _ in range(2):
+            app.control.broadcast("ping", destination=[worker.hostname], reply=False)
+    except Exception:  # the worker stops all the same, only later
+        return
 
 
 @pytest.fixture

@@ -10,21 +10,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery import Task, current_app, states
+from celery import Task, current_app
 from celery.local import Proxy
 
-from . import groups, keys, metrics, worker
+from . import heartbeat, lifecycle, worker
 from .config import mark_uses_leases, settings_for
 from .db import store_for
-from .db.schema import REVOKED
-from .errors import LeaseError, StoreUnavailable
-from .log import QuietPasses, job_fields, quiet
+from .lifecycle.outside import MAX_BATCHES
+from .log import QuietPasses, quiet
 from .notice import announce_pending
 
 logger = logging.getLogger("celery_leases.reaper")
-
-#: Largest number of batches one pass handles, so a pass always ends.
-MAX_BATCHES = 100
 
 #: Seconds a holder row may go unrenewed before the reaper deletes it (if it holds no running
 #: job): a day; a keeper holding nothing renews its row hourly (``keeper.IDLE_RENEWAL``).
@@ -48,6 +44,9 @@ class ReapReport:
     publish_failed: list[str] = field(default_factory=list)
     #: Jobs whose message expired while they waited to be re-published: now ``revoked``.
     expired: list[str] = field(default_factory=list)
+    #: Jobs of groups whose lease expired: they wait for their admission again (their group
+    #: admits them, counted under its limit and rate).
+    returned: list[str] = field(default_factory=list)
     #: Jobs whose end (failed, cancelled, expired) was stored in the result backend.
     notified: list[str] = field(default_factory=list)
     #: Lease keys whose waiting triggers were settled (served, or run for), and follow-ups
@@ -69,6 +68,7 @@ class ReapReport:
             "gave_up": self.gave_up,
             "publish_failed": self.publish_failed,
             "expired": self.expired,
+            "returned": self.returned,
             "notified": self.notified,
             "followups": self.followups,
             "admitted": self.admitted,
@@ -77,107 +77,47 @@ class ReapReport:
 
 
 def reap(app: Any) -> ReapReport:
-    """Run one reaper pass for ``app``'s leases database and return what it did."""
+    """Run one reaper pass for ``app``'s leases database and return what it did: what every
+    end and hand-back left undone, done (``lifecycle``): expired leases re-published or given
+    up, the triggers of free keys settled, the groups with room admitted round-robin, the
+    result backend told, then the retention purge."""
     settings = settings_for(app)
     store = store_for(settings)
     report = ReapReport()
-    try:
-        orphaned = store.expire_orphaned(batch=settings.reap_batch)
-    except StoreUnavailable:
-        raise  # nothing below can work: one error, not one a step
-    except LeaseError as exc:  # never in the way of the paths below (MySQL: no GLOBAL_STATUS)
-        logger.error("cannot look for jobs whose holder is gone: %s", exc)
-        orphaned = []
-    try:
-        store.release_stale()
-    except StoreUnavailable:
-        raise
-    except LeaseError as exc:  # the expiry path below still runs
-        logger.error("cannot let go the jobs of holders that stopped renewing: %s", exc)
-    for job_id, owner in orphaned:
-        report.orphaned.append(job_id)
-        logger.info(
-            "job %s: its holder's database session is gone (owner %s)",
-            job_id,
-            owner,
-            extra=job_fields(job_id, owner=owner),
-        )
-    for _ in range(MAX_BATCHES):
-        batch = store.collect_expired(
-            batch=settings.reap_batch,
-            grace=settings.reap_grace,
-            max_stalled=settings.max_attempts_without_progress,
-            max_attempts=settings.max_attempts,
-        )
-        for job in batch.gave_up:
-            report.gave_up.append(job.id)
-            metrics.count("gave_up", task=job.task)
-            logger.error(
-                "job %s (%s): %s",
-                job.id,
-                job.task,
-                job.error,
-                extra=job_fields(job.id, token=job.token, attempt=job.attempts),
-            )
-        for job in batch.republish:
-            left = job.message.expires_in()
-            if left is not None and left <= 0:
-                # A worker would discard it as expired: end it as Celery would have.
-                if store.end_live(
-                    job.id,
-                    state=REVOKED,
-                    error="expired (its message's expires passed)",
-                    notify=states.REVOKED,
-                ):
-                    report.expired.append(job.id)
-                continue
-            try:
-                job.message.send(app)
-            except Exception as exc:  # the row keeps its pushed expiry: a later pass retries
-                report.publish_failed.append(job.id)
-                logger.error(
-                    "job %s: re-publish failed, next pass retries: %r",
-                    job.id,
-                    exc,
-                    extra=job_fields(job.id, token=job.token, attempt=job.attempts),
-                )
-                continue
-            report.republished.append(job.id)
-            metrics.count("reaped", task=job.task)
-            where = "no checkpoint" if job.checkpoint is None else "its checkpoint"
-            logger.info(
-                "job %s (%s): lease expired (owner %s, attempt %d), re-published to resume from %s",
-                job.id,
-                job.task,
-                batch.previous_owners.get(job.id) or "none",
-                job.attempts,
-                where,
-                extra=job_fields(job.id, token=job.token, attempt=job.attempts),
-            )
-        if len(batch.republish) + len(batch.gave_up) < settings.reap_batch:
-            break
-    report.followups = start_followups(app, store, batch=settings.reap_batch)
-    report.admitted = groups.admit_waiting(app, store, batch=settings.reap_batch)
+    expired = lifecycle.expire(app, store, settings)
+    report.orphaned = expired.orphaned
+    report.republished = expired.republished
+    report.gave_up = expired.gave_up
+    report.publish_failed = expired.publish_failed
+    report.expired = expired.expired
+    report.returned = expired.returned
+    report.followups = lifecycle.settle_pending(app, store, batch=settings.reap_batch)
+    report.admitted = lifecycle.admit_round_robin(app, store, batch=settings.reap_batch)
+    if _orphan_scan_due(store):
+        report.admitted += lifecycle.repair_orphans(app, store, batch=settings.reap_batch)
     report.notified = announce_pending(app, store, batch=settings.reap_batch)
     report.purged = store.purge_all(
         older_than=settings.retention, batch=settings.reap_batch, max_batches=MAX_BATCHES
     )
     store.prune_holders(idle=HOLDER_IDLE)
+    heartbeat.record(store)
     store.db.release_pool()  # a pass every few seconds: no idle connection kept between them
     return report
 
 
-def start_followups(app: Any, store: Any, *, batch: int) -> list[str]:
-    """Settle the triggers waiting on lease keys whose job ended without settling them (its
-    attempt died first, or it ended outside any: revoked, expired, cancelled, given up, never
-    published), and start the follow-ups older releases kept on ended jobs; the keys settled
-    and the jobs started. A run recorded but not sent is re-published once its wait passed."""
-    done = [key for key in store.pending_keys(batch=batch) if keys.settle(app, store, key)]
-    for job_id in store.followups_pending(batch=batch):
-        started = keys.start_followup(app, store, job_id)
-        if started is not None:
-            done.append(started)
-    return done
+#: A process's reaper passes look for groups whose waiting jobs have no row (left by an
+#: earlier release) at its first pass, then every this many: a scan of the waiting jobs, so
+#: not at every pass.
+ORPHAN_SCAN_EVERY = 6
+_passes: dict[int, int] = {}
+
+
+def _orphan_scan_due(store: Any) -> bool:
+    """Whether this pass looks for groups without a row (every ``ORPHAN_SCAN_EVERY``-th pass
+    of this process on ``store``, the first included)."""
+    done = _passes.get(id(store), 0)
+    _passes[id(store)] = done + 1
+    return done % ORPHAN_SCAN_EVERY == 0
 
 
 #: Celery's lines about reaper passes that did nothing go to DEBUG (``log.QuietPasses``).
@@ -210,7 +150,7 @@ def register_reaper(app: Any) -> None:
 
     Called when a :class:`LeasedTask` is bound to ``app`` and by :func:`schedule_reaper`, so the
     task exists only in apps that use celery-leases, never in every app of the process
-    (:class:`ReaperTask`).
+    (``ReaperTask``).
     """
     mark_uses_leases(app)
     worker.connect()
@@ -248,7 +188,7 @@ def schedule_reaper(app: Any, every: float = 10.0, *, queue: str | None = None) 
 
     Each pass's message expires after ``max(2 * every, 10)`` seconds, so passes that waited
     behind busy workers are dropped rather than run back to back, with Celery's scheduler and
-    django-celery-beat's alike (:class:`ReaperTask`). ``queue``: send the passes to a queue of
+    django-celery-beat's alike (``ReaperTask``). ``queue``: send the passes to a queue of
     their own (serve it with a small worker, ``-Q <queue> -c 1``), where no long job can delay
     them. It keeps the user's own entries; call it after assigning ``beat_schedule`` yourself.
     """

@@ -10,7 +10,7 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Ignore
 
-from . import attempt, checkpoint, groups, keys
+from . import attempt, checkpoint, groups, keys, lifecycle
 from .config import check_task_options, conf_version, settings_for
 from .db import Store, store_for
 from .errors import ArgumentsError, ConfigurationError, LeaseError, LeaseLost
@@ -94,8 +94,7 @@ class LeasedTask(Task):  # type: ignore[misc]
     @classmethod
     def on_bound(cls, app: Any) -> None:
         """Bound to ``app``: refuse unknown ``lease_*`` options, an impossible
-        ``lease_debounce`` (or one beside ``lease_group``) and a ``lease_key_strategy`` that
-        is none, register the reaper task
+        ``lease_debounce`` and a ``lease_key_strategy`` that is none, register the reaper task
         (``celery_leases.reap``) in this app only, and connect the worker's signals (once).
         Calls ``super().on_bound(app)``."""
         super().on_bound(app)
@@ -105,12 +104,6 @@ class LeasedTask(Task):  # type: ignore[misc]
             keys.debounce_of(cls.lease_debounce, where=f"lease_debounce of {cls.name}")
         except ArgumentsError as exc:
             raise ConfigurationError(str(exc)) from exc
-        if cls.lease_debounce is not None and cls.lease_group is not None:
-            raise ConfigurationError(
-                f"{cls.name} has lease_debounce and lease_group: a debounced job is due when "
-                f"its burst is over, a grouped one when its group has room, and the two are "
-                f"not combined yet: debounce a task that sends the grouped one"
-            )
         register_reaper(app)
 
     @property
@@ -199,7 +192,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         return await asyncio.to_thread(self.apply_async, *args, **kwargs)
 
     async def adelay(self, *args: Any, **kwargs: Any) -> Any:
-        """:meth:`delay` for ``async def`` code: ``await task.adelay(account_id)``."""
+        """``delay()`` for ``async def`` code: ``await task.adelay(account_id)``."""
         return await self.aapply_async(args, kwargs)
 
     def apply_async(
@@ -289,15 +282,10 @@ class LeasedTask(Task):  # type: ignore[misc]
         return self.replace_now(lease, sig)
 
     def replace_now(self, lease: Lease | None, sig: Any) -> Any:
-        """End the job ``replaced`` (fenced), settle its key, and send the replacement."""
-        if lease is not None:
-            if not self.lease_store.replace(lease.job_id, lease.token):
-                raise LeaseLost(f"job {lease.job_id}: lost its lease; not replaced")
-            lease.released = True
-            if lease.key is not None:
-                keys.settle(self.app, self.lease_store, lease.key)
-            if lease.group is not None:
-                groups.admit(self.app, self.lease_store, lease.group)
+        """End the job ``replaced`` (fenced; its end handed on: its key settled, its group's
+        next admitted), and send the replacement."""
+        if lease is not None and not lifecycle.replace(self, lease):
+            raise LeaseLost(f"job {lease.job_id}: lost its lease; not replaced")
         return super().on_replace(sig)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The supported-versions matrix: the tests that start no `celery worker` (the marker e2e) in a
-# fresh virtualenv per combination, each installing celery-leases and its test extra with pip:
-# tests/inprocess, tests/databases (real databases), and from tests/workers the unmarked ones (the
-# `celery leases` command, the pytest plugin in a fresh pytest: click's and pytest's floors).
-# The full suite (`make test`) runs on the project's .venv.
+# The supported-versions matrix: in a fresh virtualenv per combination (celery-leases and its test
+# extra installed with pip), the tests that drive a dependency whose version the combination
+# changes and start no `celery worker`: the marker `versions` (tests/conftest.py sets it on every
+# test that uses a database, a broker or the Django project, or imports celery-leases, Celery,
+# SQLAlchemy, a driver, click, Django, ...; docs/contributing.md) without `e2e`. The tests left
+# out check the suite's own tools (the chaos checker's self-tests); the real-worker tests run in
+# `make test` on the project's .venv. In parallel, as `make test` (MATRIX_WORKERS, default 4).
 #
 #   oldest  Python 3.10 with the dependency floors of pyproject.toml (scripts/matrix/oldest.txt)
 #   newest  Python 3.13 with the newest release of everything
@@ -19,7 +21,7 @@ declare -A python=(
     [newest]=${MATRIX_PYTHON_NEWEST:-$pyenv_versions/3.13.0/bin/python3.13}
 )
 declare -A constraints=([oldest]=scripts/matrix/oldest.txt [newest]=)
-tests=(tests/inprocess tests/databases tests/workers -m "not e2e")
+tests=(-m "versions and not e2e" -n "${MATRIX_WORKERS:-4}" --dist loadgroup --durations=15)
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/celery-leases-matrix.XXXXXX")
 trap 'rm -rf "$work"' EXIT
@@ -39,7 +41,7 @@ for name in "${combos[@]}"; do
     "$venv/bin/python" -m pip install -q --disable-pip-version-check "${pin[@]}" -e '.[test]' 2>&1 |
         { grep -v '^WARNING: Location .* is ignored' || true; }
     "$venv/bin/python" -m pip list --disable-pip-version-check 2>/dev/null |
-        grep -iE '^(celery|kombu|sqlalchemy|click|psycopg|pymysql|prometheus.client) ' |
+        grep -iE '^(celery|kombu|sqlalchemy|alembic|click|psycopg|pymysql|prometheus.client|django) ' |
         tr -s ' ' | paste -sd, - | sed "s/^/== matrix $name: /"
     if "$venv/bin/python" -m pytest "${tests[@]}" -q -p no:cacheprovider; then
         echo "== matrix $name: passed in $((SECONDS - started)) s"

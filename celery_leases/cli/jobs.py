@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 import time
 from typing import Any
 
 import click
 from kombu.utils import json as kombu_json
 
+from .. import heartbeat
 from ..db import Store, store_for
 from ..db.schema import CANCELLED, FAILED, RUNNING, STATES, WAITING
-from ..errors import StoreUnavailable
+from ..errors import LeaseError, StoreUnavailable
 from ..groups import rate_text
 from .group import JobId, cli_app, cli_command, cli_settings, find_job
 from .view import (
@@ -57,8 +59,11 @@ def list_jobs(
     store = store_for(settings)
     facts = JobFacts(cli_app(), settings)
     jobs = store.list_jobs(states=states, task=task, group=group, limit=limit)
+    missing = reaper_warning(cli_app(), store)
     if as_json:
         click.echo(json.dumps([facts.as_dict(job) for job in jobs], indent=2))
+        if missing:
+            click.echo(warning_lines(missing), err=True)
         return
     out = Output()
     counts = store.count_states(cap=COUNT_CAP)
@@ -72,6 +77,22 @@ def list_jobs(
     click.echo(summary if counts.total else "no jobs yet")
     for note in stall_note(facts, jobs):
         click.echo(note)
+    if missing:
+        click.echo(warning_lines(missing))
+
+
+def warning_lines(text: str) -> str:
+    """``warning: text``, wrapped to the width of the rest of the output."""
+    return textwrap.fill(f"warning: {text}", width=100, subsequent_indent="  ")
+
+
+def reaper_warning(app: Any, store: Store) -> str | None:
+    """The warning to show when no reaper pass happened for a while (``heartbeat.silence``);
+    None when one did, or when the table cannot say."""
+    try:
+        return heartbeat.silence(app, store)
+    except LeaseError:
+        return None
 
 
 @click.command()
@@ -212,6 +233,7 @@ def watch_frame(
     jobs = store.list_jobs(states=[RUNNING], limit=limit)
     counts = store.count_states(cap=COUNT_CAP)
     stalled = sum(1 for job in jobs if facts.stalled(job))
+    missing = reaper_warning(facts.app, store)
     stamp = time.strftime("%H:%M:%S")
     title = f"celery leases watch: {store.table.name} at {stamp}, every {interval:g}s"
     lines = [
@@ -219,18 +241,24 @@ def watch_frame(
         ", ".join(counts_text(counts, stalled)) if counts.total else "no jobs",
         "",
     ]
+    # Below the jobs, where it moves no line of theirs.
+    warned = (
+        [out.style(line, "stalled") for line in warning_lines(missing).splitlines()]
+        if missing
+        else []
+    )
     hidden = 0
     if out.tty:
         room = max(out.height - 6, 1)
         hidden = max(len(jobs) - room, 0)
         jobs = jobs[:room]
     if not jobs:
-        return [*lines, "no running jobs"]
+        return [*lines, "no running jobs", *warned]
     lines += job_table(out, facts, jobs, JOB_COLUMNS, min_bar=10, max_bar=30)
     if hidden:
         lines.append(f"... and {hidden} more running (not shown: the terminal is full)")
     lines += stall_note(facts, jobs)
-    return lines
+    return [*lines, *warned]
 
 
 #: The commands of this module (``cli/__init__.py`` adds them to the group).

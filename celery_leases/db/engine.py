@@ -106,6 +106,13 @@ class Database:
             self._engine.pool = pool.recreate()
             pool.dispose()
 
+    def close(self) -> None:
+        """Close this process's connections that are idle now: the pool's and the direct ones
+        (a connection in use closes when it is given back). The next operation connects
+        again. A forked child leaves its parent's connections alone."""
+        if self._engine is not None and self._pid == os.getpid():
+            self._engine.dispose()
+
     def run(
         self,
         operation: Callable[[Any], T],

@@ -31,6 +31,8 @@ class Facts(NamedTuple):
     waiting: bool = False
     #: Seconds until the job may run (``run_after``: a countdown, a debounce), None: any time.
     due_in: float | None = None
+    #: The rate of the job's group (admissions a second), None: none.
+    group_rate: float | None = None
 
 
 def same_job(message: Message, facts: Facts) -> bool:

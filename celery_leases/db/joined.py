@@ -35,9 +35,14 @@ Ambient = Callable[[Any], "Joined | None"]
 #: A function an integration registers: the DBAPI connection behind one of its own (Django's
 #: connection wrapper), or None when it is not one of its own.
 Unwrap = Callable[[Any], Any]
+#: A function an integration registers: called with (store, lease) before a write of that
+#: lease's attempt runs on the store's own connection, it raises when the caller is in a
+#: transaction of its own that the write cannot join (it would commit apart from it).
+Refusal = Callable[[Any, Any], None]
 
 _ambient: list[Ambient] = []
 _unwrap: list[Unwrap] = []
+_refusals: list[Refusal] = []
 _infos: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
@@ -75,6 +80,21 @@ def register_unwrap(unwrap: Unwrap) -> None:
     """Register ``unwrap``: an integration's way to reach the DBAPI connection behind its own."""
     if unwrap not in _unwrap:
         _unwrap.append(unwrap)
+
+
+def register_refusal(refuse: Refusal) -> None:
+    """Register ``refuse``: an integration's way to refuse a write that would commit apart
+    from the caller's transaction (Django: a checkpoint inside ``atomic()`` on a database the
+    leases do not live in)."""
+    if refuse not in _refusals:
+        _refusals.append(refuse)
+
+
+def refuse_unjoined(store: Any, lease: Any) -> None:
+    """Raise (``ConfigurationError``) if a write of ``lease``'s attempt, about to run on the
+    store's own connection, sits in a transaction of the caller's that it cannot join."""
+    for refuse in _refusals:
+        refuse(store, lease)
 
 
 def joined(store: Any, connection: Any = None) -> Joined | None:
@@ -139,4 +159,12 @@ def _info_of(dbapi: Any) -> dict[str, Any]:
         return {}
 
 
-__all__ = ["Joined", "ambient", "joined", "register_ambient", "register_unwrap"]
+__all__ = [
+    "Joined",
+    "ambient",
+    "joined",
+    "refuse_unjoined",
+    "register_ambient",
+    "register_refusal",
+    "register_unwrap",
+]

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from kombu.utils import json as kombu_json
 
 from ..errors import CorruptJob
 from ..message import Message
+from ..states import State
 
 
 @dataclass(frozen=True)
@@ -30,20 +32,69 @@ class Claimed:
     bound: bool = True
 
 
+class Refusal(str, Enum):
+    """Why a claim refused a delivery (besides an end: then the job's ``State``)."""
+
+    #: A live lease holds the job: a duplicate delivery.
+    HELD = "held"
+    #: Another message of the id is the recorded one (an older retry, a copy).
+    STALE = "stale"
+    #: A trigger of a lease key whose live job serves it (kept on the key).
+    COALESCED = "coalesced"
+    #: Not due yet (a countdown, a debounce, its group's token): deliver it again then.
+    EARLY = "early"
+    #: A job of a group not admitted yet: its admission publishes it.
+    WAITING = "waiting"
+    #: A job of a group whose lease ended: the reaper returns it to its group, whose
+    #: admission starts it again (a start of a group's job is always an admission's).
+    LAPSED = "lapsed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Recorded(str, Enum):
+    """What recording a client's message did (``Store.register``), besides finding a job
+    that keeps the id (then its ``State``: this message is a copy)."""
+
+    #: A new job.
+    NEW = "new"
+    #: A new job reusing the id of one that ended, or a replacement.
+    TAKEN_OVER = "taken over"
+    #: A trigger of a held lease key, kept on the key.
+    COALESCED = "coalesced"
+    #: A debounced trigger moved into its key's job that has not started.
+    DEBOUNCED = "debounced"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Superseded:
+    """A queued job a newer trigger of its key ended: its id, and its group (``admitted``:
+    it held a place under the group's limit, free now)."""
+
+    id: str
+    group: str | None
+    admitted: bool
+
+
 @dataclass(frozen=True)
 class Refused:
-    """A refused claim. ``reason`` is the job's state, ``held`` when a live lease holds it, or
-    ``stale`` when another message of the id is the recorded one (an older retry, a copy), or
-    ``coalesced`` when the delivery is a trigger of a lease key whose live job serves it, or
-    ``early`` when a debounced job is not due yet (``expires_in``: seconds until it is)."""
+    """A refused claim. ``reason``: a :class:`Refusal`, or the :class:`State` of a job that
+    has ended. ``expires_in``: seconds left on the lease that holds it, or until it is due
+    (``early``)."""
 
-    reason: str
+    reason: Refusal | State
     owner: str | None
     expires_in: float | None
     #: ``coalesced``: the job of the delivery's lease key that serves it instead.
     serving: str | None = None
-    #: ``coalesced``: it superseded the key's queued job; the key's triggers can run now.
+    #: ``coalesced``: no job holds the key now; its waiting triggers can run now.
     freed: bool = False
+    #: ``coalesced``: the key's queued job it superseded (its group's place is free).
+    superseded: Superseded | None = None
 
 
 @dataclass(frozen=True)

@@ -17,28 +17,36 @@ from typing import Any, TypeVar, cast
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
+from ..states import FINISHED, LIVE, State
+from ..states import REVOKED_ENDS as REVOKED_ENDS_
 from .dialects import Dialect
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
-#: Job states. ``queued`` and ``running`` are live; the others are finished. A ``replaced``
-#: job handed its id to the signature it was replaced with (``Task.replace``); a ``revoked``
-#: one was revoked or expired in Celery; a ``superseded`` one gave way to a newer trigger of
-#: its lease key (``lease_key_strategy="newest"``).
-QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
-CANCELLED, REVOKED, REPLACED, SUPERSEDED = "cancelled", "revoked", "replaced", "superseded"
+#: Job states, as the ``state`` column stores them (``celery_leases.states.State``'s values:
+#: the states are named there, once). ``queued`` and ``running`` are live; the others are
+#: finished. A job of a group that waits for its admission is ``queued`` with no
+#: ``admitted_at`` (``WAITING``, never stored).
+QUEUED = State.QUEUED.value
+RUNNING = State.RUNNING.value
+DONE = State.DONE.value
+FAILED = State.FAILED.value
+CANCELLED = State.CANCELLED.value
+REVOKED = State.REVOKED.value
+REPLACED = State.REPLACED.value
+SUPERSEDED = State.SUPERSEDED.value
 STATES = (QUEUED, RUNNING, DONE, FAILED, CANCELLED, REVOKED, REPLACED, SUPERSEDED)
-LIVE_STATES = (QUEUED, RUNNING)
+LIVE_STATES = tuple(s.value for s in LIVE)
 #: SQL true for a live job (a partial index's predicate: the statements that use the index
 #: write the states as literals, so that a generic plan can prove it).
-LIVE_PREDICATE = "state IN ('queued', 'running')"
-FINISHED_STATES = (DONE, FAILED, CANCELLED, REVOKED, REPLACED, SUPERSEDED)
+LIVE_PREDICATE = f"state IN ({', '.join(repr(s) for s in LIVE_STATES)})"
+FINISHED_STATES = tuple(s.value for s in FINISHED)
 #: The ends a client sees as REVOKED in the result backend.
-REVOKED_ENDS = (CANCELLED, REVOKED, SUPERSEDED)
+REVOKED_ENDS = tuple(s.value for s in REVOKED_ENDS_)
 #: A job of a group that waits in the database for its admission (never published yet): it
 #: is ``queued`` (live: it holds its lease key) with no ``admitted_at`` and no ``expires_at``
 #: (no reaper re-publishes it). Shown as ``waiting`` by ``leases list``.
-WAITING = "waiting"
+WAITING = State.WAITING.value
 
 #: Longest job (task) id the table holds; a longer one is refused, never truncated.
 MAX_ID_LENGTH = 155
@@ -141,6 +149,10 @@ def jobs_table(
         # When the job's first attempt claimed it (a trigger of its key that came before this
         # is served by it).
         sa.Column("started_at", sa.Double),
+        # How many triggers its key had had (``<table>_keys.triggers``) when its first attempt
+        # claimed it: the triggers it started after, whatever the clock did (NULL: claimed by
+        # a release before revision 0006; then ``started_at`` says).
+        sa.Column("started_seq", sa.BigInteger),
         # A trigger that a run of its key served (one that started after the trigger): that
         # run's id; this row holds what the trigger's caller is told.
         sa.Column("served_by", sa.String(MAX_ID_LENGTH)),
@@ -219,6 +231,11 @@ def keys_table(metadata: sa.MetaData, jobs: str = "celery_leases_jobs") -> sa.Ta
         sa.Column("pending_id", sa.String(MAX_ID_LENGTH)),
         sa.Column("pending", text),
         sa.Column("pending_at", sa.Double),
+        # When the first of them came (a debounced follow-up waits at most ``max_wait`` after it).
+        sa.Column("pending_since", sa.Double),
+        # How many triggers ever waited on the key: the latest one's number (a run whose
+        # claim read at least that started after it: ``started_seq``).
+        sa.Column("triggers", sa.BigInteger),
         sa.Index(
             f"ix_{name}_pending",
             "pending_at",

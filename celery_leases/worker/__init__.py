@@ -6,7 +6,8 @@ task body.
 - ``deaths.py``: the main process's watch for dead pool processes;
 - ``keeper.py``: the thread of each process that renews every lease the process holds;
 - ``signals.py``: the worker's signals (shutdown, unknown tasks, revokes, failures);
-- ``startup.py``: the checks at worker and beat start.
+- ``startup.py``: the checks at worker and beat start;
+- ``watch.py``: the main process's warning while no reaper pass happens.
 
 :func:`connect` connects the signals once, when a ``LeasedTask`` or the reaper is first bound
 to an app: importing the package connects nothing.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import threading
 
 from .. import event
-from . import signals, startup
+from . import signals, startup, watch
 
 _connected = False
 _lock = threading.Lock()
@@ -29,7 +30,12 @@ def connect() -> None:
     with _lock:
         if _connected:
             return
-        for signal, receiver in (*startup.RECEIVERS, *signals.RECEIVERS, *event.RECEIVERS):
+        for signal, receiver in (
+            *startup.RECEIVERS,
+            *signals.RECEIVERS,
+            *watch.RECEIVERS,
+            *event.RECEIVERS,
+        ):
             signal.connect(receiver, weak=False)
         _connected = True
 

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..process import proc_stat
+from ..process import leave_signals_to_the_main_thread, proc_stat
 
 logger = logging.getLogger("celery_leases")
 
@@ -54,6 +54,7 @@ class Deaths(threading.Thread):
         os.write(self._wake_w, b"w")  # poll() takes new descriptors at its next call
 
     def run(self) -> None:
+        leave_signals_to_the_main_thread()
         while True:
             for fd, _ in self._poll.poll():
                 if fd == self._wake_r:

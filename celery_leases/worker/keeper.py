@@ -13,11 +13,13 @@ import threading
 import time
 import uuid
 
+from .. import lifecycle
 from ..db import Store
 from ..db.session import Session
 from ..errors import LeaseError
 from ..lease import Lease
 from ..log import lease_fields
+from ..process import leave_signals_to_the_main_thread
 
 logger = logging.getLogger("celery_leases.keeper")
 
@@ -305,7 +307,7 @@ class Keeper(threading.Thread):
         if not (lease.kill_when_stalled and one_task_at_a_time()):
             return
         try:
-            if self.store.hand_back(lease.job_id, lease.token, reap_in=0.0):
+            if lifecycle.let_go(self.store, lease.job_id, lease.token):
                 lease.released = True
         except LeaseError as exc:
             logger.warning(
@@ -323,6 +325,7 @@ class Keeper(threading.Thread):
         os.kill(os.getpid(), signal.SIGKILL)
 
     def run(self) -> None:
+        leave_signals_to_the_main_thread()
         while not self._stopped.is_set():
             # A stall is acted on when it happens, not at the next renewal (every third of a
             # 30 s lease): a stalled prefork process (leases_kill_stalled) hands its job back

@@ -31,13 +31,14 @@ from celery.exceptions import WorkerLostError
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
+from .. import lifecycle
 from ..db import Store, store_for
 from ..db.rows import Job
-from ..db.schema import DONE, FINISHED_STATES, LIVE_STATES, QUEUED, REVOKED
+from ..db.schema import DONE, FINISHED_STATES, LIVE_STATES, QUEUED
 from ..errors import LeaseError
 from ..log import job_fields
-from ..message import Message
 from ..process import owner_name
+from ..states import State
 from .deaths import deaths
 from .signals import SHUTTING_DOWN, end_job
 
@@ -133,7 +134,7 @@ class LeasedRequest(Request):  # type: ignore[misc]
 
     def terminate(self, pool: Any, signal: Any = None) -> Any:
         if self.time_start:
-            end_job(self.task, self.id, REVOKED, f"terminated in Celery ({self.hostname})")
+            end_job(self.task, self.id, State.REVOKED, f"terminated in Celery ({self.hostname})")
         return super().terminate(pool, signal)
 
     def _lost(self, exc: Any) -> bool:
@@ -197,23 +198,16 @@ class LeasedRequest(Request):  # type: ignore[misc]
         return job.state == DONE and self._finish_done(job)
 
     def _resume_at_once(self, store: Store, owner: str, *, seen_at_once: bool = False) -> bool:
-        """Hand back the dead process's lease and send the job again; False when that process
-        held no lease on it that it may hand back (see ``Store.hand_back_owned``).
-        ``seen_at_once``: the death was seen by ``deaths.Deaths``, not reported by billiard."""
+        """Hand back the dead process's lease and send the job again (a job of a group: ask
+        for its admission); False when that process held no lease on it that it may hand
+        back (see ``Store.hand_back_owned``). ``seen_at_once``: the death was seen by
+        ``deaths.Deaths``, not reported by billiard."""
         settings = self.task.lease_settings
-        state, text = store.hand_back_owned(self.id, owner, reap_in=settings.reap_grace)
+        state = lifecycle.resume_after_death(
+            self.task.app, store, self.id, owner, reap_grace=settings.reap_grace
+        )
         if state is None:
             return False
-        if state == QUEUED and text is not None:
-            try:
-                Message.loads(text).send(self.task.app)
-            except Exception as exc:  # the reaper sends it after leases_reap_grace
-                logger.error(
-                    "celery-leases: job %s: could not send it again: %r",
-                    self.id,
-                    exc,
-                    extra=job_fields(self.id),
-                )
         logger.warning(
             "celery-leases: job %s: pool process %s died%s; %s",
             self.id,

@@ -24,14 +24,14 @@ from celery.signals import (
     worker_shutting_down,
 )
 
-from .. import groups, notice
+from .. import lifecycle, notice
 from ..config import settings_for, uses_leases
 from ..db import store_for
 from ..db.migrations import upgrade
-from ..db.schema import FAILED, REVOKED
 from ..errors import LeaseError
 from ..log import job_fields, lease_fields
 from ..process import owner_prefix
+from ..states import State
 from .deaths import deaths
 from .keeper import all_keepers
 from .limits import execution_ends, execution_starts
@@ -90,7 +90,7 @@ def release_on_process_shutdown(**_: Any) -> None:
             if lease.released or lease.lost:
                 continue
             try:
-                keeper.store.hand_back(lease.job_id, lease.token, reap_in=0.0)
+                lifecycle.let_go(keeper.store, lease.job_id, lease.token)
                 lease.released = True
                 logger.warning(
                     "celery-leases: job %s released at process shutdown",
@@ -118,7 +118,7 @@ def preempt_on_shutdown(sender: Any = None, **_: Any) -> None:
         settings = settings_for(app)
         if not settings.preempt_on_shutdown:
             return
-        count = store_for(settings).request_stop_owned_by(owner_prefix(sender), "preempt")
+        count = lifecycle.preempt(store_for(settings), owner_prefix(sender))
     except LeaseError as exc:
         logger.warning("celery-leases: could not preempt running jobs: %s", exc)
         return
@@ -143,7 +143,9 @@ def wait_for_a_worker_that_knows(
     reason = f"waiting for a worker that knows task {name!r} ({hostname} does not)"
     try:
         settings = settings_for(app)
-        waits = store_for(settings).wait_for_worker(id, wait=settings.reap_grace, error=reason)
+        waits = lifecycle.wait_for_worker(
+            store_for(settings), id, wait=settings.reap_grace, error=reason
+        )
     except LeaseError as exc:
         logger.warning(
             "celery-leases: job %s of unknown task %r: %s", id, name, exc, extra=job_fields(id)
@@ -177,7 +179,7 @@ def record_revoke(
     error = f"{how} in Celery ({getattr(request, 'hostname', None)})"
     # An expired copy of the message of a job an attempt runs under a live lease (the reaper
     # sent it again meanwhile) leaves that attempt alone, as Celery does a running task.
-    end_job(sender, job_id, REVOKED, error, unheld_only=expired)
+    end_job(sender, job_id, State.REVOKED, error, unheld_only=expired)
     notice.keep_revoked(sender, job_id)
 
 
@@ -198,34 +200,15 @@ def record_failure_in_main_process(
     if not _is_leased(sender) or not task_id or _in_pool_process():
         return
     text = "".join(traceback.format_exception_only(type(exception), exception)).strip()
-    end_job(sender, task_id, FAILED, f"failed in the worker's main process: {text}")
+    end_job(sender, task_id, State.FAILED, f"failed in the worker's main process: {text}")
 
 
-def end_job(task: Any, job_id: str, state: str, error: str, *, unheld_only: bool = False) -> None:
-    """End a live job of ``task`` as Celery decided it (``Store.end_live``; ``unheld_only``:
-    unless an attempt holds it under a live lease, ``Store.end_unheld``), logging it."""
-    store = store_for(task.lease_settings)
-    end = store.end_unheld if unheld_only else store.end_live
-    try:
-        ended = end(job_id, state=state, error=error)
-    except LeaseError as exc:
-        logger.error(
-            "celery-leases: could not record job %s as %s: %s",
-            job_id,
-            state,
-            exc,
-            extra=job_fields(job_id),
-        )
-        return
-    if ended:
-        logger.warning(
-            "celery-leases: job %s is %s: %s", job_id, state, error, extra=job_fields(job_id)
-        )
-        try:
-            ended_job = store.get(job_id)  # its group, on this rare path only
-        except LeaseError:
-            return  # the reaper admits its group's next
-        groups.make_room(task.app, store, ended_job)
+def end_job(task: Any, job_id: str, state: State, error: str, *, unheld_only: bool = False) -> None:
+    """End a live job of ``task`` as Celery decided it (``lifecycle.end_in_celery``;
+    ``unheld_only``: unless an attempt holds it under a live lease), its end handed on."""
+    lifecycle.end_in_celery(
+        task.app, store_for(task.lease_settings), job_id, state, error, unheld_only=unheld_only
+    )
 
 
 def _is_leased(task: Any) -> bool:

@@ -116,7 +116,7 @@ def test_the_short_forms_have_the_cheap_edges_of_issue_23() -> None:
 
 
 def failover_form(faults: int) -> list[str]:
-    """The medium failover run of docs/testing.md, with ``faults`` faults."""
+    """The medium failover run of docs/contributing.md, with ``faults`` faults."""
     return [
         "--jobs", "150", "--units", "10", "--unit-seconds", "0.3", "--faults", str(faults),
         "--keys", "3", "--triggers", "60", "--key-units", "8",

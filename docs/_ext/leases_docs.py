@@ -7,12 +7,17 @@
 - A check at the end of reading: every public name (``celery_leases.__all__``, the
   ``__all__`` of the other public modules, the plugin's fixtures) has an entry in the API
   reference; a missing one is a warning, so the strict build fails.
+- ``{lines}`path```: the length of a file of the package (``wc -l``), or the sum over the files
+  that space-separated globs match (``{lines}`db/**/*.py```), counted at build time. A page
+  that gives a file's length with it (the architecture page's tables) must give every file of
+  the package one: a file without a row, or a row naming no file, is a warning.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -26,6 +31,10 @@ from sphinx.util.docutils import SphinxDirective
 from sphinx.util.nodes import nested_parse_with_titles
 
 logger = logging.getLogger(__name__)
+
+#: The package whose files ``{lines}`` counts, and the files it counts.
+PACKAGE = Path(__file__).resolve().parents[2] / "celery_leases"
+SOURCES = ("*.py", "**/*.py")
 
 #: The modules whose public names the API reference documents, by their import path.
 PUBLIC = ["celery_leases", "celery_leases.contrib.django", "celery_leases.testing"]
@@ -100,8 +109,81 @@ def check_every_public_name(app: Sphinx, env: BuildEnvironment) -> None:
             logger.warning("the API reference has no entry for %s", name)
 
 
+def package_files() -> list[str]:
+    """Every source file of the package, relative to it (``db/store/base.py``)."""
+    return sorted({str(p.relative_to(PACKAGE)) for p in PACKAGE.glob("**/*.py")})
+
+
+def line_count(path: Path) -> int:
+    with path.open("rb") as file:
+        return sum(1 for _ in file)
+
+
+def lines_role(
+    name: str,
+    rawtext: str,
+    text: str,
+    lineno: int,
+    inliner: Any,
+    options: Any = None,
+    content: Any = None,
+) -> tuple[list[nodes.Node], list[nodes.system_message]]:
+    """``{lines}`task.py``` -> ``319``; ``{lines}`cli/**/*.py contrib/**/*.py``` -> their
+    sum, with a thousands separator."""
+    env = inliner.document.settings.env
+    files: set[Path] = set()
+    for pattern in text.split():
+        matched = {p for p in PACKAGE.glob(pattern) if p.is_file()}
+        if not matched:
+            message = inliner.reporter.warning(
+                f"{{lines}}: no file of celery_leases/ matches {pattern!r}", line=lineno
+            )
+            return [inliner.problematic(rawtext, rawtext, message)], [message]
+        files |= matched
+    if len(text.split()) == 1 and len(files) == 1:  # one file: one row of the page's tables
+        counted = _counted(env).setdefault(env.docname, set())
+        counted.add(str(next(iter(files)).relative_to(PACKAGE)))
+    total = sum(line_count(path) for path in files)
+    return [nodes.Text(f"{total:,}")], []
+
+
+def _counted(env: BuildEnvironment) -> dict[str, set[str]]:
+    """The files whose lines each page counts one by one, by page."""
+    if not hasattr(env, "leases_counted"):
+        env.leases_counted = {}  # type: ignore[attr-defined]
+    return env.leases_counted  # type: ignore[attr-defined,no-any-return]
+
+
+def purge_counted(app: Sphinx, env: BuildEnvironment, docname: str) -> None:
+    _counted(env).pop(docname, None)
+
+
+def merge_counted(
+    app: Sphinx, env: BuildEnvironment, docnames: set[str], other: BuildEnvironment
+) -> None:
+    for docname in docnames:
+        if docname in _counted(other):
+            _counted(env)[docname] = _counted(other)[docname]
+
+
+def check_every_file_counted(app: Sphinx, env: BuildEnvironment) -> None:
+    """A page that counts one file's lines counts every file's: a new module needs a row."""
+    for docname, counted in sorted(_counted(env).items()):
+        for missing in sorted(set(package_files()) - counted):
+            logger.warning(
+                "celery_leases/%s has no row in %s (a {lines} role of its own)",
+                missing,
+                docname,
+                location=docname,
+            )
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("leases-fixtures", FixturesDirective)
+    app.add_role("lines", lines_role)
     app.connect("autodoc-skip-member", skip_celery_bound_attributes)
     app.connect("env-check-consistency", check_every_public_name)
+    app.connect("env-purge-doc", purge_counted)
+    app.connect("env-merge-info", merge_counted)
+    app.connect("env-check-consistency", check_every_file_counted)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -103,6 +103,9 @@ def assert_chaos_survived(report: Report, config: Config) -> None:
     assert sent >= config.triggers, f"only {sent} triggers sent; {replay}\n{report.text}"
 
 
+# exclusive: it restarts the shared PostgreSQL and Redis, which would break the tests running
+# beside it; `make test` runs it alone, after the parallel run (scripts/test.sh).
+@pytest.mark.exclusive
 @pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
 @pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
 def test_on_postgresql_and_redis_kills_freezes_and_restarts_lose_nothing_and_run_nothing_twice(

@@ -13,6 +13,7 @@ from celery import Celery
 
 from celery_leases import LeasedTask
 from celery_leases.config import settings_for
+from celery_leases.db.identity import Facts
 from celery_leases.db.rows import Claimed, Refused
 from celery_leases.db.store import Store, store_for
 from celery_leases.errors import ArgumentsError, ConfigurationError
@@ -47,7 +48,7 @@ def due_in(store: Store, job_id: str) -> float:
     with store.engine.connect() as connection:
         row = connection.execute(store.sql.record.facts, {"b_id": job_id}).first()
     assert row is not None
-    return float(row[-1])
+    return float(Facts(*row).due_in or 0.0)
 
 
 def moved_back(store: Store, job_id: str, column: str, seconds: float) -> None:

@@ -17,11 +17,11 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_leases import LeasedTask, control, groups, keys, reap
+from celery_leases import LeasedTask, control, lifecycle, reap
 from celery_leases.config import settings_for
 from celery_leases.db.rows import Claimed, Refused
 from celery_leases.db.store import Store, store_for
-from celery_leases.errors import ArgumentsError, ConfigurationError
+from celery_leases.errors import ArgumentsError
 from celery_leases.message import GROUP_HEADER, Message
 from celery_leases.settings import DEFAULTS, validate
 from celery_leases.worker.keeper import all_keepers
@@ -110,7 +110,7 @@ def test_a_recorded_job_of_a_group_waits_unpublished_and_is_never_claimed_or_re_
 def test_an_end_makes_room_for_the_next_waiting_job_first_in_first_out(store: Store) -> None:
     recorded_waiting(store, [f"j{n}" for n in range(5)])
 
-    first = store.admit("tenant:a", limit=2, define=True)
+    first = store.admit("tenant:a", limits=(2, None), define=True)
 
     assert [a.id for a in first] == ["j0", "j1"]
     assert waiting(store) == ["j2", "j3", "j4"]
@@ -141,7 +141,7 @@ def test_concurrent_admissions_and_ends_never_admit_more_than_the_limit(store: S
         ran = 0
         for i in range(jobs_each):
             store.register(member(f"c{n}-{i}"))
-            store.admit("tenant:a", limit=limit, define=True)
+            store.admit("tenant:a", limits=(limit, None), define=True)
             time.sleep(random.uniform(0, 0.01))
         for _ in range(threads * jobs_each * 4):
             job = next(
@@ -182,7 +182,7 @@ def test_a_reaper_pass_admits_the_waiting_jobs_of_groups_round_robin(app: Celery
     recorded_waiting(store, ["a1", "a2", "a3"], "tenant:a", queue)
     recorded_waiting(store, ["b1", "b2"], "tenant:b", queue)
     for group in ("tenant:a", "tenant:b"):
-        store.admit(group, limit=3, define=True, most=0)
+        store.admit(group, limits=(3, None), define=True, most=0)
 
     report = reap(app)
 
@@ -203,15 +203,18 @@ def test_a_crashed_enders_group_is_admitted_and_its_unpublished_admission_re_sen
     assert reap(app).admitted == [calls[1].id]
     assert published(app) == [calls[1].id]
     assert waiting(store, "t1") == [calls[2].id]
-    # An admitter that died between its admission and its publish: the reaper re-sends the
-    # admitted job once its wait has passed, as any recorded job
+    # An admitter that died between its admission and its publish: once its wait has passed,
+    # the reaper hands the admitted job back to its group, whose admission sends it again
+    # (first in line, it takes its place back, and a token of its rate)
     t = store.table
     with store.engine.begin() as connection:
         connection.execute(
             sa.update(t).where(t.c.id == calls[1].id).values(expires_at=t.c.expires_at - 3600)
         )
-    assert reap(app).republished == [calls[1].id]
+    report = reap(app)
+    assert report.returned == [calls[1].id] and report.republished == []
     assert published(app) == [calls[1].id]
+    assert waiting(store, "t1") == [calls[2].id]
 
 
 def test_five_calls_of_a_group_of_two_publish_two_and_return_every_id_at_once(
@@ -258,11 +261,17 @@ def test_an_operator_cancel_of_an_admitted_job_admits_the_next_at_once(app: Cele
     assert published(app) == [c.id for c in calls[:2]]
 
     # When an operator cancels a waiting job, then an admitted (queued) one
-    control.cancel(app, store, calls[3].id)
+    said_waiting = control.cancel(app, store, calls[3].id)
     assert published(app) == []
-    control.cancel(app, store, calls[0].id)
+    said_admitted = control.cancel(app, store, calls[0].id)
 
-    # Then the waiting one never runs, and the admitted one's room went to the next at once,
+    # Then each is told as it is: the waiting one was never sent, the admitted one's message
+    # is dropped when a worker receives it
+    assert said_waiting.endswith(
+        "cancelled: it was never sent (it waited for its group's admission)"
+    )
+    assert said_admitted.endswith("cancelled: its message is dropped when a worker receives it")
+    # ... the waiting one never runs, and the admitted one's room went to the next at once,
     # not at the reaper's next pass
     assert published(app) == [calls[2].id]
     assert waiting(store, "t1") == []
@@ -296,7 +305,7 @@ def test_an_operator_retry_of_a_grouped_job_waits_for_its_admission(app: Celery)
     outcome = store.claim(job.message, owner=OWNER, duration=30.0)
     assert isinstance(outcome, Claimed)
     assert store.fail(job.id, outcome.token, error="boom")
-    assert groups.admit(app, store, "t1") == [calls[1].id]
+    assert [a.id for a in lifecycle.admit(app, store, "t1")] == [calls[1].id]
     assert published(app) == [calls[1].id]
 
     # When an operator retries the failed one while the group is full
@@ -307,7 +316,7 @@ def test_an_operator_retry_of_a_grouped_job_waits_for_its_admission(app: Celery)
     assert published(app) == []
     assert waiting(store, "t1") == [calls[0].id]
     finished(store, calls[1].id)
-    assert groups.admit(app, store, "t1") == [calls[0].id]
+    assert [a.id for a in lifecycle.admit(app, store, "t1")] == [calls[0].id]
     assert published(app) == [calls[0].id]
 
 
@@ -340,8 +349,8 @@ def test_a_keyed_jobs_follow_up_waits_in_its_group_and_is_admitted_when_there_is
     trigger = keyed.delay("t1", "a")
     assert trigger.id != run.id and published(app) == []
     assert store.finish(run.id, lease.token, result=None)
-    keys.settle(app, store, "acct:a")
-    groups.admit(app, store, "t1")
+    lifecycle.settle(app, store, "acct:a")
+    lifecycle.admit(app, store, "t1")
 
     # Then the key's follow-up is recorded in the group, behind the job that waited first:
     # the group's one slot goes to that job, and the follow-up waits for the next
@@ -351,23 +360,46 @@ def test_a_keyed_jobs_follow_up_waits_in_its_group_and_is_admitted_when_there_is
     assert followup is not None and followup.lease_key == "acct:a" and followup.waiting
 
 
-def test_a_debounce_and_a_group_together_are_refused_at_binding_and_at_a_call(
+def test_a_debounced_call_of_a_group_waits_out_its_quiet_then_for_its_admission(
     app: Celery,
 ) -> None:
     store = store_for(settings_for(app))
 
     @app.task(
         base=LeasedTask, shared=False, name="tests.both", lease_key="k:{0}",
-        lease_debounce=(1.0, 5.0), lease_group="{0}",
+        lease_debounce=(1.0, 5.0), lease_group="{0}", lease_group_limit=1,
     )  # fmt: skip
-    def both(tenant: str) -> None:
-        return None
+    def both(tenant: str, payload: int) -> int:
+        return payload
 
-    with pytest.raises(ConfigurationError, match="has lease_debounce and lease_group"):
-        app.tasks["tests.both"]  # binding it
-    with pytest.raises(ArgumentsError, match="a debounced call cannot have a group"):
-        app.tasks["tests.keyed"].apply_async(("t1", "a"), lease_debounce=(1.0, 5.0))
-    assert published(app) == [] and store.list_jobs() == []
+    task = app.tasks["tests.both"]
+    # Given a burst of two debounced calls of one key in group t1
+    first = task.delay("t1", 1)
+    later = task.delay("t1", 2)
+
+    # Then one job, with the newest arguments, waits unadmitted until its quiet is over (no
+    # place under the limit, no token, for a start that comes later); its messages go for its
+    # due time, to ask for its admission then
+    assert later.id == first.id
+    job = store.get(first.id)
+    assert job is not None and job.waiting and job.message.args == ["t1", 2]
+    assert published(app) == [first.id, first.id]
+    assert store.admit("t1") == []  # not due: passed over
+    # When its due time has come and its message arrives
+    t = store.table
+    with store.engine.begin() as connection:
+        connection.execute(
+            sa.update(t).where(t.c.id == first.id).values(run_after=t.c.run_after - 2)
+        )
+    delivery = store.get(first.id).message  # type: ignore[union-attr]
+    refused = store.claim(delivery, owner=OWNER, duration=30.0)
+    assert isinstance(refused, Refused) and refused.reason == "waiting"
+    lifecycle.refused(task, refused, delivery, redelivered=False)
+
+    # Then its group admits it and publishes it, and its claim runs the newest arguments
+    assert published(app) == [first.id]
+    claimed = store.claim(store.get(first.id).message, owner=OWNER, duration=30.0)  # type: ignore[union-attr]
+    assert isinstance(claimed, Claimed)
 
 
 def test_a_group_limit_that_is_not_a_positive_int_is_refused_and_nothing_is_recorded(
@@ -387,7 +419,7 @@ def test_a_rate_of_5_a_second_spaces_the_admissions_by_the_database_clock(
     recorded_waiting(store, ids, "api")
 
     # Admissions as jobs end or the reaper passes: each takes the tokens due within a second
-    first = store.admit("api", rate=5.0, define=True)
+    first = store.admit("api", limits=(None, 5.0), define=True)
     for _ in range(40):
         if not waiting(store, "api"):
             break

@@ -3,7 +3,11 @@ a process running one short task after another does not wake it for each one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit
@@ -20,6 +24,7 @@ from celery_leases.worker.keeper import Keeper
 from tests.support.message import job_message
 from tests.support.proxy import TcpProxy
 from tests.support.scenario import wait_for
+from tests.support.worker import REPO_ROOT
 
 RENEW = 0.3  # seconds between renew ticks in these tests
 
@@ -201,3 +206,69 @@ def test_a_lease_whose_renewals_fail_until_its_end_stops_the_attempt_at_its_next
     finally:
         proxy.stop()
         store.engine.dispose()
+
+
+#: A process with a keeper thread that then blocks SIGTERM in its main thread, as billiard does
+#: while a pool process writes its last message to the worker; it says when, waits for a line
+#: (the test has sent SIGTERM by then), says it is alive, and lets SIGTERM in.
+BLOCKED_MAIN = """
+import signal, sys
+from pathlib import Path
+from celery_leases.db.store import Store
+from celery_leases.settings import DEFAULTS, validate
+from celery_leases.worker.keeper import Keeper
+
+keeper = Keeper(Store(validate(DEFAULTS | {"database_url": sys.argv[1], "table": sys.argv[2]})))
+keeper.start()
+status = Path(f"/proc/self/task/{keeper.native_id}/status")
+for _ in range(500):  # until its thread has run far enough to set its own mask, 5 s at most
+    blocked = next(line for line in status.read_text().splitlines() if line.startswith("SigBlk"))
+    if int(blocked.split()[1], 16) >> (signal.SIGTERM - 1) & 1:
+        break
+    keeper._stopped.wait(0.01)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+print("blocked", flush=True)
+sys.stdin.readline()
+print("alive", flush=True)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_sigterm_waits_for_the_main_thread_of_a_process_with_a_keeper_thread(
+    database_url: str, table_name: str
+) -> None:
+    # Given a process whose keeper thread runs, and whose main thread blocks SIGTERM (billiard,
+    # while a pool process writes its death to the worker under the lock its replacement
+    # shares; SIGTERM's action is the default by then)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", BLOCKED_MAIN, database_url, table_name],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline() == "blocked\n"
+
+        # When it gets SIGTERM (the worker sends two after a hard time limit)
+        child.send_signal(signal.SIGTERM)
+        with contextlib.suppress(BrokenPipeError):
+            child.stdin.write("go\n")
+            child.stdin.flush()
+
+        # Then the keeper thread did not take it: it waits until the main thread lets it in,
+        # and the process ends by it then
+        assert child.stdout.readline() == "alive\n", "the SIGTERM killed it in another thread"
+        assert child.wait(30) == -signal.SIGTERM
+        assert child.stdout.read() == ""
+    finally:
+        child.kill()
+        child.wait(30)
+        for stream in (child.stdin, child.stdout):
+            if stream is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    stream.close()

@@ -198,10 +198,25 @@ def admin() -> dict[str, Any]:
         text = response.content.decode()
         return sorted(state for state, job_id in ids.items() if job_id in text)
 
+    h = store.holders  # no reaper pass recorded: the list warns
+    with store.engine.begin() as connection:
+        connection.execute(h.delete().where(h.c.id == "reaper"))
     everything = client.get(page).content.decode()
     seen["listed"] = listed("")
     seen["progress shown"] = "40% (4 / 10)" in everything
     seen["filtered by state running"] = listed("?state__exact=running")
+    # A job of a group waiting for its admission: the state filter's waiting
+    from celery_leases.message import GROUP_HEADER
+
+    waiting_id = f"waiting-{tag}"
+    store.register(
+        job_message(waiting_id, invoice_orders.name, args=[waiting_id, 1], **{GROUP_HEADER: tag})
+    )
+    filtered = client.get(page + "?state__exact=waiting").content.decode()
+    queued = client.get(page + "?state__exact=queued").content.decode()
+    seen["filtered by state waiting"] = [waiting_id in filtered, ids["queued"] in filtered]
+    seen["filtered by state queued"] = [waiting_id in queued, ids["queued"] in queued]
+    seen["reaper warning"] = "no reaper pass" in everything
     seen["filtered by task"] = listed(f"?task__exact={invoice_orders.name}")
     seen["searched by id prefix"] = listed(f"?q=running-{tag[:4]}")
     t = store.table  # the done job was created two hours ago
@@ -299,8 +314,10 @@ def _admin_groups(client: Any, store: Any, tag: str) -> dict[str, Any]:
         for job_id in ids:
             header = {GROUP_HEADER: group}
             store.register(job_message(job_id, invoice_orders.name, args=[job_id, 1], **header))
-    store.admit(limited, limit=1, rate=1 / 6, define=True)  # 10/m: one admitted, two wait
-    store.admit(unlimited, define=True, most=0)  # its admission not run yet: one waits
+    store.admit(limited, limits=(1, 1 / 6), define=True)  # 10/m: one admitted, two wait
+    store.admit(
+        unlimited, limits=(None, None), define=True, most=0
+    )  # its admission not run yet: one waits
     page = "/admin/celery_leases/jobgroup/"
 
     def cells(text: str, marker: str) -> dict[str, str]:
@@ -580,7 +597,7 @@ def reaper_under_database_scheduler() -> dict[str, Any]:
     """django-celery-beat's DatabaseScheduler, as ``celery beat -S ...DatabaseScheduler``
     runs it: the reaper's entry it loaded (``schedule_reaper``'s, stored in its table), and
     the message of the pass it sends when that entry is due."""
-    from datetime import UTC, datetime
+    from datetime import datetime, timezone
 
     from celery.signals import before_task_publish
     from django_celery_beat.models import PeriodicTask
@@ -593,7 +610,7 @@ def reaper_under_database_scheduler() -> dict[str, Any]:
 
     def record(sender: Any = None, headers: Any = None, **_: Any) -> None:
         if sender == REAP_TASK:
-            published.append({"expires": headers.get("expires"), "at": datetime.now(UTC)})
+            published.append({"expires": headers.get("expires"), "at": datetime.now(timezone.utc)})
 
     before_task_publish.connect(record, weak=False)
     scheduler = DatabaseScheduler(app=celery_app)

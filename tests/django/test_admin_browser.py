@@ -16,7 +16,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -161,7 +161,7 @@ def test_a_staff_user_sees_a_running_job_progress_in_the_admin_and_cancels_it(
         driver.save_screenshot(str(tmp_path / "admin-cancelled.png"))
 
     # When they drill into the date hierarchy down to the day the job was created
-    day = datetime.fromtimestamp(job.created_at, tz=UTC)  # the project's TIME_ZONE is UTC
+    day = datetime.fromtimestamp(job.created_at, tz=timezone.utc)  # the project's TIME_ZONE is UTC
     driver.get(f"{site}/admin/celery_leases/job/")
     for _ in range(3):
         links = [
@@ -210,7 +210,7 @@ def test_a_staff_user_sees_a_running_job_progress_in_the_admin_and_cancels_it(
     for job_id in members:
         sent = job_message(job_id, TASK, args=[job_id, 1], **{GROUP_HEADER: group})
         shop.store.register(sent)
-    shop.store.admit(group, limit=1, define=True)
+    shop.store.admit(group, limits=(1, None), define=True)
 
     # When they open the job groups' page and follow the group to its jobs
     driver.get(f"{site}/admin/celery_leases/jobgroup/?q={group}")

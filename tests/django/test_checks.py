@@ -239,3 +239,34 @@ def test_a_leases_table_behind_the_migrations_is_a_database_warning_until_migrat
     assert list(restored_found) == ["celery_leases.W003"], restored.stderr
     assert "run manage.py leases upgrade" in restored_found["celery_leases.W003"][0]
     assert fixed_found == {}, fixed.stderr
+
+
+def test_a_leases_url_of_no_django_database_is_a_warning_that_atomic_checkpoints_are_refused(
+    tmp_path: Path,
+) -> None:
+    shop = sqlite_shop(tmp_path)
+    own = shop.env["SHOP_DB_NAME"]
+
+    elsewhere, found = check(
+        shop, settings={"CELERY_LEASES_DATABASE_URL": f"sqlite:///{tmp_path}/leases.sqlite3"}
+    )
+    same, same_found = check(shop, settings={"CELERY_LEASES_DATABASE_URL": f"sqlite:///{own}"})
+    heroku, heroku_found = check(
+        shop, settings={"CELERY_LEASES_DATABASE_URL": "postgres://u@db.example/app"}
+    )
+
+    # Another database: a warning that says what is refused, why, and what to set
+    assert list(found) == ["celery_leases.W004"], elsewhere.stderr
+    (text,) = found["celery_leases.W004"]
+    assert "names no database of DATABASES: a checkpoint (or save_cursor) inside" in text
+    assert "CELERY_LEASES_DATABASE_ALIAS" in text and "refuses it" in text
+    assert elsewhere.returncode == 0
+    # The database of DATABASES['default'] by a URL of its own: checkpoints join, no message
+    assert same_found == {}, same.stderr
+    # postgres:// is SQLAlchemy's postgresql: an error saying so (not a restored backup)
+    assert list(heroku_found) == ["celery_leases.E005"], heroku.stderr
+    assert (
+        "SQLAlchemy names PostgreSQL postgresql, not postgres"
+        in heroku_found["celery_leases.E005"][0]
+    )
+    assert "restored" not in heroku.stderr

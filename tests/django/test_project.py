@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+import celery_leases.contrib.django.migrations as django_migrations
 from celery_leases.db import migrations
 from tests.django.conftest import TABLE, Shop
+
+DJANGO_MIGRATIONS = Path(django_migrations.__file__).parent
 
 
 def test_migrate_creates_the_leases_table_in_django_own_database_and_zero_drops_it(
@@ -23,11 +26,12 @@ def test_migrate_creates_the_leases_table_in_django_own_database_and_zero_drops_
     # When the app's migrations are undone, then applied again
     shop.manage("migrate", "celery_leases", "zero", "--verbosity", "0")
     with shop.store.engine.connect() as connection:
-        gone = TABLE not in sa.inspect(connection).get_table_names()
+        left = [t for t in sa.inspect(connection).get_table_names() if t.startswith(TABLE)]
     again = shop.manage("migrate", "--verbosity", "1")
 
-    # Then zero dropped the table and migrate made it anew, saying where
-    assert gone
+    # Then zero dropped the table and every table of its own (its version table too), and
+    # migrate made them anew, saying where
+    assert left == []
     assert migrations.current(shop.store) == migrations.head()
     assert f"celery-leases: leases table {TABLE} in " in again.stdout
 
@@ -114,6 +118,9 @@ def test_the_admin_lists_filters_and_searches_jobs_and_groups_and_its_actions_us
     assert seen["listed"] == ["done", "failed", "queued", "running"]
     assert seen["progress shown"]
     assert seen["filtered by state running"] == ["running"]
+    assert seen["filtered by state waiting"] == [True, False]
+    assert seen["filtered by state queued"] == [False, True]
+    assert seen["reaper warning"]  # no reaper pass recorded
     assert seen["filtered by task"] == ["done", "failed", "queued", "running"]
     assert seen["searched by id prefix"] == ["running"]
     assert seen["created in the past hour"] == ["failed", "queued", "running"]
@@ -246,9 +253,10 @@ def test_an_in_memory_sqlite_database_is_refused_with_the_reason(tmp_path: Path)
 
 def test_each_revision_is_a_django_operation_whose_sql_sqlmigrate_prints(shop: Shop) -> None:
     # When sqlmigrate prints each migration of the app for the project's database
-    printed = [
-        shop.manage("sqlmigrate", "celery_leases", name).stdout for name in ("0001", "0002", "0003")
-    ]
+    names = sorted(
+        path.name[:4] for path in DJANGO_MIGRATIONS.glob("0*.py") if path.name[:4].isdigit()
+    )
+    printed = [shop.manage("sqlmigrate", "celery_leases", name).stdout for name in names]
 
     # Then every celery-leases revision is there once, in order, each with the statements the
     # revision runs on this database (those `leases upgrade --sql` prints)

@@ -60,9 +60,9 @@ def test_the_collector_reports_the_busiest_groups_admitted_waiting_and_limit(app
     for group, ids in jobs.items():
         for job_id in ids:
             store.register(job_message(job_id, "tests.grouped", **{GROUP_HEADER: group}))
-    store.admit("a", limit=1, define=True)
-    store.admit("b", limit=2, define=True)
-    store.admit("c", define=True, most=0)
+    store.admit("a", limits=(1, None), define=True)
+    store.admit("b", limits=(2, None), define=True)
+    store.admit("c", limits=(None, None), define=True, most=0)
 
     # When a registry with a collector that exports two groups at most is scraped
     registry = prometheus_client.CollectorRegistry()

@@ -6,7 +6,12 @@ import importlib.metadata
 import re
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
+
+# The floors and the SQLAlchemy bound are what the version matrix changes: these run there too
+# (tests/conftest.py cannot see the imports inside their bodies).
+pytestmark = pytest.mark.versions
 
 ROOT = Path(__file__).resolve().parents[2]
 META = importlib.metadata.metadata("celery-leases")

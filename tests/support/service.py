@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -182,7 +183,16 @@ def celery_env(settings: dict[str, Any]) -> dict[str, str]:
 
 #: How long (seconds) a claim on a Redis database lasts if its test run dies without releasing it.
 REDIS_CLAIM_TTL = 3600
+#: Seconds to wait for a Redis database to be released when every one is claimed.
+REDIS_CLAIM_WAIT = 240
 _REDIS_CLAIM_KEY = "celery-leases-tests:claimed-db:{}"
+
+
+def _claim_redis_db(client: Any, token: str, numbers: list[int]) -> int | None:
+    for db in numbers:
+        if client.set(_REDIS_CLAIM_KEY.format(db), token, nx=True, ex=REDIS_CLAIM_TTL):
+            return int(db)
+    return None
 
 
 @contextlib.contextmanager
@@ -190,7 +200,9 @@ def private_redis_url() -> Iterator[str]:
     """Yield a Redis URL whose database number no other test (or test run) is using.
 
     Databases 1..N-1 of the server in ``REDIS_URL`` are claimed with a key in ``REDIS_URL``'s
-    own database, so two test runs on one machine never share one. The database is flushed
+    own database, so two tests (of parallel workers, or of other test runs on the machine)
+    never share one; when every database is claimed, this waits for one to be released (up to
+    ``REDIS_CLAIM_WAIT`` seconds). The database is flushed
     when claimed and when released. Redis pub/sub is server-wide, but kombu prefixes its fanout
     channels with the database number, so remote control stays private too.
     """
@@ -205,11 +217,17 @@ def private_redis_url() -> Iterator[str]:
         except redis.RedisError:
             count = 16
         base_db = client.connection_pool.connection_kwargs.get("db", 0)
-        for db in (n for n in range(count) if n != base_db):
-            if client.set(_REDIS_CLAIM_KEY.format(db), token, nx=True, ex=REDIS_CLAIM_TTL):
+        deadline = time.monotonic() + REDIS_CLAIM_WAIT
+        while True:
+            db = _claim_redis_db(client, token, [n for n in range(count) if n != base_db])
+            if db is not None:
                 break
-        else:
-            raise RuntimeError(f"all {count - 1} Redis databases at {base} are claimed by tests")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"all {count - 1} Redis databases at {base} stayed claimed by tests for "
+                    f"{REDIS_CLAIM_WAIT} s"
+                )
+            time.sleep(0.2)
         url = urlunsplit(urlsplit(base)._replace(path=f"/{db}"))
         private = redis.Redis.from_url(url, socket_timeout=CONNECT_TIMEOUT)
         try:

@@ -26,6 +26,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+import pytest
+
 TESTS_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = TESTS_DIR.parent
 
@@ -347,6 +349,12 @@ def _kill_leftovers() -> None:
     for process in list(_live):
         with contextlib.suppress(Exception):
             process.stop(timeout=1)
+
+
+#: The spawners of processes a test shares with others (a module's bed of workers): a failed
+#: test's report shows the end of each one's log too (tests/conftest.py). Append to
+#: ``item.stash.setdefault(SHARED_LOGS, [])``.
+SHARED_LOGS = pytest.StashKey[list["Spawner"]]()
 
 
 class Spawner:

@@ -38,6 +38,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -48,6 +49,8 @@ from celery.result import AsyncResult, GroupResult
 from celery_leases import Job, get_job
 from celery_leases import message as message_module
 from tests.support.apps.canvas_app import (
+    GATE_ENV,
+    GATE_UNIT,
     LIBRARY_HEADERS,
     TOPIC_ENV,
     Records,
@@ -63,12 +66,17 @@ pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(150),
     pytest.mark.parametrize("database_url", ["postgres"], indirect=True),
+    # One at a time in a parallel run: each test's two workers of 12 pool processes hold ~25
+    # PostgreSQL connections, and four at once would pass the server's max_connections (100).
+    pytest.mark.xdist_group("canvas_crash"),
 ]
 
 CANVAS_APP = "tests.support.apps.canvas_app"
 MakeScenario = Callable[..., Scenario]
 
-UNITS = 16
+#: Units of each leased task: a few after GATE_UNIT, where the crash lands (the gate holds
+#: every task there until the test has crashed the worker, so none needs to be long).
+UNITS = 6
 UNIT_SECONDS = 0.3
 #: Pool processes of the first worker: the ten leased tasks in flight, and room for the plain
 #: tasks and the reaper around them.
@@ -204,7 +212,12 @@ class Bed:
     topic: str
     standby: str
     records: Records
+    #: The file whose existence lets every leased task past unit GATE_UNIT (see canvas_app).
+    gate: Path
     run: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+
+    def open_gate(self) -> None:
+        self.gate.touch()
 
     @property
     def app(self) -> Celery:
@@ -246,8 +259,10 @@ class Bed:
             worker.wait_for_log(rf"Started consuming from {re.escape(queue)}\b", timeout=15)
 
     def in_flight(self, flows: list[Flow], *, unit: int, timeout: float) -> dict[str, str]:
-        """Wait until every leased task running units has started ``unit`` and none has ended;
-        return {tag: job id}."""
+        """Wait until every leased task running units has started ``unit`` (at most
+        ``GATE_UNIT``: they wait there until the test opens the gate, so none can end first,
+        however slow the machine) and none has ended; return {tag: job id}."""
+        assert unit <= GATE_UNIT
         tags = unit_tags(flows)
 
         def probe() -> dict[str, str] | None:
@@ -296,6 +311,7 @@ def bed(
     celery_settings: dict[str, Any],
     result_backend: str,
     queue_name: str,
+    tmp_path: Path,
 ) -> Iterator[Bed]:
     topic, standby = f"{queue_name}_media", f"{queue_name}_standby"
     settings = {**celery_settings, "leases_db_retry_max_delay": 2.0}
@@ -307,8 +323,9 @@ def bed(
         result_backend=result_backend,
     )
     s.env[TOPIC_ENV] = topic
+    s.env[GATE_ENV] = str(tmp_path / "gate")
     add_canvas_tasks(s.app, s.env)
-    made = Bed(s, topic, standby, records_for(s.app))
+    made = Bed(s, topic, standby, records_for(s.app), tmp_path / "gate")
     yield made
     made.records.close()
     broker = celery_settings["broker_url"]
@@ -499,11 +516,12 @@ def test_every_workflow_completes_once_as_the_same_jobs_after_its_whole_worker_i
     # Given every leased task of the eight workflows running on the first worker
     first, second = start(bed)
     flows = launch(bed.app, topic=bed.topic, run=bed.run)
-    bed.in_flight(flows, unit=1, timeout=40)
+    bed.in_flight(flows, unit=GATE_UNIT, timeout=40)
 
     # When that whole worker (main process and pool) is SIGKILLed, and the second takes over
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=10)
+    bed.open_gate()
     bed.consume_on(second)
 
     # Then every workflow completes once, each leased job resumed once from its checkpoint
@@ -516,13 +534,14 @@ def test_every_workflow_completes_once_as_the_same_jobs_after_each_leased_pool_p
     # Given every leased task of the eight workflows running on the first worker
     first, second = start(bed)
     flows = launch(bed.app, topic=bed.topic, run=bed.run)
-    jobs = bed.in_flight(flows, unit=1, timeout=40)
+    jobs = bed.in_flight(flows, unit=GATE_UNIT, timeout=40)
 
     # When each pool process running a leased task is SIGKILLed (the worker lives on)
     pids = {bed.s.log.rows(job_id)[-1].pid for job_id in jobs.values()}
     assert len(pids) == len(jobs) and pids <= set(first.children()), (pids, first.children())
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
+    bed.open_gate()
     bed.consume_on(second)
 
     # Then every workflow completes once, each leased job resumed once from its checkpoint
@@ -537,11 +556,12 @@ def test_every_workflow_completes_once_as_the_same_jobs_after_a_sigterm_hands_th
     # second worker consuming the same queues
     first, second = start(bed)
     flows = launch(bed.app, topic=bed.topic, run=bed.run)
-    bed.in_flight(flows, unit=1, timeout=40)
+    bed.in_flight(flows, unit=GATE_UNIT, timeout=40)
     bed.consume_on(second)
 
     # When the first worker gets SIGTERM (warm shutdown)
     first.signal(signal.SIGTERM)
+    bed.open_gate()
 
     # Then it exits soon: its jobs handed back at their next checkpoint
     first.wait(timeout=30)
@@ -569,6 +589,7 @@ def test_every_workflow_completes_once_as_the_same_jobs_when_the_database_is_dow
         start_all([worker, bed.beat()])
 
         # When the eight workflows are sent, and the database comes back a few seconds later
+        bed.open_gate()
         flows = launch(bed.app, topic=bed.topic, run=bed.run)
         worker.wait_for_log("leases database unreachable, delivering again", timeout=20)
         time.sleep(OUTAGE)

@@ -161,7 +161,7 @@ def test_list_filters_by_group_and_groups_shows_each_ones_limit_admitted_and_wai
     for _ in range(3):
         ids.append(str(uuid.uuid4()))
         store.register(job_message(ids[-1], "cli.count", args=[1], **{GROUP_HEADER: "tenant:a"}))
-    store.admit("tenant:a", limit=1, rate=10.0, define=True)
+    store.admit("tenant:a", limits=(1, 10.0), define=True)
     record(store)
 
     listed = json.loads(cli.ok("list", "--json", "--group", "tenant:a"))

@@ -26,8 +26,8 @@ def test_a_retried_failed_job_resumes_from_its_checkpoint_in_a_worker(
         store.fail(job_id, token, error="RuntimeError: disk full")
         spawn.worker(APP, env=celery_env(sqlite_settings), pool="solo")
 
-        # When an operator retries it
-        Cli(sqlite_settings).ok("retry", job_id)
+        # When an operator retries it (a `celery leases` process of its own, as in production)
+        Cli(sqlite_settings, process=True).ok("retry", job_id)
 
         # Then a worker runs it again from step 3
         deadline = time.monotonic() + 30

@@ -7,16 +7,19 @@ between passes), so what is counted is the connections that last across several 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
+from celery_leases.process import proc_stat
 from tests.support.scenario import Scenario, wait_for
 
 pytestmark = [
@@ -32,17 +35,47 @@ POOL_PROCESSES = 3
 
 def connections(database_url: str, name: str) -> set[tuple[Any, ...]]:
     """The connections PostgreSQL holds for ``application_name`` ``name``: each its backend's
-    pid and start, and its last statement (what a failure prints)."""
+    pid and start, and its last statement and client port (what a failure prints)."""
     engine = sa.create_engine(database_url, poolclass=sa.pool.NullPool)
     try:
         with engine.connect() as connection:
             query = (
-                "SELECT pid, backend_start, left(query, 80) FROM pg_stat_activity"
+                "SELECT pid, backend_start, left(query, 80), client_port FROM pg_stat_activity"
                 " WHERE application_name = :name"
             )
             return {tuple(r) for r in connection.execute(sa.text(query), {"name": name})}
     finally:
         engine.dispose()
+
+
+def holders(ports: set[int], s: Scenario) -> dict[int, str]:
+    """Which process of this machine holds each local TCP port of ``ports``: the scenario's
+    worker (main process or pool process), its beat, or another (pid and command)."""
+    inodes: dict[str, int] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                port = int(fields[1].rsplit(":", 1)[1], 16)
+                if port in ports:
+                    inodes[fields[9]] = port
+    mains = {p.pid: p.name for p in s.spawn.processes if p.process is not None}
+    found: dict[int, str] = {}
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        with contextlib.suppress(OSError, ValueError):
+            target = os.readlink(fd)
+            inode = target.removeprefix("socket:[").removesuffix("]")
+            if inode in inodes:
+                pid = int(fd.parts[2])
+                parent = int(proc_stat(pid)[1])
+                found[inodes[inode]] = (
+                    f"{mains[pid]} main process {pid}"
+                    if pid in mains
+                    else f"{mains[parent]} pool process {pid}"
+                    if parent in mains
+                    else f"process {pid} {Path(f'/proc/{pid}/cmdline').read_text()[:60]!r}"
+                )
+    return found
 
 
 def lasting(database_url: str, name: str, seconds: float) -> set[tuple[Any, ...]]:
@@ -92,4 +125,6 @@ def test_a_prefork_worker_at_rest_keeps_one_connection_per_pool_process(
     try:
         wait_for(settled, timeout=30, interval=0.1, what="the worker's connections to settle")
     except AssertionError as e:
-        raise AssertionError(f"{e}: {len(held)} > {processes} held: {sorted(held)}") from None
+        owners = holders({row[3] for row in held}, s)
+        lines = "\n".join(f"  {row[:3]} held by {owners.get(row[3], '?')}" for row in sorted(held))
+        raise AssertionError(f"{e}: {len(held)} > {processes} held:\n{lines}") from None

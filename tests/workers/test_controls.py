@@ -57,7 +57,7 @@ from tests.support.service import (
     sqlite_result_backend,
 )
 from tests.support.unit_log import Unit
-from tests.support.worker import REPO_ROOT, Beat, Spawner, Worker
+from tests.support.worker import REPO_ROOT, SHARED_LOGS, Beat, Spawner, Worker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -436,8 +436,10 @@ def bed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture
-def s(bed: Bed) -> Bed:
-    """The bed, cleared of earlier tests' jobs, every worker up."""
+def s(request: pytest.FixtureRequest, bed: Bed) -> Bed:
+    """The bed, cleared of earlier tests' jobs, every worker up; a failed test's report shows
+    the end of each of its processes' logs."""
+    request.node.stash.setdefault(SHARED_LOGS, []).append(bed.spawner)
     bed.ensure()
     return bed
 

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -179,6 +180,32 @@ def test_one_process_keeps_fifty_concurrent_leases_alive(
     # returns it): no lease expired
     jobs = [s.wait_finished(job_id, timeout=60) for job_id in ids]
     assert [(j.state, j.attempts, j.result) for j in jobs] == [("done", 1, j.token) for j in jobs]
+
+
+def test_a_gevent_worker_that_ran_a_leased_job_still_shuts_down_on_sigterm(
+    scenario: MakeScenario, celery_settings: dict[str, Any]
+) -> None:
+    # Given a gevent worker that has run a leased job (its keeper started: a greenlet of the
+    # main thread, where the library must not block the process's signals)
+    s = handoff(scenario, celery_settings, lease_seconds=30.0)
+    [worker] = start(s, 1, pool="gevent", concurrency=5)
+    job_id = s.send("e2e.units", 2, 0.1)
+    assert s.wait_finished(job_id, timeout=30).state == "done"
+    blocked = blocked_signals(worker.pid)
+
+    # When it gets SIGTERM (a deploy's warm shutdown)
+    worker.signal(signal.SIGTERM)
+
+    # Then its main thread never blocked SIGTERM, and it shuts down
+    assert signal.SIGTERM not in blocked, blocked
+    assert worker.wait(timeout=30) == 0
+
+
+def blocked_signals(pid: int) -> set[signal.Signals]:
+    """The signals the main thread of process ``pid`` blocks (Linux: /proc/<pid>/status)."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    mask = int(next(line for line in status if line.startswith("SigBlk:")).split()[1], 16)
+    return {s for s in signal.Signals if mask >> (s - 1) & 1}
 
 
 def test_a_celery_retry_hands_the_lease_back_and_the_retry_resumes_from_the_checkpoint(

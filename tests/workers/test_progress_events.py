@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +34,8 @@ class Monitor:
         self.ready = threading.Event()
         self.listening = threading.Event()
         self.done = threading.Event()
+        self.progressed = threading.Event()  # ``progress_wanted`` task-progress events seen
+        self.progress_wanted = 0
         self._app = app
         self._connection = app.connection_for_read()
         self.receiver = app.events.Receiver(self._connection, handlers={"*": self.on_event})
@@ -47,6 +50,8 @@ class Monitor:
         if event["type"].startswith("task-"):
             task = self.state.tasks[event["uuid"]]
             self.seen.append((event["type"], event, task.state, task.result))
+            if sum(kind == "task-progress" for kind, *_ in self.seen) == self.progress_wanted:
+                self.progressed.set()
             if event["type"] == "task-succeeded":
                 self.done.set()
                 self.receiver.should_stop = True
@@ -83,11 +88,19 @@ def settings(
 
 
 def test_each_checkpoint_with_progress_shows_in_the_event_state_as_progress(
-    spawn: Spawner, settings: dict[str, Any]
+    spawn: Spawner, settings: dict[str, Any], tmp_path: Path
 ) -> None:
     spawn.worker(PROGRESS_APP, env=celery_env(settings))
+    release = tmp_path / "release"
     with celery_client(settings) as client, Monitor(client) as monitor:
-        result = client.send_task("progress.count", args=(4,))
+        monitor.progress_wanted = 4
+        # The task waits after its last checkpoint until the monitor has seen the four events:
+        # the pool process sends task-progress and the main process task-succeeded, over two
+        # broker connections, so a task that ends at once can have its last progress event
+        # arrive after task-succeeded (as the module's docstring says).
+        result = client.send_task("progress.hold", args=(4, 4, str(release)))
+        assert monitor.progressed.wait(60), f"not four task-progress events; saw {monitor.seen}"
+        release.touch()
         assert monitor.done.wait(60), f"no task-succeeded event; saw {monitor.seen}"
 
     progress = [
@@ -109,7 +122,7 @@ def test_each_checkpoint_with_progress_shows_in_the_event_state_as_progress(
         ("PROGRESS", "100% (4/4)"),
     ]
     task = monitor.state.tasks[result.id]
-    assert (task.state, task.result, task.name) == ("SUCCESS", "4", "progress.count")
+    assert (task.state, task.result, task.name) == ("SUCCESS", "4", "progress.hold")
 
 
 def test_no_progress_event_is_sent_when_progress_events_are_off(

@@ -20,7 +20,8 @@ def samples() -> dict[str, str]:
     """The section's Python blocks, by the path each one names on its first line."""
     text = PAGE.read_text(encoding="utf-8")
     section = text[text.index(SECTION) :]
-    section = section[: section.index("\n## ", len(SECTION))]
+    end = section.find("\n## ", len(SECTION))
+    section = section if end == -1 else section[:end]
     files = {}
     for block in re.findall(r"```python\n(.*?)```", section, flags=re.S):
         first, _, _ = block.partition("\n")

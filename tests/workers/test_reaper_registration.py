@@ -119,6 +119,7 @@ def test_the_registered_reaper_runs_one_pass(database: str) -> None:
         "gave_up": [],
         "publish_failed": [],
         "expired": [],
+        "returned": [],
         "notified": [],
         "followups": [],
         "admitted": [],

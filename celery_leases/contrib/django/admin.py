@@ -16,9 +16,9 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.utils import timezone
 from django.utils.html import format_html
 
-from ... import control
+from ... import control, heartbeat
 from ...db.rows import load_message
-from ...db.schema import WAITING
+from ...db.schema import QUEUED, STATES, WAITING
 from ...errors import ArgumentsError, LeaseError
 from . import database
 from .group_admin import GroupFilter, jobs_of  # and registers the groups' admin
@@ -52,9 +52,44 @@ def cancel(modeladmin: Any, request: HttpRequest, jobs: QuerySet[Job]) -> None:
 
 
 @admin.action(description="Release: expire the lease (its worker is dead)", permissions=["change"])
+def warn_without_reaper(request: HttpRequest) -> None:
+    """Say on the page when no reaper pass happened for a while (``heartbeat.silence``)."""
+    if request.method != "GET":
+        return
+    try:
+        missing = heartbeat.silence(_celery_app(), database.store())
+    except LeaseError:
+        return
+    if missing:
+        messages.warning(request, f"celery-leases: {missing}")
+
+
 def release(modeladmin: Any, request: HttpRequest, jobs: QuerySet[Job]) -> None:
     store = database.store()
     _each(request, jobs, lambda job_id: control.release(store, job_id))
+
+
+class StateFilter(admin.SimpleListFilter):
+    """Jobs by state, as ``celery leases list --state`` shows them: ``waiting`` is a job of a
+    group not admitted yet (its row says ``queued``), and ``queued`` the others."""
+
+    title = "state"
+    parameter_name = "state__exact"  # the links of Django's own filter on the field still work
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        shown = [*STATES[:1], WAITING, *STATES[1:]]
+        return [(state, state) for state in shown]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Job]) -> QuerySet[Job]:
+        value = self.value()
+        if value is None:
+            return queryset
+        waiting = {"lease_group__isnull": False, "admitted_at__isnull": True, "state": QUEUED}
+        if value == WAITING:
+            return queryset.filter(**waiting)
+        if value == QUEUED:
+            return queryset.filter(state=QUEUED).exclude(**waiting)
+        return queryset.filter(state=value)
 
 
 class CreatedFilter(admin.SimpleListFilter):
@@ -91,7 +126,7 @@ class JobAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "created",
         "checkpointed",
     )
-    list_filter = ("state", "task", GroupFilter, CreatedFilter)
+    list_filter = (StateFilter, "task", GroupFilter, CreatedFilter)
     date_hierarchy = "created_at"  # a Moment: see check()
     search_fields = ("^id",)
     actions = (retry, cancel, release)
@@ -112,6 +147,11 @@ class JobAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Job]:
         return super().get_queryset(request).using(database.alias())
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        """The list, with a warning when no reaper pass happened for a while."""
+        warn_without_reaper(request)
+        return super().changelist_view(request, extra_context)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

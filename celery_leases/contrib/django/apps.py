@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery.signals import task_postrun
+from celery.signals import task_postrun, task_prerun
 from django.apps import AppConfig
 from django.db.models.signals import post_migrate
 
 from ...config import register_default_url
-from ...db.joined import register_ambient, register_unwrap
-from . import checks, transaction
+from ...db import migrations
+from ...db.joined import register_ambient, register_refusal, register_unwrap
+from . import checks, sessions, transaction
 from .database import default_url
+
+#: How a project with this app creates and upgrades the leases table, as errors name it.
+MIGRATE = "python manage.py migrate (outside Django: celery -A proj leases upgrade)"
 
 
 class LeasesConfig(AppConfig):
@@ -27,16 +31,27 @@ class LeasesConfig(AppConfig):
         # Without leases_database_url, the leases live in the project's own database, and
         # the fenced writes of a task join its transaction.atomic() blocks there.
         register_default_url(default_url)
+        # Errors about the table name Django's command first (it is what creates the table
+        # and upgrades it in a project with this app).
+        migrations.INIT_COMMAND = MIGRATE
+        migrations.UPGRADE_COMMAND = MIGRATE
         checks.register()
         register_ambient(transaction.ambient)
         register_unwrap(transaction.unwrap)
+        # A checkpoint inside atomic() on a database the leases are not in is refused.
+        register_refusal(transaction.refuse_unjoined)
+        task_prerun.connect(transaction.note_start, weak=False)
         task_postrun.connect(release_after_task, weak=False)
+        # What celery-leases holds on a database closes with Django's connection to it (so
+        # the test runner can drop or copy its test database).
+        sessions.install()
         post_migrate.connect(report_after_migrate, sender=self)
 
 
-def release_after_task(sender: Any = None, **_: Any) -> None:
+def release_after_task(sender: Any = None, **kwargs: Any) -> None:
     """A task ended in this process: a leased one gives Django's connection back the
     idle-write bound its joined writes set (MariaDB)."""
+    transaction.forget_start(**kwargs)
     if getattr(sender, "__celery_leases__", False):
         transaction.release(sender.lease_store)
 

@@ -2,7 +2,7 @@
 celery-leases setting that would fail only at the first ``.delay()`` or worker start is
 reported when the project starts, by the library's own rules (``config.unread_keys``,
 ``settings.problems``, ``Store.check_schema``). Errors ``celery_leases.E001``-``E006`` stop
-``migrate`` and ``runserver``; warnings ``W001``-``W003`` do not. The docs' Django page has
+``migrate`` and ``runserver``; warnings ``W001``-``W004`` do not. The docs' Django page has
 the table of ids.
 """
 
@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import sqlalchemy as sa
 from django.core import checks
 
 from ...config import unread_keys, uses_leases
+from ...db.dialects import dialect_for
 from ...errors import ConfigurationError, LeaseError
 from ...reaper import REAP_TASK, reaper_scheduled
 from ...settings import DEFAULTS, problems
@@ -74,8 +76,9 @@ def check_database(app_configs: Any = None, **_: Any) -> list[checks.CheckMessag
                 id="celery_leases.E003",
             )
         ]
-    if getattr(settings, database.django_key("database_url"), None):
-        return []  # the leases live at that URL, not in a Django database
+    url = getattr(settings, database.django_key("database_url"), None)
+    if url:
+        return _leases_url(str(url))  # the leases live at that URL
     config = settings.DATABASES[alias]
     if database.in_memory(config):
         return [_in_memory(alias, config)]
@@ -90,6 +93,47 @@ def check_database(app_configs: Any = None, **_: Any) -> list[checks.CheckMessag
             )
         ]
     return []
+
+
+def _leases_url(url: str) -> list[checks.CheckMessage]:
+    """E005: ``CELERY_LEASES_DATABASE_URL`` names a database celery-leases cannot use; W004:
+    it names no Django database (reached with Django's driver), so a checkpoint inside an
+    ``atomic()`` block cannot commit with the block, and is refused."""
+    name = database.django_key("database_url")
+    try:
+        dialect_for(sa.engine.make_url(url).get_backend_name())
+    except (ValueError, sa.exc.ArgumentError) as exc:
+        return [
+            checks.Error(
+                f"{name}: {exc}",
+                hint="keep the leases in PostgreSQL, MariaDB/MySQL or SQLite",
+                id="celery_leases.E005",
+            )
+        ]
+    if database.joinable_alias(url) is not None:
+        return []  # a Django database: checkpoints join its atomic() blocks
+    same = database.alias_of(url)
+    where = (
+        f"names DATABASES[{same!r}] through another driver than Django's"
+        if same is not None
+        else "names no database of DATABASES"
+    )
+    return [
+        checks.Warning(
+            f"{name} {where}: a checkpoint (or save_cursor) inside transaction.atomic() "
+            f"cannot commit with the block, so celery-leases refuses it (ConfigurationError) "
+            f"rather than commit it apart, where a crash before the block's commit would lose "
+            f"the block's work for good",
+            hint=(
+                "keep the leases in a DATABASES entry: unset it and set "
+                f"{database.ALIAS_SETTING} (with a URL of its own, call self.checkpoint() "
+                "after each atomic() block, and make the block's work idempotent: a crash "
+                "then redoes it); silence this with SILENCED_SYSTEM_CHECKS = "
+                "['celery_leases.W004'] if no task checkpoints inside atomic()"
+            ),
+            id="celery_leases.W004",
+        )
+    ]
 
 
 def _in_memory(alias: str, config: dict[str, Any]) -> checks.CheckMessage:
@@ -162,6 +206,7 @@ def check_leases_table(
         if not databases or alias not in databases or not _migrated(alias):
             return []
         store = database.store()
+        store.dialect  # noqa: B018  (a URL celery-leases cannot use is E005's, not W003's)
     except ConfigurationError:
         return []  # a setting E001-E006 report
     where = "" if alias == "default" else f" --database {alias}"

@@ -136,9 +136,72 @@ def leases_url() -> str:
 
 
 def in_django_database(url: str) -> bool:
-    """Whether leases at ``url`` live in the Django database ``alias()`` (so a checkpoint can
-    join its transactions)."""
-    return url == url_for(alias())
+    """Whether leases at ``url`` live in a Django database whose transactions a checkpoint
+    can join (:func:`joinable_alias`)."""
+    return joinable_alias(url) is not None
+
+
+def joinable_alias(url: str) -> str | None:
+    """The alias of the Django database that leases at ``url`` live in, reached with the
+    driver Django uses for it, so the store's statements can run on Django's own connection
+    and join its ``atomic()`` blocks: ``CELERY_LEASES_DATABASE_ALIAS`` first, then the other
+    ``DATABASES`` entries in order. None when ``url`` names no Django database, or names one
+    through another driver."""
+    from django.db import connections
+
+    wanted = sa.engine.make_url(url)
+    first = alias()
+    for name in [first, *(a for a in connections.settings if a != first)]:
+        try:
+            django_url = sa.engine.make_url(url_for(name))
+        except ConfigurationError:  # in-memory SQLite, an engine celery-leases cannot use
+            continue
+        if same_database(wanted, django_url) and wanted.drivername == django_url.drivername:
+            return name
+    return None
+
+
+def alias_of(url: str) -> str | None:
+    """The alias of the Django database that ``url`` names, whatever its driver; None when it
+    names none."""
+    from django.db import connections
+
+    wanted = sa.engine.make_url(url)
+    for name in connections.settings:
+        try:
+            if same_database(wanted, sa.engine.make_url(url_for(name))):
+                return str(name)
+        except ConfigurationError:
+            continue
+    return None
+
+
+#: Host names that name this machine, taken as one.
+_LOCAL = {None, "", "localhost", "127.0.0.1", "::1"}
+#: Each database family's port when a URL gives none.
+_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306}
+
+
+def same_database(a: sa.engine.URL, b: sa.engine.URL) -> bool:
+    """Whether the URLs ``a`` and ``b`` name one database (whatever their driver, user or
+    options): the same server and database name, or the same SQLite file."""
+    family_a, family_b = a.get_backend_name(), b.get_backend_name()
+    if {family_a, family_b} <= {"mysql", "mariadb"}:
+        family_a = family_b = "mysql"
+    if family_a != family_b:
+        return False
+    if family_a == "sqlite":
+        return bool(a.database) and _file(a.database) == _file(b.database)
+    port = _PORTS.get(family_a)
+    host_a = "localhost" if a.host in _LOCAL else a.host
+    host_b = "localhost" if b.host in _LOCAL else b.host
+    return (host_a, a.port or port, a.database) == (host_b, b.port or port, b.database)
+
+
+def _file(path: str | None) -> str:
+    import os
+
+    return os.path.realpath(path) if path else ""
 
 
 def django_key(name: str) -> str:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import sqlalchemy as sa
 from django.db.migrations.operations.base import Operation
 
 from ...db import migrations
+from ...db.schema import version_table
 from ...errors import ConfigurationError
 from . import database
 
@@ -73,11 +75,26 @@ class Revision(Operation):
                 # SQLite drops a column by rebuilding the table from the live one.
                 reason = str(exc).split(";", 1)[0]
                 statements = [f"-- not writable as SQL here, run migrate instead: {reason}"]
+            if before == "base":
+                statements.append(_drop_versions(store))
             for statement in statements:
                 schema_editor.execute(statement, params=None)
             return
         if _at_or_past(migrations.current(store), self.revision):
             migrations.downgrade(store, revision=before)
+        if before == "base":
+            # Zero leaves nothing behind: Alembic keeps its version table, emptied.
+            _version_table(store).drop(store.engine, checkfirst=True)
+
+
+def _version_table(store: Any) -> sa.Table:
+    return version_table(sa.MetaData(), store.table.name)
+
+
+def _drop_versions(store: Any) -> str:
+    """The SQL that drops the leases table's version table, for ``sqlmigrate``."""
+    drop = sa.schema.DropTable(_version_table(store), if_exists=True)
+    return str(drop.compile(dialect=store.engine.dialect)).strip()
 
 
 def _at_or_past(current: str | None, revision: str) -> bool:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from datetime import UTC, datetime
+from datetime import datetime
+from datetime import timezone as dt_timezone
 from typing import Any, NoReturn
 
 from django.conf import settings
@@ -22,7 +23,7 @@ def table_name() -> str:
 
 def moment(seconds: float | None) -> datetime | None:
     """A stored time (epoch seconds, database clock) as an aware datetime."""
-    return None if seconds is None else datetime.fromtimestamp(seconds, tz=UTC)
+    return None if seconds is None else datetime.fromtimestamp(seconds, tz=dt_timezone.utc)
 
 
 class AsDatetime(models.Func):
@@ -175,6 +176,7 @@ class LeaseKey(models.Model):
     cursor_at = Moment(null=True)
     pending_id = models.CharField(max_length=MAX_ID_LENGTH, null=True)
     pending_at = Moment(null=True)
+    pending_since = Moment(null=True)
 
     objects = Moments.as_manager()
 

@@ -14,9 +14,11 @@ Django's connection wrapper passed as ``connection=`` is joined the same way.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from ...db.joined import Joined
+from ...errors import ConfigurationError
 from . import database
 
 #: Attribute of a Django connection wrapper holding what the store keeps per connection.
@@ -25,12 +27,15 @@ _INFO = "_celery_leases_info"
 
 def ambient(store: Any) -> Joined | None:
     """Django's transaction this thread is in on the leases' database, when the leases live in
-    a Django database; None otherwise."""
+    a Django database (``database.joinable_alias``); None otherwise."""
     from django.db import connections
 
-    if not database.in_django_database(store.settings.database_url):
+    if not any(c.in_atomic_block for c in connections.all(initialized_only=True)):
+        return None  # the usual case, and the cheapest to tell
+    name = database.joinable_alias(store.settings.database_url)
+    if name is None:
         return None
-    connection = connections[database.alias()]
+    connection = connections[name]
     if not connection.in_atomic_block:
         return None
     return _joined(store, connection)
@@ -58,7 +63,10 @@ def release(store: Any) -> None:
     from django.db import connections
 
     try:
-        connection = connections[database.alias()]
+        name = database.joinable_alias(store.settings.database_url)
+        if name is None:
+            return
+        connection = connections[name]
     except Exception:  # Django not set up, or no such database any more
         return
     info = connection.__dict__.get(_INFO)
@@ -68,3 +76,57 @@ def release(store: Any) -> None:
         store.unguard_idle_writes(store.foreign(connection.connection, info))
     except Exception:  # a broken connection: Django replaces it, and the setting with it
         info.clear()
+
+
+# -- a checkpoint that cannot join the block it is in ---------------------------------------
+
+#: task id -> {alias: atomic() depth} when its attempt started, in this thread: the blocks it
+#: started inside (a ``TestCase``'s, a request's) are not the task's own.
+_started: threading.local = threading.local()
+
+
+def note_start(task_id: Any = None, **_: Any) -> None:
+    """``task_prerun``: remember how deep in ``atomic()`` each Django connection is as the
+    task starts."""
+    from django.db import connections
+
+    depths = _started.__dict__.setdefault("depths", {})
+    depths[task_id] = {
+        c.alias: len(c.atomic_blocks) for c in connections.all(initialized_only=True)
+    }
+
+
+def forget_start(task_id: Any = None, **_: Any) -> None:
+    """``task_postrun``: the task ended."""
+    _started.__dict__.get("depths", {}).pop(task_id, None)
+
+
+def refuse_unjoined(store: Any, lease: Any) -> None:
+    """A write of ``lease``'s attempt (a checkpoint, a key's cursor) that joins no transaction:
+    refuse it when the task is inside an ``atomic()`` block of its own that the write cannot
+    join (the block is on another database than the leases'). The write would commit on its
+    own, before the block: a crash between the two would record the block's work as done
+    while it rolled back, a unit lost for good."""
+    from django.db import connections
+
+    started = _started.__dict__.get("depths", {}).get(lease.job_id, {})
+    for connection in connections.all(initialized_only=True):
+        if len(connection.atomic_blocks) > started.get(connection.alias, 0):
+            raise ConfigurationError(_unjoinable(store, connection.alias))
+
+
+def _unjoinable(store: Any, name: str) -> str:
+    leases = database.alias_of(store.settings.database_url)
+    where = (
+        f"DATABASES[{leases!r}] through another driver ({store.safe_url})"
+        if leases is not None
+        else f"another database ({store.safe_url})"
+    )
+    return (
+        f"a checkpoint inside transaction.atomic() on database {name!r} cannot commit with the "
+        f"block: the leases live in {where}, so it would commit on its own, before the block, "
+        f"and a crash between the two would lose the block's work for good. Keep the leases "
+        f"in that database (leave CELERY_LEASES_DATABASE_URL unset and set "
+        f"CELERY_LEASES_DATABASE_ALIAS = {name!r}), or call self.checkpoint() after the "
+        f"block (a crash then redoes the block's work: make it idempotent)"
+    )

@@ -19,6 +19,11 @@ def dialect_for(backend: str) -> Dialect:
         if backend in family.names:
             return family(backend)
     supported = ", ".join(name for family in REGISTERED for name in family.names)
+    if backend == "postgres":  # Heroku's and libpq's spelling, which SQLAlchemy 2 refuses
+        raise ValueError(
+            "SQLAlchemy names PostgreSQL postgresql, not postgres: write the URL as "
+            "postgresql+psycopg://... (psycopg 3) or postgresql://... (psycopg2)"
+        )
     raise ValueError(f"celery-leases does not support {backend!r} databases (only {supported})")
 
 

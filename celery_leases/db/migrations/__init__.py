@@ -86,7 +86,7 @@ def head() -> str:
 
 @dataclass(frozen=True)
 class Migrated:
-    """What :func:`upgrade` did to one leases table."""
+    """What ``upgrade()`` did to one leases table."""
 
     table: str
     #: Where the table is (its database URL, password hidden).

@@ -21,6 +21,7 @@ from .common import (
 )
 from .end import End
 from .groups import Groups
+from .heartbeat import Heartbeat
 from .keys import Keys
 from .operators import Operators
 from .reads import Reads
@@ -40,7 +41,7 @@ class Statements:
         holders: sa.Table,
         groups: sa.Table,
     ) -> None:
-        parts = Parts(table, dialect, keys, holders)
+        parts = Parts(table, dialect, keys, holders, groups)
         self.table = table
         #: Recording a job and claiming its lease.
         self.record = Record(parts)
@@ -57,9 +58,11 @@ class Statements:
         #: Lease keys: holders, follow-ups, cursors.
         self.keys = Keys(parts)
         #: Job groups: their rows and admissions.
-        self.groups = Groups(parts, groups)
+        self.groups = Groups(parts)
         #: Reads: jobs, the clock, the revision.
         self.reads = Reads(parts)
+        #: The reaper's heartbeat: its last pass.
+        self.heartbeat = Heartbeat(parts)
 
     def hot(self) -> list[Any]:
         """The statements of a worker's hot path (claim, renew, checkpoint, finish and their

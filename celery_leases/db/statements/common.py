@@ -51,12 +51,18 @@ class Parts:
     """The building blocks of the statements on one jobs table for one dialect."""
 
     def __init__(
-        self, table: sa.Table, dialect: Dialect, keys: sa.Table, holders: sa.Table
+        self,
+        table: sa.Table,
+        dialect: Dialect,
+        keys: sa.Table,
+        holders: sa.Table,
+        groups: sa.Table,
     ) -> None:
         t = self.table = table
         h = self.holders = holders
         self.dialect = dialect
         self.keys = keys
+        self.groups = groups
         self.now = db_now()
         # The database clock as a token (milliseconds, TOKENS_PER_MS apart).
         self._clock_token = sa.cast(self.now * 1000, sa.BigInteger) * TOKENS_PER_MS
@@ -138,6 +144,7 @@ class Parts:
             for c in (
                 "checkpoint", "progress_done", "progress_total", "result", "error",
                 "stop_requested", "notify", "checkpoint_at", "finished_at", "started_at",
+                "started_seq",
                 "served_by", "holder",
             )
         }  # fmt: skip
@@ -175,10 +182,17 @@ class Parts:
             "expires_at": self.unbound_expiry(),
             "claimed_at": self.now,
             "started_at": self.now,
+            "started_seq": self.triggers_of(param("key", self.table.c.lease_key.type)),
             "renewed_at": self.now,
             # A message no client recorded runs without waiting: it counts in its group.
             "admitted_at": self.now,
         }
+
+    def triggers_of(self, key: Any) -> Any:
+        """SQL: how many triggers ever waited on lease key ``key`` (0: none, or no key)."""
+        k = self.keys
+        counted = sa.select(k.c.triggers).where(k.c.lease_key == key).scalar_subquery()
+        return sa.func.coalesce(counted, 0)
 
     def unbound_expiry(self) -> Any:
         """A claim's ``expires_at``: the lease's end when no holder keeps it, else NULL."""
@@ -199,11 +213,14 @@ class Parts:
         """The lease given back: the job queued again, unless an operator cancelled it or a
         newer trigger of its key superseded it, which it then is (and the reaper tells the
         result backend). ``b_reap_in`` seconds from now the reaper re-publishes it (NULL: a
-        message for it is already on its way). MySQL evaluates SET left to right: the
-        columns read come first."""
+        message for it is already on its way). A job of a group waits for its admission
+        again (no expiry: its admission publishes it): its next start is counted under the
+        group's limit and takes a token of its rate, whatever sent it back. MySQL evaluates
+        SET left to right: the columns read come first."""
         t, now, cancel, supersede, end = (
             self.table, self.now, self.cancelled, self.superseded, self.ending
         )  # fmt: skip
+        grouped = t.c.lease_group.is_not(None)
         return [
             (
                 t.c.error,
@@ -212,8 +229,16 @@ class Parts:
             (t.c.notify, sa.case((end, "REVOKED"), else_=t.c.notify)),
             (t.c.finished_at, sa.case((end, now), else_=sa.null())),
             (
+                t.c.admitted_at,
+                sa.case((end, t.c.admitted_at), (grouped, sa.null()), else_=t.c.admitted_at),
+            ),
+            (
                 t.c.expires_at,
-                sa.case((end, sa.null()), else_=now + param("reap_in", sa.Double())),
+                sa.case(
+                    (end, sa.null()),
+                    (grouped, sa.null()),
+                    else_=now + param("reap_in", sa.Double()),
+                ),
             ),
             (t.c.state, sa.case((cancel, CANCELLED), (supersede, SUPERSEDED), else_=QUEUED)),
             (t.c.stop_requested, None),

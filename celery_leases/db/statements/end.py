@@ -39,13 +39,20 @@ class End:
         self.hand_back = d.with_returning(
             sa.update(t).where(p.by_token).ordered_values(*p.handed_back()), t.c.state
         )
-        #: The lease given back for a Celery retry, whose message becomes the job's.
+        #: The lease given back for a Celery retry (or a run again after a conflict), whose
+        #: message becomes the job's, due ``b_countdown`` seconds from now.
         self.hand_back_retry = d.with_returning(
             sa.update(t)
             .where(p.by_token)
             .ordered_values(
                 (t.c.version, sa.case((p.ending, t.c.version), else_=param("version"))),
                 (t.c.message, sa.case((p.ending, t.c.message), else_=param("message"))),
+                (
+                    t.c.run_after,
+                    sa.case(
+                        (p.ending, t.c.run_after), else_=p.now + param("countdown", sa.Double())
+                    ),
+                ),
                 *p.handed_back(),
             ),
             t.c.state,

@@ -12,6 +12,11 @@ from ..schema import LIVE_STATES, QUEUED
 from .common import Parts, param
 
 
+def due_now(t: sa.Table, now: Any) -> Any:
+    """SQL true for a job that may run now: no due time (``run_after``), or one passed."""
+    return sa.or_(t.c.run_after.is_(None), t.c.run_after <= now)
+
+
 class Groups:
     """The statements of job groups.
 
@@ -23,8 +28,8 @@ class Groups:
     write on the group, and a process that dies anywhere leaves nothing to repair.
     """
 
-    def __init__(self, p: Parts, groups: sa.Table) -> None:
-        t, g, d, now = p.table, groups, p.dialect, p.now
+    def __init__(self, p: Parts) -> None:
+        t, g, d, now = p.table, p.groups, p.dialect, p.now
         self.table = g
         self._lists(p)
         by_name = g.c.name == param("group", g.c.name.type)
@@ -45,6 +50,24 @@ class Groups:
             "name",
             update=lambda new: {"group_limit": new["group_limit"], "rate": new["rate"]},
         )
+        #: The row of group ``b_group`` made with limit ``b_limit`` and rate ``b_rate`` if it
+        #: is missing (a group whose first job no client recorded: sent by name, a key's
+        #: follow-up, an operator's retry); an existing row keeps its own. Locked until the
+        #: transaction ends, as ``define``'s.
+        self.ensure = d.upsert(
+            g,
+            sa.select(
+                param("group", g.c.name.type),
+                param("limit", sa.Integer()),
+                param("rate", sa.Double()),
+                sa.literal(1.0, sa.Double()),
+                now,
+                now,
+            ),
+            ["name", "group_limit", "rate", "tokens", "refilled_at", "created_at"],
+            "name",
+            update=lambda new: {"name": new["name"]},
+        )
         #: The row of group ``b_group``, locked until the transaction ends.
         self.lock = sa.select(g.c.name).where(by_name).with_for_update()
         live_admitted = sa.and_(of_group, t.c.state.in_(LIVE_STATES), t.c.admitted_at.is_not(None))
@@ -60,13 +83,16 @@ class Groups:
             sa.select(sa.func.count()).where(live_admitted).scalar_subquery(),
         ).where(by_name)
         waiting_of_group = sa.and_(of_group, t.c.state == QUEUED, t.c.admitted_at.is_(None))
-        #: The ``b_n`` oldest waiting jobs of group ``b_group`` (first in, first out), locked.
-        #: Ordered as ``ix_<table>_group_waiting`` is (admitted_at is NULL in every row), ties
-        #: of the clock broken as ``Dialect.arrival_order`` says: the index is read in order
-        #: up to ``b_n``, never the group's whole backlog sorted.
+        #: The ``b_n`` oldest waiting jobs of group ``b_group`` that are due (first in, first
+        #: out), locked. Ordered as ``ix_<table>_group_waiting`` is (admitted_at is NULL in
+        #: every row), ties of the clock broken as ``Dialect.arrival_order`` says: the index is
+        #: read in order up to ``b_n``, never the group's whole backlog sorted. A job due later
+        #: (a countdown, a debounce, a retry's) is passed over: admitted now, it would hold a
+        #: place under the limit, and a token, for a start that comes later, when other
+        #: tokens start jobs too; its message, sent for its due time, asks for its admission.
         self.oldest_waiting = (
             sa.select(t.c.id)
-            .where(waiting_of_group)
+            .where(waiting_of_group, due_now(t, now))
             .order_by(t.c.admitted_at, *d.arrival_order(t))
             .limit(param("n", sa.Integer()))
             .with_for_update()
@@ -108,22 +134,52 @@ class Groups:
         #: SQL: the tokens of a bucket now (refilled at ``rate`` a second, at most 1).
         self.tokens_now = sa.case(
             (g.c.rate.is_(None), g.c.tokens),
-            else_=least(1.0, g.c.tokens + (now - g.c.refilled_at) * g.c.rate),
+            # A clock stepped back refills nothing until it passes refilled_at again.
+            else_=least(1.0, g.c.tokens + greatest(now - g.c.refilled_at, 0.0) * g.c.rate),
         )
         waiting_of_row = sa.and_(
             t.c.lease_group == g.c.name, t.c.state == QUEUED, t.c.admitted_at.is_(None)
-        )
-        #: Groups with jobs waiting, the longest since an admission first (``b_batch``).
-        self.with_waiting = (
-            sa.select(g.c.name)
-            .where(sa.exists().where(waiting_of_row))
-            .order_by(sa.func.coalesce(g.c.admitted_at, 0.0), g.c.name)
-            .limit(param("batch"))
         )
         live_of_row = sa.and_(
             t.c.lease_group == g.c.name, t.c.state.in_(LIVE_STATES), t.c.admitted_at.is_not(None)
         )
         admitted = sa.select(sa.func.count()).where(live_of_row).scalar_subquery()
+        horizon = param("horizon", sa.Double())
+        #: Groups an admission would admit a job of now (``b_batch`` of them, the longest
+        #: since an admission first: a reaper pass serves them round-robin): a waiting job
+        #: due, room under the limit, and a token due within ``b_horizon`` seconds. A full
+        #: group is not read again and again: it never stands in the way of one with room.
+        self.with_room = (
+            sa.select(g.c.name)
+            .where(
+                sa.exists().where(waiting_of_row, due_now(t, now)),
+                sa.or_(g.c.group_limit.is_(None), admitted < g.c.group_limit),
+                sa.or_(
+                    g.c.rate.is_(None),
+                    self.tokens_now + horizon * g.c.rate >= 1.0,
+                    # The clock stepped back past its last count: its admission says so and
+                    # counts from now on, instead of waiting for the clock to catch up.
+                    g.c.refilled_at > now,
+                ),
+            )
+            .order_by(sa.func.coalesce(g.c.admitted_at, 0.0), g.c.name)
+            .limit(param("batch"))
+        )
+        has_row = sa.exists().where(g.c.name == t.c.lease_group)
+        #: Groups of waiting jobs that have no row (``b_batch`` of them), with a task of each:
+        #: left by an earlier release (a client that died between recording and admitting,
+        #: a message sent by name). Their rows are made from the task's options.
+        self.orphans = (
+            sa.select(t.c.lease_group, sa.func.min(t.c.task))
+            .where(
+                t.c.lease_group.is_not(None),
+                t.c.state == QUEUED,
+                t.c.admitted_at.is_(None),
+                ~has_row,
+            )
+            .group_by(t.c.lease_group)
+            .limit(param("batch"))
+        )
         waiting = sa.select(sa.func.count()).where(waiting_of_row).scalar_subquery()
         columns = sa.select(
             g.c.name,

@@ -25,7 +25,7 @@ class Keys:
     At most one job holds a key (``schema.KEY_HELD``: a live one). A trigger of a held key is
     kept on the key, never on a job (``pending``): it waits there, whatever becomes of the job
     that holds the key, until a run of the key that started after it serves it, or a run is
-    started for it (``store.Triggers.settle``).
+    started for it (``store.TriggerOps.settle``).
     """
 
     def __init__(self, p: Parts) -> None:
@@ -100,15 +100,19 @@ class Keys:
 
     def _triggers(self, p: Parts) -> None:
         t, k, d, now = p.table, p.keys, p.dialect, p.now
-        columns = ["lease_key", "pending_id", "pending", "pending_at"]
+        columns = ["lease_key", "pending_id", "pending", "pending_at", "pending_since", "triggers"]
         trigger = sa.select(
             param("key", k.c.lease_key.type),
             param("id", k.c.pending_id.type),
             param("message", k.c.pending.type),
             now,
+            now,
+            sa.literal(1, sa.BigInteger()),
         )
+        counted = sa.func.coalesce(k.c.triggers, 0) + 1
         #: A trigger (``b_id``, ``b_message``) of the held key ``b_key`` kept on the key: the
-        #: first one waiting gives its id and message, every one moves ``pending_at``.
+        #: first one waiting gives its id, its message and ``pending_since``; every one moves
+        #: ``pending_at``.
         self.add_pending = d.upsert(
             k,
             trigger,
@@ -118,11 +122,13 @@ class Keys:
                 "pending_id": sa.func.coalesce(k.c.pending_id, new["pending_id"]),
                 "pending": sa.func.coalesce(k.c.pending, new["pending"]),
                 "pending_at": new["pending_at"],
+                "pending_since": sa.func.coalesce(k.c.pending_since, new["pending_since"]),
+                "triggers": counted,
             },
             returning=(k.c.pending_id,),
         )
-        #: The same for a key whose newest trigger wins (``lease_key_strategy="newest"``): the
-        #: first one waiting gives the id, the newest one the message.
+        #: The same for a key whose newest trigger wins (``lease_key_strategy="newest"``, and
+        #: a debounced key): the first one waiting gives the id, the newest one the message.
         self.add_pending_newest = d.upsert(
             k,
             trigger,
@@ -132,13 +138,20 @@ class Keys:
                 "pending_id": sa.func.coalesce(k.c.pending_id, new["pending_id"]),
                 "pending": new["pending"],
                 "pending_at": new["pending_at"],
+                "pending_since": sa.func.coalesce(k.c.pending_since, new["pending_since"]),
+                "triggers": counted,
             },
             returning=(k.c.pending_id,),
         )
         by_key = k.c.lease_key == param("key", k.c.lease_key.type)
-        #: The triggers waiting on key ``b_key`` (id, message, latest), its row locked.
+        #: The triggers waiting on key ``b_key`` (id, message, the latest's time, the first's,
+        #: the latest's number, and the clock), its row locked.
         self.pending_of = (
-            sa.select(k.c.pending_id, k.c.pending, k.c.pending_at).where(by_key).with_for_update()
+            sa.select(
+                k.c.pending_id, k.c.pending, k.c.pending_at, k.c.pending_since, k.c.triggers, now
+            )
+            .where(by_key)
+            .with_for_update()
         )
         #: The id the triggers waiting on key ``b_key`` were given (read back).
         self.pending_id_of = sa.select(k.c.pending_id).where(by_key)
@@ -146,17 +159,24 @@ class Keys:
         self.clear_pending = (
             sa.update(k)
             .where(by_key, k.c.pending_id == param("pending_id", k.c.pending_id.type))
-            .values(pending_id=None, pending=None, pending_at=None)
+            .values(pending_id=None, pending=None, pending_at=None, pending_since=None)
         )
-        #: The run of key ``b_key`` that started after ``b_since`` and serves the triggers of
-        #: that moment: (id, state, result, error). A live one first (they wait for its end),
-        #: then the first that ended done; one that ended otherwise serves nothing (it is only
-        #: returned when no run did better). Strictly after: a run that started in the same
-        #: tick of the clock (SQLite's is a millisecond) may have started before the trigger,
-        #: and serving it then would lose it; not counting it costs one more run at most.
+        #: The run of key ``b_key`` that started after the triggers waiting on it and serves
+        #: them: (id, state, result, error). Started after: its first claim read the key's
+        #: trigger count ``b_seq`` (the latest trigger's number) or more, whatever the clock
+        #: did meanwhile; for a run claimed before revision 0006, its start strictly after
+        #: ``b_since`` (a run that started in the same tick of the clock may have started
+        #: before the trigger: not counting it costs one more run at most). A live one first
+        #: (they wait for its end), then the first that ended done; one that ended otherwise
+        #: serves nothing (it is only returned when no run did better).
+        seq = param("seq", sa.BigInteger())
+        after = sa.or_(
+            t.c.started_seq >= seq,
+            sa.and_(t.c.started_seq.is_(None), t.c.started_at > param("since", sa.Double())),
+        )
         self.started_since = (
             sa.select(t.c.id, t.c.state, t.c.result, t.c.error)
-            .where(t.c.lease_key == param("key"), t.c.started_at > param("since", sa.Double()))
+            .where(t.c.lease_key == param("key"), t.c.started_at.is_not(None), after)
             .order_by(
                 sa.case((t.c.state.in_(LIVE_STATES), 0), (t.c.state == DONE, 1), else_=2),
                 t.c.started_at,
@@ -171,6 +191,16 @@ class Keys:
             .where(k.c.pending_id.is_not(None), ~live_job)
             .order_by(k.c.pending_at)
             .limit(param("batch"))
+        )
+        #: The run of the triggers waiting on a key (``b_id``, their id), queued (or waiting,
+        #: in its group), due in ``b_countdown`` seconds; it counts as made when the first of
+        #: them came (``b_since``), so a debounced follow-up's ``max_wait`` counts from it.
+        self.record_followup = d.insert_unless_exists(
+            t,
+            {"id": param("id"), "token": 0}
+            | p.new_job()
+            | {"created_at": sa.func.coalesce(param("since", sa.Double()), now)}
+            | p.queued(),
         )
         #: The triggers given ``b_id`` served by run ``b_served_by``: a finished job of their
         #: own, whose end (``b_state``, ``b_result``, ``b_error``) their callers are told.
@@ -203,12 +233,19 @@ class Keys:
         # Never the run recorded for the waiting triggers themselves (``b_pending_id``): it may
         # have been recorded between their trigger's read of the key and this write.
         not_theirs = t.c.id != param("pending_id", t.c.id.type)
-        #: The job holding key ``b_key``, queued (never claimed, or waiting to resume), ended
-        #: superseded by the waiting triggers: its message is dropped at its claim, and the
-        #: reaper tells the result backend REVOKED.
+        #: The job holding key ``b_key`` (id, state, group, admitted), locked: a supersede is
+        #: one transaction, so the job cannot move between queued and running under it (a
+        #: hand-back, a claim) and escape it.
+        self.key_job_locked = (
+            sa.select(t.c.id, t.c.state, t.c.lease_group, t.c.admitted_at)
+            .where(holds_key, t.c.state.in_(LIVE_STATES), not_theirs)
+            .with_for_update()
+        )
+        #: The queued job ``b_id`` (never claimed, or waiting to resume) ended superseded: its
+        #: message is dropped at its claim, and the reaper tells the result backend REVOKED.
         self.supersede_queued = (
             sa.update(t)
-            .where(holds_key, t.c.state == QUEUED, not_theirs)
+            .where(p.by_id, t.c.state == QUEUED)
             .values(
                 state=SUPERSEDED,
                 owner=None,
@@ -221,14 +258,13 @@ class Keys:
                 finished_at=now,
             )
         )
-        #: The job holding key ``b_key``, running, asked to stop superseded at its next
-        #: checkpoint; an operator's cancel stands.
+        #: The running job ``b_id`` asked to stop superseded at its next checkpoint; an
+        #: operator's cancel stands.
         self.supersede_running = (
             sa.update(t)
             .where(
-                holds_key,
+                p.by_id,
                 t.c.state == RUNNING,
-                not_theirs,
                 sa.or_(t.c.stop_requested.is_(None), t.c.stop_requested != "cancel"),
             )
             .values(stop_requested="supersede")

@@ -163,7 +163,10 @@ class Reaper:
             )
         # A job still queued when its wait ran out may only be waiting in a long backlog:
         # each re-publish of it doubles the wait (``Parts.backoff``), so copies stay few.
+        # A job of a group is never re-published here: it waits for its admission again (no
+        # expiry), which counts its next start under the group's limit and rate.
         backoff = self.backoff
+        grouped = t.c.lease_group.is_not(None)
         republish = sa.update(t).ordered_values(
             (
                 t.c.stalled_attempts,
@@ -173,7 +176,14 @@ class Reaper:
                     else_=t.c.stalled_attempts,
                 ),
             ),
-            (t.c.expires_at, now + grace * sa.case((t.c.state == QUEUED, backoff), else_=1)),
+            (
+                t.c.expires_at,
+                sa.case(
+                    (grouped, sa.null()),
+                    else_=now + grace * sa.case((t.c.state == QUEUED, backoff), else_=1),
+                ),
+            ),
+            (t.c.admitted_at, sa.case((grouped, sa.null()), else_=t.c.admitted_at)),
             (t.c.sends, sa.case((t.c.state == QUEUED, t.c.sends + 1), else_=0)),
             (t.c.state, QUEUED),
             (t.c.owner, None),

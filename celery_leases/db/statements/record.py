@@ -36,15 +36,22 @@ class Record:
         #: The token a take-over or a created claim wrote (read back where there is no
         #: RETURNING, and after a created claim).
         self.token_of = sa.select(t.c.token).where(p.by_id)
+        g = p.groups
+        group_rate = sa.select(g.c.rate).where(g.c.name == t.c.lease_group).scalar_subquery()
         #: What a claim that matched no row reads to decide (``identity.Facts``).
         self.facts = sa.select(
             t.c.state, t.c.owner, p.lease_end - now, t.c.task, t.c.generation, t.c.version,
-            t.c.token, t.c.attempts, p.waiting, t.c.run_after - now,
+            t.c.token, t.c.attempts, p.waiting, t.c.run_after - now, group_rate,
         ).where(p.by_id)  # fmt: skip
 
         claimable = sa.and_(
             p.by_id,
-            sa.or_(unindexed(t.c.state) == QUEUED, sa.and_(p.held, p.lease_end <= now)),
+            sa.or_(
+                unindexed(t.c.state) == QUEUED,
+                # A job of a group whose lease ended starts again through an admission only:
+                # the reaper returns it to its group.
+                sa.and_(p.held, p.lease_end <= now, t.c.lease_group.is_(None)),
+            ),
             # leases_max_attempts: a claim past it is refused (``b_max_attempts`` NULL: none).
             sa.or_(
                 param("max_attempts", sa.Integer()).is_(None),
@@ -75,6 +82,14 @@ class Record:
             (t.c.session, None),
             (t.c.duration, p.seconds),
             (t.c.claimed_at, now),
+            # A first claim counts the key's triggers it starts after (before started_at: MySQL
+            # evaluates SET left to right); a resume keeps its first's.
+            (
+                t.c.started_seq,
+                sa.case(
+                    (t.c.started_at.is_(None), p.triggers_of(t.c.lease_key)), else_=t.c.started_seq
+                ),
+            ),
             (t.c.started_at, sa.func.coalesce(t.c.started_at, now)),
             (t.c.renewed_at, now),
             (t.c.error, None),  # a wait's reason (``Operators.wait_for_worker``) is over

@@ -16,13 +16,14 @@ import threading
 
 from ...settings import TASK_OPTIONS, Settings
 from .client import Registered
-from .groups import Admitted, GroupRow, Groups
-from .operator import Operator, like_prefix
-from .reaper import Reaper
-from .worker import IDLE_WRITE_GUARD, Worker
+from .groups import Admitted, GroupOps, GroupRow
+from .heartbeat import BeatOps
+from .operator import OperatorOps, like_prefix
+from .reaper import ReaperOps
+from .worker import IDLE_WRITE_GUARD, AttemptOps
 
 
-class Store(Worker, Operator, Reaper, Groups):
+class Store(AttemptOps, OperatorOps, ReaperOps, GroupOps, BeatOps):
     """Operations on the jobs table of one database. Safe to share between threads."""
 
 

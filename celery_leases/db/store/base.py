@@ -23,6 +23,24 @@ from ..statements import Statements
 
 logger = logging.getLogger("celery_leases")
 
+#: Seconds ahead an admission may take a token of a group's bucket (at least one token's
+#: time): the job is published at once with a countdown to it, and its claim waits for it.
+RATE_HORIZON = 1.0
+#: Seconds the database clock may read behind a time it wrote before the step back is
+#: reported (a clock stepped back by NTP, a failover to a server whose clock is behind).
+CLOCK_SLACK = 0.5
+
+#: A group's (limit, rate): at most ``limit`` jobs admitted and live (None: no limit), at
+#: most ``rate`` admissions a second (None: no rate).
+Limits = tuple[int | None, float | None]
+
+
+def token_horizon(rate: float) -> float:
+    """Seconds ahead an admission at ``rate`` a second may take a token: ``RATE_HORIZON``, or
+    one token's time if that is longer. A job admitted at ``rate`` is never due later than
+    this (the claim's bound on a database clock stepped back)."""
+    return max(RATE_HORIZON, 1.0 / rate)
+
 
 class KeyTaken(Exception):
     """A write would make a second job of a lease key live (the unique index refused it)."""
@@ -216,4 +234,4 @@ class StoreBase:
         return self.db.direct.foreign(dbapi_connection, info)
 
 
-__all__ = ["KeyTaken", "StoreBase"]
+__all__ = ["CLOCK_SLACK", "RATE_HORIZON", "KeyTaken", "Limits", "StoreBase", "token_horizon"]

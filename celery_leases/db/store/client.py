@@ -10,28 +10,32 @@ from sqlalchemy.engine import Connection
 
 from ...errors import ArgumentsError, LeaseError
 from ...message import Message
+from ...states import State
 from ..identity import checked_id, takes_over
+from ..rows import Recorded, Superseded
 from .base import KeyTaken
-from .triggers import Triggers, job_params
+from .triggers import TriggerOps, job_params
 
 
 @dataclass(frozen=True)
 class Registered:
-    """What :meth:`Client.register` did with a message: ``outcome`` (``new``, ``taken over``,
-    ``coalesced``, ``debounced``, or the state of the job that keeps the id), and ``job_id``,
+    """What :meth:`ClientOps.register` did with a message: ``outcome`` (a :class:`Recorded`, or
+    the :class:`State` of the job that keeps the id: this message is a copy), and ``job_id``,
     the job that serves it (another job's id when coalesced or debounced). ``debounced``:
     ``message`` is the job's message to publish, due in ``due_in`` seconds."""
 
-    outcome: str
+    outcome: Recorded | State
     job_id: str
     message: Message | None = None
     due_in: float | None = None
-    #: Coalesced into a run of its own that may start now: its trigger superseded the key's
-    #: queued job (``lease_key_strategy="newest"``): settle the key (``keys.settle``).
+    #: Coalesced, and no job holds the key now (its trigger superseded the key's queued job,
+    #: or the key's job ended meanwhile): settle the key's triggers now.
     freed: bool = False
+    #: The key's queued job the trigger superseded (its group's place is free).
+    superseded: Superseded | None = None
 
 
-class Client(Triggers):
+class ClientOps(TriggerOps):
     """Writes of a client (``LeasedTask.apply_async``)."""
 
     def register(
@@ -79,15 +83,15 @@ class Client(Triggers):
                     lambda c: self._insert(c, record.register, params), refused=ArgumentsError
                 )
                 if inserted:
-                    return Registered("new", job_id)
+                    return Registered(Recorded.NEW, job_id)
                 facts = self._facts(job_id)
                 if facts is None:
                     continue  # deleted in between
                 if not takes_over(message, facts, published=fresh):
-                    return Registered(facts.state, job_id)
+                    return Registered(State(facts.state), job_id)
                 seen = params | {"b_seen_token": facts.token, "b_seen_state": facts.state}
                 if self._hot(lambda c, p=seen: self._take_over(c, p), refused=ArgumentsError):
-                    return Registered("taken over", job_id)
+                    return Registered(Recorded.TAKEN_OVER, job_id)
             except KeyTaken:
                 found = self._coalesce(message, text, debounce, queued_timeout)
                 if found is not None:
@@ -124,9 +128,11 @@ class Client(Triggers):
 
             found = self._hot(run, reads_back=True, refused=ArgumentsError)
             if found and found[0]:
-                return Registered("debounced", holder, moved, max(float(found[0][0]), 0.0))
+                return Registered(Recorded.DEBOUNCED, holder, moved, max(float(found[0][0]), 0.0))
         pended = self._pended(message, text)
-        return Registered("coalesced", pended.id, freed=pended.freed)
+        return Registered(
+            Recorded.COALESCED, pended.id, freed=pended.freed, superseded=pended.superseded
+        )
 
     def _take_over(self, c: Connection, params: dict[str, Any]) -> bool:
         take_over = self.sql.record.take_over
@@ -137,4 +143,4 @@ class Client(Triggers):
         return self._count(self.sql.operators.forget, {"b_id": job_id}) == 1
 
 
-__all__ = ["Client", "Registered"]
+__all__ = ["ClientOps", "Registered"]

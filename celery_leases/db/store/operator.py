@@ -14,7 +14,7 @@ from ..schema import CANCELLED, FAILED, FINISHED_STATES, QUEUED, STATES, WAITING
 from .base import KeyTaken, StoreBase
 
 
-class Operator(StoreBase):
+class OperatorOps(StoreBase):
     """Reads of jobs, and operators' writes."""
 
     def get(self, job_id: str) -> Job | None:
@@ -195,4 +195,4 @@ class Operator(StoreBase):
         )
 
 
-__all__ = ["Operator", "like_prefix"]
+__all__ = ["OperatorOps", "like_prefix"]

@@ -12,7 +12,7 @@ from ..rows import Job, Reaped
 from .base import StoreBase
 
 
-class Reaper(StoreBase):
+class ReaperOps(StoreBase):
     """A reaper pass's operations."""
 
     def expire_orphaned(self, *, batch: int) -> list[tuple[str, str | None]]:
@@ -139,4 +139,4 @@ class Reaper(StoreBase):
         return purged
 
 
-__all__ = ["Reaper"]
+__all__ = ["ReaperOps"]

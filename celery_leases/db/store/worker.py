@@ -5,6 +5,7 @@ outcome."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 from typing import Any
@@ -14,23 +15,26 @@ from sqlalchemy.engine import Connection
 
 from ...errors import ArgumentsError, CheckpointError, LeaseError
 from ...message import Message
+from ...states import State
 from .. import rows
 from ..identity import Facts, checked_id, same_job, takes_over
 from ..joined import Joined
 from ..joined import joined as as_joined
-from ..rows import Claimed, Refused
+from ..rows import Claimed, Refusal, Refused
 from ..schema import FAILED, LIVE_STATES, QUEUED, RUNNING
 from ..session import Session
 from ..statements import GAVE_UP_MAX_ATTEMPTS
-from .base import KeyTaken
-from .client import Client
+from .base import CLOCK_SLACK, KeyTaken, token_horizon
+from .client import ClientOps
 from .triggers import job_params
+
+logger = logging.getLogger("celery_leases")
 
 #: Key in a caller's connection's ``info``: the idle-write bound this store set on it.
 IDLE_WRITE_GUARD = "celery_leases_idle_write_timeout"
 
 
-class Worker(Client):
+class AttemptOps(ClientOps):
     """Writes of a worker's attempts."""
 
     # -- the claim ---------------------------------------------------------------------------
@@ -103,7 +107,9 @@ class Worker(Client):
             serving = self._trigger(delivery, delivery.dumps())
             if serving is None:
                 return None
-            return Refused("coalesced", None, None, serving.id, serving.freed)
+            return Refused(
+                Refusal.COALESCED, None, None, serving.id, serving.freed, serving.superseded
+            )
 
     def _claim_new(
         self, delivery: Message, params: dict[str, Any], connection: Any, *, fresh: bool
@@ -126,10 +132,12 @@ class Worker(Client):
         if facts.waiting:
             # Published before its admission (a follow-up sent by an older release): its
             # admission publishes it again.
-            return Refused("waiting", facts.owner, None)
+            return Refused(Refusal.WAITING, facts.owner, None)
         lease_over = facts.state == QUEUED or (facts.expires_in or 0.0) <= 0
         if facts.state == RUNNING and not lease_over:
-            return Refused("held", facts.owner, facts.expires_in)
+            return Refused(Refusal.HELD, facts.owner, facts.expires_in)
+        if facts.state == RUNNING and delivery.group is not None and same_job(delivery, facts):
+            return Refused(Refusal.LAPSED, facts.owner, facts.expires_in)
         if takes_over(delivery, facts, published=fresh):
             job = params | job_params(delivery, delivery.dumps())
             job |= {"b_seen_token": facts.token, "b_seen_state": facts.state}
@@ -148,7 +156,7 @@ class Worker(Client):
                 return None
             return Claimed(token, 1, None, None, created=True, bound=False)
         if facts.state not in LIVE_STATES:
-            return Refused(facts.state, facts.owner, facts.expires_in)
+            return Refused(State(facts.state), facts.owner, facts.expires_in)
         limit = self.settings.max_attempts
         if limit is not None and facts.attempts >= limit and lease_over:
             # leases_max_attempts: no attempt past it, whatever sent this one (a Celery retry,
@@ -158,15 +166,30 @@ class Worker(Client):
                 connection,
                 lambda c: c.execute(self.sql.operators.give_up, failed | {"b_notify": "FAILURE"}),
             )
-            return Refused("failed", facts.owner, facts.expires_in)
+            return Refused(State.FAILED, facts.owner, facts.expires_in)
         early = facts.state == QUEUED and (facts.due_in or 0.0) > 0
         if early and not params["b_any_time"] and same_job(delivery, facts):
-            return Refused("early", facts.owner, facts.due_in)
+            bound = due_bound(delivery, facts)
+            if bound is None or (facts.due_in or 0.0) <= bound + CLOCK_SLACK:
+                return Refused(Refusal.EARLY, facts.owner, facts.due_in)
+            # Due later than its debounce or its group's rate can make it: the database clock
+            # stepped back. It runs now rather than wait out the step.
+            logger.warning(
+                "job %s: due in %.1f s, more than its %s allows (%.1f s): the database clock "
+                "stepped back; it runs now",
+                delivery.id,
+                facts.due_in,
+                "debounce" if delivery.debounce is not None else "group's rate",
+                bound,
+            )
+            params = params | {"b_any_time": True}
+            hot = record.claim_version if delivery.version else record.claim_job
+            return self._claim_with(hot, params, connection)
         if same_job(delivery, facts):
             return self._claim_with(
                 record.claim_job, params, connection
             )  # recorded without a version
-        return Refused("stale", facts.owner, facts.expires_in)
+        return Refused(Refusal.STALE, facts.owner, facts.expires_in)
 
     # -- keeping the lease: the keeper's holder ------------------------------------------------
 
@@ -402,15 +425,23 @@ class Worker(Client):
         return self._handed_back(self.sql.end.hand_back, params, connection)
 
     def hand_back_retry(
-        self, job_id: str, token: int, message: Message, *, reap_in: float
+        self,
+        job_id: str,
+        token: int,
+        message: Message,
+        *,
+        reap_in: float,
+        countdown: float = 0.0,
     ) -> str | None:
-        """Give the lease back for a Celery retry whose ``message`` becomes the job's message;
-        fenced by ``token``; the state after it, as :meth:`hand_back`. The reaper re-publishes
-        it ``reap_in`` seconds from now if no worker has claimed it by then."""
+        """Give the lease back for a Celery retry whose ``message`` becomes the job's, due
+        ``countdown`` seconds from now; fenced by ``token``; the state after it, as
+        :meth:`hand_back`. The reaper re-publishes it ``reap_in`` seconds from now if no worker
+        has claimed it by then; a job of a group waits for its admission instead."""
         params = {
             "b_id": job_id,
             "b_token": token,
             "b_reap_in": reap_in,
+            "b_countdown": max(countdown, 0.0),
             "b_version": message.version,
             "b_message": message.dumps(),
         }
@@ -460,4 +491,15 @@ def facts_id(params: dict[str, Any]) -> str:
     return str(params["b_id"])
 
 
-__all__ = ["IDLE_WRITE_GUARD", "Worker"]
+def due_bound(delivery: Message, facts: Facts) -> float | None:
+    """The furthest ahead a job's due time can be when its message comes, by the database
+    clock that wrote it: a debounced job's ``max_wait``, an admitted job's token horizon at
+    its group's rate (``token_horizon``); None when nothing bounds it (its own countdown)."""
+    if delivery.debounce is not None:
+        return delivery.debounce[1]
+    if delivery.group is not None and facts.group_rate:
+        return token_horizon(float(facts.group_rate))
+    return None
+
+
+__all__ = ["IDLE_WRITE_GUARD", "AttemptOps"]

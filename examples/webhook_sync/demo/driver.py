@@ -545,7 +545,10 @@ class Demo:
         while True:
             lines = [line for line in child.log_text().splitlines() if regex.search(line)]
             if lines:
-                return lines[-1].split("]: ", 1)[-1]
+                # Without Celery's prefix ("[time: LEVEL/process] "), and a task logger's
+                # "task.name[job id]: " after it.
+                message = re.sub(r"^\[[^\]]*\] ", "", lines[-1])
+                return re.sub(r"^\S+\[[0-9a-f-]+\]: ", "", message)
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.05)

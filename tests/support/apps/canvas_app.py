@@ -6,6 +6,9 @@ records below live there too), plus:
 =================  =============================================================================
 ``CANVAS_TOPIC``   name of a topic exchange and of a queue bound to it with ``media.#``; both
                    join ``task_queues``, next to the default queue (unset: no topic route)
+``CANVAS_GATE``    a file's path: unit ``GATE_UNIT`` of every leased task, once started, waits
+                   until that file exists (unset: no gate), so a test can crash the workflows
+                   while every leased task is in flight, however slow the machine
 =================  =============================================================================
 
 Records (Redis lists in the result backend's database, JSON items, see :class:`Records`):
@@ -50,6 +53,10 @@ from tests.support.apps.leased_app import unit_log_for
 from tests.support.unit_log import UnitLog
 
 TOPIC_ENV = "CANVAS_TOPIC"
+GATE_ENV = "CANVAS_GATE"
+#: The unit that waits for the gate (see ``CANVAS_GATE``), and for how long at most (seconds).
+GATE_UNIT = 2
+GATE_TIMEOUT = 120.0
 #: The routing key the topic queue is bound with.
 TOPIC_BINDING = "media.#"
 #: Custom headers whose names start with this are the library's own (message version, retries
@@ -157,11 +164,21 @@ def run_units(task: Task, log: UnitLog, count: int, unit_seconds: float) -> None
             attempt=lease.attempt,
             host=task.request.hostname or "",
         )
+        if unit == GATE_UNIT:
+            wait_for_gate()
         time.sleep(unit_seconds)
         with log.engine.begin() as connection:
             log.end(connection, row)
             task.checkpoint({"next": unit + 1}, connection=connection)
         task.stop_point()
+
+
+def wait_for_gate() -> None:
+    """Wait until the ``CANVAS_GATE`` file exists (at most ``GATE_TIMEOUT`` seconds)."""
+    gate = os.environ.get(GATE_ENV)
+    deadline = time.monotonic() + GATE_TIMEOUT
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def topic_queues(app: Celery, topic: str) -> list[Queue]:

@@ -17,7 +17,7 @@ app = make_app(
 )
 
 
-@app.task(base=LeasedTask, bind=True, name="cli.count")  # type: ignore[untyped-decorator]
+@app.task(base=LeasedTask, bind=True, shared=False, name="cli.count")  # type: ignore[untyped-decorator]
 def count(self: Any, n: int, pause: float = 0.0) -> dict[str, Any]:
     """Sum 0..n-1, one checkpoint a step; the result says where this attempt started."""
     state = self.lease.checkpoint or {"i": 0, "sum": 0}
