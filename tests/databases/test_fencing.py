@@ -19,16 +19,23 @@ from celery_leases.db.store import Store, store_for
 from celery_leases.lease import Lease, current
 from tests.support.message import job_message
 
-accounts = sa.Table(
-    "fencing_accounts",
-    sa.MetaData(),
-    sa.Column("id", sa.String(50), primary_key=True),
-    sa.Column("balance", sa.Integer, nullable=False),
-    sa.Column("last_token", sa.BigInteger, nullable=False),
-)
+
+def accounts_table(table_name: str) -> sa.Table:
+    """The user's own storage, named after this test's jobs table: tests on other pytest-xdist
+    workers use the same server database, and one's teardown must not drop another's table (a
+    fixed name did, mid-statement, in CI); ``fresh_table_name`` drops it at teardown."""
+    return sa.Table(
+        f"{table_name}_accounts",
+        sa.MetaData(),
+        sa.Column("id", sa.String(50), primary_key=True),
+        sa.Column("balance", sa.Integer, nullable=False),
+        sa.Column("last_token", sa.BigInteger, nullable=False),
+    )
 
 
-def fenced_write(connection: sa.Connection, account: str, balance: int, token: int) -> bool:
+def fenced_write(
+    connection: sa.Connection, accounts: sa.Table, account: str, balance: int, token: int
+) -> bool:
     """The documented pattern: True when written, False when a newer attempt already wrote."""
     result = connection.execute(
         sa.update(accounts)
@@ -44,9 +51,14 @@ def app(database_url: str, table_name: str) -> Iterator[Celery]:
     app.conf.leases_database_url = database_url
     app.conf.leases_table = table_name
     yield app
-    engine = store_for(settings_for(app)).engine
-    accounts.drop(engine, checkfirst=True)
-    engine.dispose()
+    store_for(settings_for(app)).engine.dispose()
+
+
+@pytest.fixture
+def accounts(app: Celery, table_name: str) -> sa.Table:
+    table = accounts_table(table_name)
+    table.create(store_for(settings_for(app)).engine)
+    return table
 
 
 def two_attempts(store: Store) -> tuple[Claimed, Claimed]:
@@ -61,9 +73,10 @@ def two_attempts(store: Store) -> tuple[Claimed, Claimed]:
     return first, second
 
 
-def test_a_stale_attempts_fenced_write_is_refused_and_the_newer_value_stays(app: Celery) -> None:
+def test_a_stale_attempts_fenced_write_is_refused_and_the_newer_value_stays(
+    app: Celery, accounts: sa.Table
+) -> None:
     store = store_for(settings_for(app))
-    accounts.create(store.engine, checkfirst=True)
     with store.engine.begin() as connection:
         connection.execute(sa.insert(accounts).values(id="acct", balance=0, last_token=0))
     first, second = two_attempts(store)
@@ -71,9 +84,9 @@ def test_a_stale_attempts_fenced_write_is_refused_and_the_newer_value_stays(app:
 
     # When the newer attempt writes, then the stale one wakes up and writes
     with store.engine.begin() as connection:
-        assert fenced_write(connection, "acct", 200, second.token)
+        assert fenced_write(connection, accounts, "acct", 200, second.token)
     with store.engine.begin() as connection:
-        stale_written = fenced_write(connection, "acct", 100, first.token)
+        stale_written = fenced_write(connection, accounts, "acct", 100, first.token)
 
     # Then the stale write is refused and the newer value stays
     assert not stale_written
@@ -82,13 +95,14 @@ def test_a_stale_attempts_fenced_write_is_refused_and_the_newer_value_stays(app:
     assert tuple(row) == (200, second.token)
 
 
-def test_a_stale_attempts_transactional_checkpoint_rolls_back_its_own_writes(app: Celery) -> None:
+def test_a_stale_attempts_transactional_checkpoint_rolls_back_its_own_writes(
+    app: Celery, accounts: sa.Table
+) -> None:
     @app.task(base=LeasedTask, bind=True, shared=False)
     def step(self: LeasedTask) -> None:
         pass
 
     store = store_for(settings_for(app))
-    accounts.create(store.engine, checkfirst=True)
     first, _ = two_attempts(store)
     stale = Lease("job", first.token, 1, None, "a/1", 30.0, 10.0)
     current.stack.append(stale)
