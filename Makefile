@@ -67,13 +67,15 @@ bench: venv
 # or expiring while they wait, half the transactional checkpoints at REPEATABLE READ, while
 # bursts of triggers of keyed jobs arrive: 6 coalescing accounts, 2 debounced and 2 where the
 # newest trigger wins (--debounced-keys, --newest-keys; docs/contributing.md), and 60 of the jobs in
-# job groups with limits and rates (--grouped-jobs; docs/contributing.md). On SQLite (--database sqlite --broker
+# job groups with limits and rates (--grouped-jobs; docs/contributing.md): a third of them sent by
+# name (--grouped-by-name), half of those of rated groups asking for a retry once as after an HTTP
+# 429 (--grouped-retries). On SQLite (--database sqlite --broker
 # filesystem) add --namespace-reaper: a reaper in another PID namespace (unshare). Failovers:
 # --database postgres-failover --failover (a private primary and synchronous standby, promoted
 # mid-run; needs PostgreSQL's server binaries; docs/contributing.md).
 CHAOS_ARGS ?= --jobs 500 --units 20 --unit-seconds 0.5 --workers 3 --faults 120 \
 	--keys 6 --debounced-keys 2 --newest-keys 2 --triggers 240 --key-units 12 --grouped-jobs 60 \
-	--broker redis --database postgres --restart-database --restart-broker
+	--grouped-by-name 0.33 --grouped-retries 0.5 --broker redis --database postgres --restart-database --restart-broker
 chaos: venv
 	$(BIN)/python -m chaos.driver $(CHAOS_ARGS)
 

@@ -23,8 +23,17 @@ plain Celery); the client is this process. PostgreSQL + Redis.
   a group, in one group of limit 8 (the worker's processes: each job is published only once
   one ends) and of limit 64 (the broker always holds some), from the first claim to the last
   end (database clock).
+- **reaper**: ``--full-groups`` groups (500) of limit 1, each with one job admitted (in the
+  broker) and one waiting, then one group whose admitted job ended with no one admitting its
+  next (the worker died first): room, and a job that only a reaper pass admits. Its group is
+  created last and named to sort last, behind every full group in any order a pass could take
+  them. One real reaper pass (the ``celery_leases.reap`` task, run in this process): its time,
+  its statements (on the store's direct connections and through its engine), and what it
+  admitted (it must be that one job, and
+  nothing of the full groups); then 5 passes with nothing to admit (median).
 
     python -m bench.groups [--quick] [--jobs N] [--runs N] [--plain-runs N] [--rate-workers N]
+        [--full-groups N] [--parts fairness rate cost reaper]
 """
 
 from __future__ import annotations
@@ -48,7 +57,10 @@ from bench.common import (
     row,
     scratch,
 )
+from celery_leases.config import settings_for
+from celery_leases.db import store_for
 from celery_leases.db.rows import Claimed
+from celery_leases.reaper import REAP_TASK, register_reaper
 from tests.support.driver import executed
 from tests.support.scenario import Scenario, kill_all
 from tests.support.service import private_redis_url
@@ -62,6 +74,7 @@ RATE_COLUMNS = (
     "late_median_s late_max_s first_to_last_s ideal_s"
 )
 COST_COLUMNS = "what statements kinds"
+REAPER_COLUMNS = "database full_groups pass admitted admitted_the_one statements seconds"
 THROUGHPUT_COLUMNS = "mode jobs seconds jobs_per_s"
 
 
@@ -250,6 +263,66 @@ def throughput(s: Scenario, *, jobs: int, limit: int | None) -> dict[str, Any]:
     return found
 
 
+def reaper_pass(s: Scenario, db: str, *, full_groups: int) -> list[dict[str, Any]]:
+    """A reaper pass over ``full_groups`` full groups and one with room behind them (the
+    module's docstring, **reaper**): one pass that admits, then the median of 5 with nothing
+    to admit."""
+    store = s.store
+    task = s.app.tasks["e2e.units"]
+    unread = f"{s.app.conf.task_default_queue}_unread"  # no worker reads it
+    tag = uuid.uuid4().hex[:6]
+    for n in range(full_groups):
+        full = {"lease_group": f"A-{tag}-{n:04d}", "lease_group_limit": 1}
+        task.apply_async((0, 0.0), queue=unread, **full)  # admitted: the group is full
+        task.apply_async((0, 0.0), queue=unread, **full)  # waits
+    room = {"lease_group": f"Z-{tag}", "lease_group_limit": 1}
+    first = str(task.apply_async((0, 0.0), queue=unread, **room).id)
+    the_one = str(task.apply_async((0, 0.0), queue=unread, **room).id)
+    job = store.get(first)
+    assert job is not None
+    claimed = store.claim(job.message, owner="bench/1", duration=30.0)
+    assert isinstance(claimed, Claimed)
+    store.finish(first, claimed.token, result=None)  # no admission after it: room, one waiting
+    register_reaper(s.app)
+    reap = s.app.tasks[REAP_TASK]
+    # The pass's statements: on the store's direct connections, and through its engine's pool
+    engine = store_for(settings_for(s.app)).engine
+    rows = []
+    for label, passes in (("the pass that admits", 1), ("idle pass, median of 5", 5)):
+        seconds, admitted, counted = [], [], []
+        for _ in range(passes):
+            through_engine: list[str] = []
+
+            def listener(*event: Any, seen: list[str] = through_engine) -> None:
+                seen.append(event[2])
+
+            sa.event.listen(engine, "before_cursor_execute", listener)
+            try:
+                with executed() as direct:
+                    started = time.perf_counter()
+                    outcome = reap.apply().get()
+                    seconds.append(time.perf_counter() - started)
+            finally:
+                sa.event.remove(engine, "before_cursor_execute", listener)
+            admitted.append(outcome["admitted"])
+            counted.append(len(direct) + len(through_engine))
+        found = row(
+            REAPER_COLUMNS,
+            db,
+            full_groups,
+            label,
+            len(admitted[0]),
+            ("yes" if admitted[0] == [the_one] else "no") if passes == 1 else "-",
+            int(statistics.median(counted)),
+            statistics.median(seconds),
+        )
+        print(found, flush=True)
+        rows.append(found)
+    if rows[0]["admitted_the_one"] != "yes":
+        raise RuntimeError(f"the pass admitted {rows[0]['admitted']} jobs, not the one with room")
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     options = parser(__doc__)
     options.add_argument("--jobs", type=int, help="tenant A's jobs, and the no-op jobs (1000)")
@@ -261,10 +334,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--rate-workers", type=int, default=4, help="workers (2 processes each) of the rate run (4)"
     )
     options.add_argument(
+        "--full-groups", type=int, default=500, help="full groups of the reaper pass (500)"
+    )
+    options.add_argument(
         "--parts",
         nargs="+",
-        choices=("fairness", "rate", "cost"),
-        default=["fairness", "rate", "cost"],
+        choices=("fairness", "rate", "cost", "reaper"),
+        default=["fairness", "rate", "cost", "reaper"],
         help="what to measure (all)",
     )
     args = options.parse_args(argv)
@@ -280,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rated: list[dict[str, Any]] = []
     costs: list[dict[str, Any]] = []
     rates: list[dict[str, Any]] = []
+    reaped: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-groups-") as logs:
         for grouped in (True, False) if "fairness" in args.parts else ():
             for _ in range(runs[grouped]):
@@ -308,6 +385,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             finally:
                 kill_all(spawner)
                 s.close()
+        for db in ("postgres", "mariadb") if "reaper" in args.parts else ():
+            db_url = available(db)
+            if db_url is None:
+                continue
+            with private_redis_url() as broker, scratch(db_url, "groups") as table:
+                s = bench_scenario(Spawner(logs), db_url, table, broker)
+                try:
+                    reaped += reaper_pass(s, db, full_groups=args.full_groups)
+                finally:
+                    s.close()
     summary = fairness_summary(fair)
     if fair:
         print_rows("Fairness, every run", fair)
@@ -315,6 +402,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print_rows(f"Rate limit: 200 jobs of one group at 10/s, {args.rate_workers} workers x 2", rated)
     print_rows("Statements on the store's connection", costs)
     print_rows("Throughput of no-op leased jobs, one worker -c 8", rates)
+    print_rows(f"A reaper pass: {args.full_groups} full groups, one with room behind", reaped)
     report(
         "groups",
         fair,
@@ -324,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         rate=rated,
         statements=costs,
         throughput=rates,
+        reaper=reaped,
         argv=argv,
     )
 

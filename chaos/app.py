@@ -16,7 +16,12 @@ Configured from the environment like ``leased_app`` (see its ``app_env``). Both 
 ``chaos.grouped_<g>(count, unit_seconds, tail_seconds=0, group=g)`` is ``chaos.exactly_once``
 in job group ``g`` (``lease_group="{group}"``), with that group's limit and rate (``GROUPS``);
 :func:`install_admission_log` copies every admission (``admitted_at`` and the token's time,
-``run_after``) into ``<table>_admissions``.
+``run_after``), every start of a job no admission let in (a message sent by name, created
+running by its claim) and every return of an admitted job to its group's queue into
+``<table>_admissions``. With ``retry_after=n`` (``--grouped-retries``) the job asks for a retry
+once, after its unit ``n - 1`` (``self.retry(countdown=retry_countdown)``), as a task that met
+an HTTP 429 would: the checkpoint committed with that unit says so (``{"next": n, "retry":
+true}``), and the retry comes in the attempt that committed it, so at most once.
 
 A job sent with a ``soft_time_limit`` (``--soft-limits``) gets ``SoftTimeLimitExceeded`` wherever
 it is when the limit passes: often inside a statement, as the run's slow-statement trigger
@@ -93,6 +98,7 @@ from sqlalchemy.engine import Engine
 from celery_leases import LeasedTask, LeaseError, StoreUnavailable, WriteConflict
 from celery_leases.db.functions import db_now
 from celery_leases.errors import Stop
+from chaos.check import ADMITTED, CLAIMED, RELEASED, RETRY_MARK
 from chaos.fault import HOLD_DIR_ENV, hold_if_asked
 from tests.support.apps.factory import table_of
 from tests.support.apps.leased_app import make_app as make_leased_app
@@ -405,6 +411,8 @@ def add_chaos_tasks(app: Celery) -> Celery:
         unit_seconds: float,
         tail_seconds: float = 0.0,
         group: str | None = None,
+        retry_after: int | None = None,
+        retry_countdown: float = 0.0,
     ) -> int:
         run = uuid.uuid4().hex
         engine, paused = tx_engine(self.lease.job_id)
@@ -412,12 +420,25 @@ def add_chaos_tasks(app: Celery) -> Celery:
             for unit in range((self.lease.checkpoint or {}).get("next", 0), count):
                 row = start(self, unit, run)
                 time.sleep(unit_seconds)
+                # The unit after which the job meets its HTTP 429: committed once, so asked once.
+                limited = unit + 1 == retry_after
                 with Guarded(engine) as connection:
                     log.end(connection, row)
                     pause(paused)
-                    self.checkpoint({"next": unit + 1}, connection=connection)
+                    state: dict[str, Any] = {"next": unit + 1}
+                    if limited:
+                        state[RETRY_MARK] = True
+                    self.checkpoint(state, connection=connection)
                     if hold_dir:  # freeze_in_transaction: the row is locked until commit
                         hold_if_asked(hold_dir, self.lease.job_id)
+                if limited:
+                    logger.warning(
+                        "chaos: job %s rate-limited after unit %d (HTTP 429), retry in %g s",
+                        self.lease.job_id,
+                        unit,
+                        retry_countdown,
+                    )
+                    raise self.retry(countdown=retry_countdown)
                 self.stop_point()
             time.sleep(tail_seconds)
         except Exception as exc:
@@ -678,15 +699,18 @@ def remove_cursor_log(engine: Engine, jobs_table: str) -> None:
     _drop_log_triggers(engine, f"{jobs_table}_cur")
 
 
-def _drop_log_triggers(engine: Engine, trigger: str) -> None:
+def _drop_log_triggers(
+    engine: Engine, trigger: str, suffixes: tuple[str, ...] = ("i", "u")
+) -> None:
     """Drop a log's triggers named ``trigger`` (PostgreSQL: its function, and with it the
-    trigger; SQLite: the insert and update triggers ``<trigger>_i`` and ``_u``)."""
+    trigger; SQLite: its triggers ``<trigger>_<suffix>``, by default the insert and update
+    triggers ``_i`` and ``_u``)."""
     with engine.begin() as connection:
         if engine.dialect.name == "postgresql":
             connection.execute(sa.text(f"DROP FUNCTION IF EXISTS {trigger}() CASCADE"))
         elif engine.dialect.name == "sqlite":
-            connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger}_i"))
-            connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger}_u"))
+            for suffix in suffixes:
+                connection.execute(sa.text(f"DROP TRIGGER IF EXISTS {trigger}_{suffix}"))
 
 
 # -- slow statements ---------------------------------------------------------------------------
@@ -804,30 +828,45 @@ def admissions_table(jobs_table: str) -> sa.Table:
         sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
         sa.Column("job_id", sa.String(155), nullable=False, index=True),
         sa.Column("lease_group", sa.String(255), nullable=False),
-        sa.Column("admitted_at", sa.Double, nullable=False),
+        sa.Column("kind", sa.String(16), nullable=False),
+        sa.Column("at", sa.Double, nullable=False),
         sa.Column("run_after", sa.Double),
     )
 
 
 def install_admission_log(engine: Engine, jobs_table: str) -> sa.Table:
-    """Create ``<jobs_table>_admissions`` and triggers that add a row (job, group, its
-    ``admitted_at`` and the ``run_after`` the admission wrote: its token's time) each time a
-    job of a group gets an ``admitted_at`` it did not have (PostgreSQL and SQLite)."""
+    """Create ``<jobs_table>_admissions`` and triggers that add a row (job, group, ``kind``,
+    ``at``, ``run_after``) each time a job of a group gets an ``admitted_at`` it did not have:
+    ``admitted`` (the job is queued: an admission; ``at`` its ``admitted_at``, ``run_after``
+    the not-before time it wrote, its token's time) or ``claimed`` (the job is running: a
+    claim created it, a message no client recorded, which runs at once counted in its group);
+    and one each time an admitted job that has not ended loses its ``admitted_at``:
+    ``released`` (back in its group's queue, ``at`` the database clock), in the writer's
+    transaction (PostgreSQL and SQLite)."""
     log = admissions_table(jobs_table)
     log.create(engine, checkfirst=True)
     trigger = f"{jobs_table}_ad"
-    values = (
-        f"INSERT INTO {log.name} (job_id, lease_group, admitted_at, run_after) "
-        f"VALUES (NEW.id, NEW.lease_group, NEW.admitted_at, NEW.run_after)"
-    )
+    columns = f"INSERT INTO {log.name} (job_id, lease_group, kind, at, run_after) VALUES "
+    kind = f"CASE WHEN NEW.state = 'running' THEN '{CLAIMED}' ELSE '{ADMITTED}' END"
+    admission = f"{columns}(NEW.id, NEW.lease_group, {kind}, NEW.admitted_at, NEW.run_after)"
     admitted = "NEW.lease_group IS NOT NULL AND NEW.admitted_at IS NOT NULL"
+    released = (
+        "NEW.lease_group IS NOT NULL AND OLD.state IN ('queued', 'running') "
+        "AND OLD.admitted_at IS NOT NULL AND NEW.admitted_at IS NULL"
+    )
+
+    def release(now: str) -> str:
+        return f"{columns}(NEW.id, NEW.lease_group, '{RELEASED}', {now}, NULL)"
+
     with engine.begin() as connection:
         if engine.dialect.name == "postgresql":
             connection.execute(
                 sa.text(
                     f"CREATE OR REPLACE FUNCTION {trigger}() RETURNS trigger AS $$ BEGIN "
                     f"IF {admitted} AND (TG_OP = 'INSERT' "
-                    f"OR NEW.admitted_at IS DISTINCT FROM OLD.admitted_at) THEN {values}; "
+                    f"OR NEW.admitted_at IS DISTINCT FROM OLD.admitted_at) THEN {admission}; "
+                    f"ELSIF TG_OP = 'UPDATE' AND {released} THEN "
+                    f"{release('EXTRACT(EPOCH FROM clock_timestamp())')}; "
                     f"END IF; RETURN NEW; END $$ LANGUAGE plpgsql"
                 )
             )
@@ -839,19 +878,23 @@ def install_admission_log(engine: Engine, jobs_table: str) -> sa.Table:
                 )
             )
         elif engine.dialect.name == "sqlite":
-            connection.execute(
-                sa.text(
-                    f"CREATE TRIGGER IF NOT EXISTS {trigger}_i AFTER INSERT ON {jobs_table} "
-                    f"FOR EACH ROW WHEN {admitted} BEGIN {values}; END"
+            now = "(julianday('now') - 2440587.5) * 86400.0"
+            for event, suffix, when, values in (
+                ("INSERT", "i", admitted, admission),
+                (
+                    "UPDATE",
+                    "u",
+                    f"{admitted} AND NEW.admitted_at IS NOT OLD.admitted_at",
+                    admission,
+                ),
+                ("UPDATE", "r", released, release(now)),
+            ):
+                connection.execute(
+                    sa.text(
+                        f"CREATE TRIGGER IF NOT EXISTS {trigger}_{suffix} AFTER {event} ON "
+                        f"{jobs_table} FOR EACH ROW WHEN {when} BEGIN {values}; END"
+                    )
                 )
-            )
-            connection.execute(
-                sa.text(
-                    f"CREATE TRIGGER IF NOT EXISTS {trigger}_u AFTER UPDATE ON {jobs_table} "
-                    f"FOR EACH ROW WHEN {admitted} AND NEW.admitted_at IS NOT OLD.admitted_at "
-                    f"BEGIN {values}; END"
-                )
-            )
         else:
             raise NotImplementedError(f"no admission log on {engine.dialect.name}")
     return log
@@ -859,7 +902,7 @@ def install_admission_log(engine: Engine, jobs_table: str) -> sa.Table:
 
 def remove_admission_log(engine: Engine, jobs_table: str) -> None:
     """Drop the triggers of :func:`install_admission_log`; the table is left to its owner."""
-    _drop_log_triggers(engine, f"{jobs_table}_ad")
+    _drop_log_triggers(engine, f"{jobs_table}_ad", ("i", "u", "r"))
 
 
 def make_app(environ: Mapping[str, str] | None = None, *, name: str = "chaos_app") -> Celery:

@@ -147,15 +147,27 @@ class CursorRow:
         return state.get("units") if isinstance(state, dict) else None
 
 
+#: The kinds of the admission log's rows (``Admission.kind``): an admission; a start no
+#: admission let in (a message sent by name: its claim created the job running, counted in its
+#: group, no token taken); a return of an admitted job to its group's queue (a retry, a
+#: hand-back, an expired lease), after which its next start waits for a new admission.
+ADMITTED, CLAIMED, RELEASED = "admitted", "claimed", "released"
+#: The key of the checkpoint a job saves with the unit after which it asks for a retry.
+RETRY_MARK = "retry"
+
+
 @dataclass(frozen=True)
 class Admission:
-    """One admission of a job of a group (the admission log): ``at`` its ``admitted_at``, and
-    ``due`` the ``run_after`` it wrote, its token's time (database clock, epoch seconds)."""
+    """One row of the admission log, in commit order: for an admission (``ADMITTED``) ``at`` is
+    its ``admitted_at`` and ``due`` the ``run_after`` it wrote, its token's time; for a start by
+    a claim (``CLAIMED``) ``at`` is the claim's time and ``due`` None; for a return to the
+    group's queue (``RELEASED``) ``at`` is when it happened (database clock, epoch seconds)."""
 
     job_id: str
     group: str
     at: float
     due: float | None = None
+    kind: str = ADMITTED
 
 
 @dataclass(frozen=True)
@@ -269,6 +281,16 @@ class Evidence:
     group_limits: dict[str, int | None] = field(default_factory=dict)
     group_rates: dict[str, float | None] = field(default_factory=dict)
     admissions: list[Admission] | None = None
+    #: the grouped jobs sent by name (``send_task``: no client recorded them), and job id ->
+    #: the unit after which it asks for a retry once (its checkpoint of that unit carries
+    #: ``RETRY_MARK``), for the grouped jobs sent so
+    by_name: set[str] = field(default_factory=set)
+    group_retries: dict[str, int] = field(default_factory=dict)
+    #: when each job sent by name was sent, and when the broker restarted losing its queue
+    #: (epoch seconds): a message sent by name that the broker lost before any claim leaves
+    #: no row (:func:`lost_by_the_broker`)
+    by_name_sent: dict[str, float] = field(default_factory=dict)
+    broker_restarts: list[float] = field(default_factory=list)
     #: the cursor of each key at the end (key -> JSON value), and the cursor log
     cursors: dict[str, Any] = field(default_factory=dict)
     cursor_log: list[CursorRow] = field(default_factory=list)
@@ -447,10 +469,26 @@ def _terminating(e: Evidence, job_id: str, state: str, row: Unit, end: float) ->
     )
 
 
+def lost_by_the_broker(e: Evidence, job_id: str) -> bool:
+    """Whether job ``job_id`` has no row because the broker lost its message: it was sent by
+    name, so nothing recorded it before its first claim (docs/guarantees.md, "Register"), and
+    the broker restarted, losing its queue, after it was sent. The library never saw that job;
+    plain Celery loses such a message the same way (``apply_async`` is what the reaper covers)."""
+    if job_id in e.jobs or job_id not in e.by_name:
+        return False
+    sent = e.by_name_sent.get(job_id)
+    return sent is not None and any(restart >= sent for restart in e.broker_restarts)
+
+
 def _every_job_done(e: Evidence) -> Check:
     """Every job without a control ended done with the full result; every controlled one
-    ended as its control allows; none stuck (queued or running) or lost (no row)."""
-    states = Counter(e.jobs[i].state if i in e.jobs else "lost" for i in e.modes)
+    ended as its control allows; none stuck (queued or running) or lost (no row), but a job
+    sent by name whose message the broker lost before any claim (:func:`lost_by_the_broker`,
+    counted apart)."""
+    broker_lost = [i for i in e.modes if lost_by_the_broker(e, i)]
+    states = Counter(
+        e.jobs[i].state if i in e.jobs else "lost" for i in e.modes if i not in broker_lost
+    )
     by_job = controls_by_job(e)
     wrong_result = [
         i
@@ -477,6 +515,7 @@ def _every_job_done(e: Evidence) -> Check:
         stuck=stuck,
         failed=states[FAILED],
         lost=states["lost"],
+        lost_by_the_broker=len(broker_lost),
         ended_otherwise=len(otherwise),
         attempts=sum(attempts),
         max_attempts=max(attempts, default=0),
@@ -486,12 +525,17 @@ def _every_job_done(e: Evidence) -> Check:
         f"({states[REVOKED]} revoked, {states[CANCELLED]} cancelled); {stuck} stuck, "
         f"{states[FAILED]} failed, {states['lost']} lost, {len(otherwise)} ended otherwise "
         f"than allowed (failed included), {len(wrong_result)} with a wrong result; attempts "
-        f"{sum(attempts)} (max {max(attempts, default=0)} for one job)"
+        f"{sum(attempts)} (max {max(attempts, default=0)} for one job); sent by name and lost "
+        f"by the broker before any claim (a restart that lost its queue; allowed) "
+        f"{len(broker_lost)}"
     )
     bad = [
         i
         for i in e.modes
-        if i not in e.jobs or i in otherwise or i in wrong_result or e.jobs[i].state in LIVE
+        if (i not in e.jobs and i not in broker_lost)
+        or i in otherwise
+        or i in wrong_result
+        or (i in e.jobs and e.jobs[i].state in LIVE)
     ]
     for job_id in bad[:3]:
         job = e.jobs.get(job_id)
@@ -997,11 +1041,13 @@ def _checkpoints(e: Evidence) -> Check:
 
 def _table_rows(e: Evidence) -> Check:
     e.figures.update(table_rows=e.table_rows)
+    broker_lost = [i for i in e.modes if lost_by_the_broker(e, i)]
     return Check(
         "jobs table rows match jobs submitted",
-        e.table_rows == len(e.modes),
+        e.table_rows == len(e.modes) - len(broker_lost),
         f"{e.table_rows} rows of the chaos tasks, {len(e.modes)} jobs submitted "
-        f"(and {len(e.callback_jobs)} callback jobs)",
+        f"(and {len(e.callback_jobs)} callback jobs), {len(broker_lost)} of them sent by name "
+        f"and lost by the broker before any claim",
     )
 
 
@@ -1779,15 +1825,18 @@ def _ran_with(markers: dict[int, set[str]]) -> set[str]:
 
 def _debounce(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
     """For every run of a debounced key that served a burst (the triggers answered with its
-    id before it started): every attempt ran with the arguments of the burst's last trigger
-    (a follow-up, recorded for triggers that waited while a run went on, with those of the
-    first that waited: its own id), and a debounced run was not claimed before its due time,
-    ``min(last trigger + quiet, first trigger + max_wait)`` (less ``DEBOUNCE_ALLOWANCE``), on
-    the database clock. How late runs started after that due time, and after ``max_wait``, is
-    reported, not checked (faults and a busy queue delay them), with the triggers that moved
-    into a job already past its max wait (none since a burst closes at its due time: before,
-    each re-published the job's message and the copy already queued became a stale version).
-    One run at a time and no trigger lost are the keyed checks' (they cover these keys)."""
+    id before it started): every attempt ran with the arguments of the burst's last trigger,
+    and the run was not claimed before its due time, ``min(last trigger + quiet, first
+    trigger + max_wait)`` (less ``DEBOUNCE_ALLOWANCE``), on the database clock. A follow-up
+    (recorded for the triggers that waited while a run went on, with the first one's id) is a
+    burst of those triggers: the newest one's arguments, due ``quiet`` after it and never
+    later than ``max_wait`` after the first (docs/keys.md, "the follow-up debounced too"). How
+    late runs started after that due time, and after ``max_wait``, is reported, not checked
+    (faults, a busy queue and, for a follow-up, the run before it delay them), with the
+    triggers that moved into a job already past its max wait (none since a burst closes at its
+    due time: before, each re-published the job's message and the copy already queued became
+    a stale version). One run at a time and no trigger lost are the keyed checks' (they cover
+    these keys)."""
     name = "debounce: a burst runs once, after its quiet period, with its last trigger's arguments"
     if e.triggers is None or not e.debounced_keys:
         return Check(name, True, NO_DEBOUNCE)
@@ -1812,28 +1861,27 @@ def _debounce(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
             followup = followup_after_call(e, run_id) is not None
             if followup:
                 followups += 1
-                expected = run_id
             else:
                 bursts += 1
                 sizes.append(len(burst))
-                expected = burst[-1].id
-                first = next((t for t in burst if t.id == run_id), burst[0])
-                due = min(burst[-1].at + quiet, first.at + max_wait)
-                if started < due - DEBOUNCE_ALLOWANCE:
-                    problems.append(
-                        f"{run_id} ({key}): claimed at {started:.3f}, {due - started:.2f} s "
-                        f"before its due time (last of {len(burst)} triggers {burst[-1].id} "
-                        f"at {burst[-1].at:.3f} + quiet {quiet:g}, first at {first.at:.3f} + "
-                        f"max wait {max_wait:g})"
-                    )
-                late.append((started - due, run_id))
-                if started > first.at + max_wait + DEBOUNCE_ALLOWANCE:
-                    past_max += 1
-                # Triggers that rewrote the job's message after its max wait had passed: each
-                # one makes the message already queued a stale version (dropped at its claim).
-                overdue += sum(1 for t in burst if t.at > first.at + max_wait)
+            expected = burst[-1].id
+            first = next((t for t in burst if t.id == run_id), burst[0])
+            due = min(burst[-1].at + quiet, first.at + max_wait)
+            if started < due - DEBOUNCE_ALLOWANCE:
+                problems.append(
+                    f"{run_id} ({key}): claimed at {started:.3f}, {due - started:.2f} s "
+                    f"before its due time (last of {len(burst)} triggers {burst[-1].id} "
+                    f"at {burst[-1].at:.3f} + quiet {quiet:g}, first at {first.at:.3f} + "
+                    f"max wait {max_wait:g})"
+                )
+            late.append((started - due, run_id))
+            if started > first.at + max_wait + DEBOUNCE_ALLOWANCE:
+                past_max += 1
+            # Triggers that rewrote the job's message after its max wait had passed: each
+            # one makes the message already queued a stale version (dropped at its claim).
+            overdue += sum(1 for t in burst if t.at > first.at + max_wait)
             if ran and ran != {expected}:
-                what = "the first that waited" if followup else f"the last of {len(burst)}"
+                what = f"the last of {len(burst)}" + (" that waited" if followup else "")
                 problems.append(
                     f"{run_id} ({key}, {run.state}): ran with the arguments of "
                     f"{', '.join(sorted(ran))}; {what} before it started was {expected}"
@@ -1992,6 +2040,8 @@ RATE_ALLOWANCE = 0.01
 
 
 def admissions_by_job(e: Evidence) -> dict[str, list[Admission]]:
+    """Each job's rows of the admission log (its admissions, starts by claim and returns to
+    its group's queue), in commit order."""
     found: dict[str, list[Admission]] = {}
     for admission in e.admissions or []:
         found.setdefault(admission.job_id, []).append(admission)
@@ -2008,6 +2058,26 @@ def end_after(e: Evidence, job_id: str, at: float) -> float:
     if e.history is None and job is not None and job.finished_at is not None:
         return job.finished_at
     return float("inf")
+
+
+def admitted_spans(
+    e: Evidence, job_id: str, rows: list[Admission]
+) -> list[tuple[Admission, float]]:
+    """Each admission or start by claim of job ``job_id`` (its admission log ``rows``), with
+    the moment its place in the group ended: the job's next return to its group's queue, or
+    its end."""
+    spans = []
+    for n, admission in enumerate(rows):
+        if admission.kind == RELEASED:
+            continue
+        released = next((r.at for r in rows[n + 1 :] if r.kind == RELEASED), float("inf"))
+        spans.append((admission, min(released, end_after(e, job_id, admission.at))))
+    return spans
+
+
+def claims_of(e: Evidence, job_id: str) -> list[float]:
+    """When each claim of job ``job_id`` happened (the state log's ``running`` rows)."""
+    return [r.at for r in e.history or [] if r.job_id == job_id and r.state == "running"]
 
 
 def most_at_once(spans: list[tuple[str, float, float]]) -> tuple[int, float]:
@@ -2028,40 +2098,57 @@ def most_at_once(spans: list[tuple[str, float, float]]) -> tuple[int, float]:
 
 
 def _group_limit(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
-    """Never more than a group's limit of its jobs at once: admitted and live (from each
-    admission to the job's next end: the admission and state logs), nor running (from the unit
-    log: committed units, each clipped to its job's admitted span, of distinct jobs)."""
+    """Never more than a group's limit of its jobs at once where an admission decides: each
+    admission finds at most ``limit - 1`` others of the group admitted and live (from an
+    admission to the job's next return to the queue or end: the admission and state logs),
+    counting the jobs sent by name that run at once in their group (from their claim's first
+    unit, when their claim had surely committed); nor more than the limit running (from the
+    unit log: committed units, each clipped to an admission's span, of distinct jobs). A job
+    sent by name starts when its message comes, whatever the group holds (docs/keys.md): its
+    start by claim may take the group over its limit, never an admission."""
     name = "group limit: never more than a group's limit of its jobs admitted or running at once"
     if not e.groups or e.admissions is None:
         return Check(name, True, NO_GROUPS if not e.groups else "no admission log recorded")
-    admitted = admissions_by_job(e)
+    logged = admissions_by_job(e)
     problems: list[str] = []
     parts: list[str] = []
     for group in sorted(set(e.groups.values())):
         limit = e.group_limits.get(group)
         jobs = sorted(j for j, g in e.groups.items() if g == group)
-        spans = [(j, a.at, end_after(e, j, a.at)) for j in jobs for a in admitted.get(j, [])]
+        spans = [(j, a, end) for j in jobs for a, end in admitted_spans(e, j, logged.get(j, []))]
+        counted = []
+        for j, a, end in spans:
+            start: float | None = a.at
+            if a.kind == CLAIMED:
+                units = [r.started_at for r in rows_by_job.get(j, []) if a.at <= r.started_at < end]
+                start = min(units, default=None)
+            if start is not None:
+                counted.append((j, start, end))
         running = [
-            (j, max(r.started_at, start), min(r.ended_at or r.started_at, end))
-            for j, start, end in spans
+            (j, max(r.started_at, a.at), min(r.ended_at or r.started_at, end))
+            for j, a, end in spans
+            if a.kind == ADMITTED
             for r in rows_by_job.get(j, [])
-            if r.committed and r.started_at < end and (r.ended_at or 0.0) > start
+            if r.committed and r.started_at < end and (r.ended_at or 0.0) > a.at
         ]
-        most_admitted, at_admitted = most_at_once(spans)
+        most_admitted, _ = most_at_once([(j, a.at, end) for j, a, end in spans])
         most_running, at_running = most_at_once(running)
+        by_claim = sum(1 for _, a, _ in spans if a.kind == CLAIMED)
         e.figures[f"group_{group}_most_admitted"] = most_admitted
         e.figures[f"group_{group}_most_running"] = most_running
         parts.append(
-            f"{group} (limit {limit if limit is not None else 'none'}): {len(jobs)} jobs, at "
-            f"most {most_admitted} admitted and {most_running} running at once"
+            f"{group} (limit {limit if limit is not None else 'none'}): {len(jobs)} jobs, "
+            f"{by_claim} started by their claim (sent by name), at most {most_admitted} admitted "
+            f"and {most_running} running at once"
         )
         if limit is None:
             continue
-        if most_admitted > limit:
-            problems.append(
-                f"{group}: {most_admitted} jobs admitted and live at {at_admitted:.3f} "
-                f"(limit {limit})"
-            )
+        for j, a, _ in spans:
+            live = {k for k, begin, end in counted if begin <= a.at < end} | {j}
+            if a.kind == ADMITTED and len(live) > limit:
+                problems.append(
+                    f"{group}: {len(live)} jobs admitted and live at {a.at:.3f} (limit {limit})"
+                )
         if most_running > limit:
             problems.append(
                 f"{group}: {most_running} jobs running committed units at {at_running:.3f} "
@@ -2077,19 +2164,21 @@ def _group_limit(e: Evidence, rows_by_job: dict[str, list[Unit]]) -> Check:
 def _group_rate(e: Evidence) -> Check:
     """A group with a rate admits as its token bucket (one token at most, ``rate`` a second)
     allows: the tokens' times its admissions wrote (``run_after``) number at most ``rate *
-    window + 1`` in any window; and no job of it was first claimed before its first admission's
-    token time (less ``RATE_ALLOWANCE``). Attempts after a crash are the admitted job's: no
-    admission. How many admissions waited for a token, and the most first claims within one
-    second, are reported."""
+    window + 1`` in any window, a retry's re-admission counted as any other (Celery's own
+    ``rate_limit`` counts retried executions); and no admitted start came before its token's
+    time (less ``RATE_ALLOWANCE``): each admission's next claim (the state log; without it, the
+    first admission's, the row's ``started_at``). A start by claim (sent by name) takes no
+    token. How many admissions waited for a token, how many were a job's second or later,
+    and the most first claims within one second, are reported."""
     name = "group rate: admissions follow the group's token bucket and wait for their token"
     if not e.groups or e.admissions is None:
         return Check(name, True, NO_GROUPS if not e.groups else "no admission log recorded")
-    admitted = admissions_by_job(e)
+    logged = admissions_by_job(e)
     problems: list[str] = []
     parts: list[str] = []
     for group in sorted(g for g, rate in e.group_rates.items() if rate):
         rate = float(e.group_rates[group] or 0.0)
-        rows = [a for a in e.admissions if a.group == group]
+        rows = [a for a in e.admissions if a.group == group and a.kind == ADMITTED]
         dues = sorted(a.due if a.due is not None else a.at for a in rows)
         worst = (0.0, 0, 0.0)  # (excess, tokens, window)
         for j, last in enumerate(dues):
@@ -2103,13 +2192,23 @@ def _group_rate(e: Evidence) -> Check:
                 f"(at most {rate * worst[2] + 1:.2f})"
             )
         early = []
+        again = 0
         for job_id in sorted(j for j, g in e.groups.items() if g == group):
-            job, first = e.jobs.get(job_id), admitted.get(job_id)
-            if job is None or job.started_at is None or not first:
-                continue
-            due = first[0].due if first[0].due is not None else first[0].at
-            if job.started_at < due - RATE_ALLOWANCE:
-                early.append(f"{job_id}: first claimed at {job.started_at:.3f}, token {due:.3f}")
+            job, claims = e.jobs.get(job_id), claims_of(e, job_id)
+            spans = [(a, end) for a, end in admitted_spans(e, job_id, logged.get(job_id, []))]
+            again += sum(1 for a, _ in spans[1:] if a.kind == ADMITTED)
+            for n, (a, end) in enumerate(spans):
+                if a.kind != ADMITTED:
+                    continue
+                if e.history is not None:
+                    claim = next((c for c in claims if a.at <= c < end), None)
+                elif n == 0 and job is not None:
+                    claim = job.started_at
+                else:
+                    continue
+                due = a.due if a.due is not None else a.at
+                if claim is not None and claim < due - RATE_ALLOWANCE:
+                    early.append(f"{job_id}: claimed at {claim:.3f}, token {due:.3f}")
         problems += [f"{group}: {problem}" for problem in early]
         waited = sum(1 for a in rows if a.due is not None and a.due > a.at + 1e-3)
         starts = sorted(
@@ -2122,10 +2221,12 @@ def _group_rate(e: Evidence) -> Check:
             default=0,
         )
         e.figures[f"group_{group}_admissions"] = len(rows)
+        e.figures[f"group_{group}_readmissions"] = again
         e.figures[f"group_{group}_waited_for_token"] = waited
         parts.append(
-            f"{group} ({rate:g}/s): {len(rows)} admissions, {waited} waited for a token, at most "
-            f"{busiest} first claims within 1 s, {len(early)} claimed before their token"
+            f"{group} ({rate:g}/s): {len(rows)} admissions ({again} of a job admitted before), "
+            f"{waited} waited for a token, at most {busiest} first claims within 1 s, "
+            f"{len(early)} claimed before their token"
         )
     e.figures["group_rate_problems"] = len(problems)
     text = ("; ".join(parts) or "no group with a rate") + f"; {len(problems)} problems"
@@ -2134,11 +2235,44 @@ def _group_rate(e: Evidence) -> Check:
     return Check(name, not problems, text)
 
 
+def unadmitted_claims(e: Evidence, job_id: str, rows: list[Admission]) -> list[float]:
+    """The claims of job ``job_id`` (the state log) that no admission of their own let in:
+    each claim takes the place of the job's last admission or start by claim logged at or
+    before it, unless a return to the queue or an earlier claim took it first."""
+    events = sorted(
+        [(a.at, 0, a.kind) for a in rows] + [(at, 1, "claim") for at in claims_of(e, job_id)],
+        key=lambda event: (event[0], event[1]),
+    )
+    placed, found = False, []
+    for at, is_claim, kind in events:
+        if not is_claim:
+            placed = kind != RELEASED
+        elif placed:
+            placed = False
+        else:
+            found.append(at)
+    return found
+
+
+def retried_at(e: Evidence, job_id: str) -> float | None:
+    """When job ``job_id`` committed the checkpoint after which it asked for its retry (the
+    checkpoint log), None if it did not."""
+    for row in e.checkpoints:
+        state = json.loads(row.checkpoint) if row.job_id == job_id and row.checkpoint else None
+        if isinstance(state, dict) and state.get(RETRY_MARK):
+            return row.at
+    return None
+
+
 def _grouped_jobs(e: Evidence) -> Check:
     """No grouped job lost: every one ended, done (admitted first: an admission logged before
     its first claim) or as its control decided; none left waiting for its admission or live.
-    Its units are the exactly-once check's. How long jobs waited for their admission (from the
-    row's insert, the state log) is reported."""
+    Every start is an admission's: each claim of a grouped job (the state log) takes an
+    admission of its own, made since the job's last claim or return to its group's queue (a
+    retry, a hand-back, an expired lease); only a job sent by name starts by its claim. Its
+    units are the exactly-once check's. How long jobs waited for their admission (from the
+    row's insert, the state log), how many were sent by name, and how many asked for a retry
+    and were admitted again after it, are reported."""
     name = "no grouped job lost: every grouped job admitted and ended done or as decided"
     if not e.groups:
         return Check(name, True, NO_GROUPS)
@@ -2148,37 +2282,66 @@ def _grouped_jobs(e: Evidence) -> Check:
     states: Counter[str] = Counter()
     waits: list[float] = []
     inserted: dict[str, float] = {}
+    asked = readmitted = 0
     for row in e.history or []:
         inserted.setdefault(row.job_id, row.at)
     for job_id in sorted(e.groups):
         job = e.jobs.get(job_id)
+        group = e.groups[job_id]
         states[job.state if job else "lost"] += 1
-        first = next(iter(admitted.get(job_id, [])), None)
+        rows = admitted.get(job_id, [])
+        first = next((a for a in rows if a.kind != RELEASED), None)
         if first is not None and job_id in inserted:
             waits.append(first.at - inserted[job_id])
+        retry = retried_at(e, job_id) if job_id in e.group_retries else None
+        if retry is not None:
+            asked += 1
+            readmitted += any(a.kind == ADMITTED and a.at > retry for a in rows)
         if job is None:
-            problems.append(f"{job_id}: no row (lost)")
+            if not lost_by_the_broker(e, job_id):
+                problems.append(f"{job_id}: no row (lost)")
         elif job.state in LIVE:
             what = "waiting for its admission" if first is None else "admitted, still live"
-            problems.append(f"{job_id} ({e.groups[job_id]}): {job.state}, {what}")
+            problems.append(f"{job_id} ({group}): {job.state}, {what}")
         elif job.state not in allowed_ends(e, job_id, by_job.get(job_id, [])):
-            problems.append(f"{job_id} ({e.groups[job_id]}): ended {job.state}")
+            problems.append(f"{job_id} ({group}): ended {job.state}")
         elif e.admissions is not None and job.started_at is not None and first is None:
-            problems.append(f"{job_id} ({e.groups[job_id]}): ran, never admitted")
-        elif job.started_at is not None and first is not None and job.started_at < first.at:
+            problems.append(f"{job_id} ({group}): ran, never admitted")
+        elif (
+            job.started_at is not None
+            and first is not None
+            and first.kind == ADMITTED
+            and job.started_at < first.at
+        ):
+            # (A start by claim is its own admission: one statement sets both times, reading
+            # the clock for each, so its started_at may precede its admitted_at by microseconds.)
             problems.append(
-                f"{job_id} ({e.groups[job_id]}): claimed at {job.started_at:.3f}, "
-                f"admitted at {first.at:.3f}"
+                f"{job_id} ({group}): claimed at {job.started_at:.3f}, admitted at {first.at:.3f}"
             )
+        if job_id not in e.by_name and any(a.kind == CLAIMED for a in rows):
+            problems.append(
+                f"{job_id} ({group}): started by its claim, though a client recorded it"
+            )
+        if e.admissions is not None and e.history is not None:
+            problems += [
+                f"{job_id} ({group}): claimed at {at:.3f} with no admission of its own"
+                for at in unadmitted_claims(e, job_id, rows)
+            ]
     e.figures.update(
         grouped_jobs=len(e.groups),
         grouped_done=states[DONE],
+        grouped_by_name=len(e.by_name),
+        grouped_retries_asked=asked,
+        grouped_retries_readmitted=readmitted,
         grouped_longest_wait=round(max(waits, default=0.0), 2),
         grouped_problems=len(problems),
     )
     text = (
         f"{len(e.groups)} jobs in {len(set(e.groups.values()))} groups: {states[DONE]} done, "
-        f"{states[REVOKED] + states[CANCELLED]} revoked or cancelled, waited for admission up to "
+        f"{states[REVOKED] + states[CANCELLED]} revoked or cancelled, {len(e.by_name)} sent by "
+        f"name ({sum(1 for j in e.groups if lost_by_the_broker(e, j))} lost by the broker "
+        f"before any claim, allowed), {asked} of {len(e.group_retries)} asked for a retry "
+        f"({readmitted} admitted again after it), waited for admission up to "
         f"{max(waits, default=0.0):.2f} s; {len(problems)} problems"
     )
     for problem in problems[:4]:

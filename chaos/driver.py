@@ -60,6 +60,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -130,6 +131,9 @@ from tests.support.worker import Beat, CeleryProcess, Spawner, Worker
 CHAOS_APP = "chaos.app"
 TASK_OF_MODE = {EXACTLY_ONCE: "chaos.exactly_once", AT_LEAST_ONCE: "chaos.at_least_once"}
 CALLBACK_TASK = "chaos.on_done"
+#: The countdowns (seconds) a grouped job's retry asks for (``--grouped-retries``): at once,
+#: or a little later, when other jobs of its group may be admitted before it is due.
+RETRY_COUNTDOWNS = (0.0, 0.0, 0.5, 2.0)
 #: Finished states of a job; those a job stops in before its last unit.
 FINISHED = ("done", "failed", "cancelled", "revoked", "replaced")
 STOPPED = ("failed", "cancelled", "revoked")
@@ -145,7 +149,7 @@ LOG_EVENTS = {
     "attempts stopped on a lost lease": r"stopped, lease lost",
     "handed back at shutdown": r"handed back at its checkpoint",
     "claims delayed, database unreachable": r"leases database unreachable, delivering again",
-    "task retries (transient database error)": r"Task chaos\.\w+\[[^\]]+\] retry:",
+    "task retries (a transient error, a soft limit, a 429)": r"Task chaos\.\w+\[[^\]]+\] retry:",
     "renewals failing": r"cannot renew leases",
     "gave up": r"gave up:",
     "revokes terminating a running job": r"Terminating \S+ \(",
@@ -160,6 +164,7 @@ LOG_EVENTS = {
         r"chaos: write conflict in job|its transaction lost to a concurrent one"
     ),
     "re-published by the namespaced reaper": r"chaos reaper: pass \{[^\n]*'republished'",
+    "retries asked by a grouped job (an HTTP 429)": r"chaos: job \S+ rate-limited after unit",
 }
 #: Counts read from the logs into the evidence (``Evidence.log_counts``).
 LOG_COUNTS = {
@@ -231,6 +236,12 @@ class Config:
     #: Jobs (of ``jobs``) sent in job groups (``chaos.grouped_<g>``, exactly-once), spread
     #: over the groups of ``chaos.app.GROUPS`` in turn; 0: none.
     grouped_jobs: int = 0
+    #: Fraction of the grouped jobs sent by name (``send_task``: no client records them, their
+    #: claim does, and they start at once, counted in their group), and fraction of the grouped
+    #: jobs of the groups with a rate that ask for a retry once, after a unit drawn by the seed,
+    #: with a countdown of ``RETRY_COUNTDOWNS`` (as a task that met an HTTP 429 would).
+    grouped_by_name: float = 0.0
+    grouped_retries: float = 0.0
     #: Fraction of the jobs sent with a ``soft_time_limit`` of ``soft_limit_units`` units (a
     #: unit and half the slowest statement each); their row's updates are slowed.
     soft_limits: float = 0.0
@@ -337,6 +348,8 @@ class Config:
                     f"{g} (limit {limit or 'none'}, rate {rate or 'none'})"
                     for g, (limit, rate) in GROUPS.items()
                 )
+                + f", {self.grouped_by_name:.0%} of them sent by name, {self.grouped_retries:.0%} "
+                f"of those with a rate asking for a retry once"
                 if self.grouped_jobs
                 else ""
             )
@@ -550,8 +563,15 @@ class Chaos:
         self.key_controls: list[Control] = []
         self.key_expires: dict[str, float] = {}
         self.soft_limited: dict[str, float] = {}
-        #: The grouped jobs' numbers and their groups (``--grouped-jobs``).
+        #: The grouped jobs' numbers and their groups (``--grouped-jobs``); those sent by name,
+        #: and those that ask for a retry: the unit after which, and its countdown.
         self.groups: dict[int, str] = {}
+        self.by_name: set[str] = set()
+        #: When each job sent by name was sent, and each broker restart that lost the queue
+        #: (epoch seconds): the checks' excuse for a message the broker lost before any claim.
+        self.by_name_sent: dict[str, float] = {}
+        self.broker_restarts: list[float] = []
+        self.group_retries: dict[str, tuple[int, float]] = {}
         self.clients: list[DyingClient] = []
         self.pauses: list[Pause] = []
         self.restarts: list[float] = []
@@ -626,10 +646,14 @@ class Chaos:
                 "chaos: sent with a soft time limit "
                 + ", ".join(f"{i.split('-')[2]} {s:.1f}s" for i, s in self.soft_limited.items())
             )
-        # Drawn after the plan, so a seed's plan is the same with and without expiring jobs.
+        self._draw_grouped(ids)
+        # Drawn after the plan, so a seed's plan is the same with and without expiring jobs. A
+        # job sent by name is not: it has no row until a worker claims it, so a message that
+        # expired before would leave nothing recorded to end (nor anything to check).
         self.expiring = {
             job_id: self.rng.uniform(*c.expires_after) * c.job_seconds
             for job_id in sorted(self.rng.sample(sorted(ids), c.expiring_jobs))
+            if job_id not in self.by_name
         }
         if self.expiring:
             self.out(
@@ -680,6 +704,34 @@ class Chaos:
             triggers.dispose()
             store.engine.dispose()
         return self._report(evidence, seconds)
+
+    def _draw_grouped(self, ids: dict[str, str]) -> None:
+        """Draw which grouped jobs are sent by name and which ask for a retry (when and with
+        which countdown), each from a generator of its own: the other draws stay as they were
+        for a seed."""
+        c = self.config
+        grouped = sorted(i for i in ids if group_of_id(i) is not None)
+        by_name = random.Random(f"{c.seed}-by-name")
+        self.by_name = set(by_name.sample(grouped, round(len(grouped) * c.grouped_by_name)))
+        rated = [i for i in grouped if GROUPS[group_of_id(i) or ""][1] is not None]
+        draw = random.Random(f"{c.seed}-retries")
+        self.group_retries = {
+            job_id: (draw.randint(1, max(1, c.units - 1)), draw.choice(RETRY_COUNTDOWNS))
+            for job_id in sorted(draw.sample(rated, round(len(rated) * c.grouped_retries)))
+        }
+        if self.by_name:
+            self.out(
+                "chaos: grouped jobs sent by name "
+                + ", ".join(i.split("-")[2] for i in sorted(self.by_name))
+            )
+        if self.group_retries:
+            self.out(
+                "chaos: grouped jobs asking for a retry (after unit, countdown) "
+                + ", ".join(
+                    f"{i.split('-')[2]} ({n - 1}, {s:g}s)"
+                    for i, (n, s) in self.group_retries.items()
+                )
+            )
 
     def _new_sender(self, client: Any, store: Any, triggers: Any) -> T.Sender:
         c = self.config
@@ -787,10 +839,18 @@ class Chaos:
                 job_id, mode = pending[0]
                 group = group_of_id(job_id)
                 task = GROUPED_TASK.format(group=group) if group else TASK_OF_MODE[mode]
+                # A grouped job sent by name goes as another language's client sends it: its
+                # message alone, nothing recorded; the others through the task's apply_async.
+                send = (
+                    partial(client.send_task, task)
+                    if job_id in self.by_name
+                    else client.tasks[task].apply_async
+                )
+                sent_at = time.time()
                 try:
-                    client.tasks[task].apply_async(
+                    send(
                         (c.units, c.unit_seconds),
-                        {"group": group} if group else None,
+                        {"group": group, **self._retry(job_id)} if group else None,
                         task_id=job_id,
                         link=client.signature(CALLBACK_TASK, args=(job_id,)),
                         link_error=client.signature("chaos.errback"),
@@ -802,6 +862,8 @@ class Chaos:
                     break
                 pending.pop(0)
                 submitted.append(job_id)
+                if job_id in self.by_name:
+                    self.by_name_sent[job_id] = sent_at
             progress = min(committed / total_units, 1.0)
             while self.bursts and self.bursts[0].at <= progress and self.sender is not None:
                 self.sender.schedule(self.bursts.pop(0))
@@ -836,6 +898,14 @@ class Chaos:
     def _sent_all(self) -> bool:
         sender = self.sender is None or self.sender.idle or not self.sender.is_alive()
         return sender and all(client.killed for client in self.clients)
+
+    def _retry(self, job_id: str) -> dict[str, Any]:
+        """The arguments of a grouped job that asks for a retry: after which unit, and its
+        countdown (``chaos.exactly_once``); else none."""
+        if job_id not in self.group_retries:
+            return {}
+        after, countdown = self.group_retries[job_id]
+        return {"retry_after": after, "retry_countdown": countdown}
 
     def _soft_limit(self, job_id: str) -> dict[str, Any]:
         limit = self.soft_limited.get(job_id)
@@ -1023,7 +1093,10 @@ class Chaos:
 
     def _fault_restart_broker(self, fault: F.Fault, worker: Worker | None) -> str:
         keep = _redis_db(self.result_backend)
-        down = F.restart_redis(self.broker["broker_url"], keep_dbs=keep)
+        try:
+            down = F.restart_redis(self.broker["broker_url"], keep_dbs=keep)
+        finally:
+            self.broker_restarts.append(time.time())
         kept = f"; result backend (db {keep[0]}) kept" if keep else ""
         return f"Redis shut down (nosave) and started again, down {down:.1f} s; queue lost{kept}"
 
@@ -1359,10 +1432,10 @@ class Chaos:
             ]
             al = admission_log
             admissions = [
-                Admission(r.job_id, r.lease_group, r.admitted_at, r.run_after)
+                Admission(r.job_id, r.lease_group, r.at, r.run_after, r.kind)
                 for r in connection.execute(
                     sa.select(
-                        al.c.job_id, al.c.lease_group, al.c.admitted_at, al.c.run_after
+                        al.c.job_id, al.c.lease_group, al.c.at, al.c.run_after, al.c.kind
                     ).order_by(al.c.id)
                 )
             ]
@@ -1444,6 +1517,10 @@ class Chaos:
             group_limits={g: limit for g, (limit, _) in GROUPS.items()},
             group_rates={g: rate_of(rate) for g, (_, rate) in GROUPS.items()},
             admissions=admissions,
+            by_name=set(self.by_name),
+            by_name_sent=dict(self.by_name_sent),
+            broker_restarts=list(self.broker_restarts),
+            group_retries={j: after for j, (after, _) in self.group_retries.items()},
             cursors=saved,
             cursor_log=cursors,
             key_controls=list(self.key_controls),
@@ -1698,6 +1775,20 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
+        "--grouped-by-name",
+        type=float,
+        default=0.0,
+        help="fraction of the grouped jobs sent by name (send_task: nothing recorded by the "
+        "client; they start at once, counted in their group); 0: none",
+    )
+    parser.add_argument(
+        "--grouped-retries",
+        type=float,
+        default=0.0,
+        help="fraction of the grouped jobs of the groups with a rate that ask for a retry once "
+        "(self.retry, as after an HTTP 429); 0: none",
+    )
+    parser.add_argument(
         "--soft-limits",
         type=float,
         default=0.1,
@@ -1807,6 +1898,8 @@ def config_of(args: argparse.Namespace) -> Config:
         debounced_keys=args.debounced_keys,
         newest_keys=args.newest_keys,
         grouped_jobs=args.grouped_jobs,
+        grouped_by_name=args.grouped_by_name,
+        grouped_retries=args.grouped_retries,
         soft_limits=args.soft_limits,
         key_expiring=0.0 if args.no_keyed_controls or args.no_controls else args.key_expiring,
         isolation=None if args.database.startswith("sqlite") else args.isolation,

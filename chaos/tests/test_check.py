@@ -11,7 +11,10 @@ from dataclasses import replace
 
 from chaos.check import (
     AT_LEAST_ONCE,
+    CLAIMED,
     EXACTLY_ONCE,
+    RELEASED,
+    RETRY_MARK,
     Admission,
     Callback,
     CheckpointRow,
@@ -1095,6 +1098,46 @@ def test_a_debounced_run_started_late_is_reported_not_failed() -> None:
     assert e.figures["debounce_triggers_after_max_wait"] == 4
 
 
+def debounced_followup(*, start: float = 4.8, marker: str = "t5") -> Evidence:
+    """x's burst (x at 0) runs its units from 1.2 to 4.2 and ends at 4.7; y (2.0) and t5 (2.3)
+    come during its run and wait on the key, answered with y's id: the follow-up y, recorded
+    when x ends, due at min(2.3 + quiet, 2.0 + max wait) = 2.8, so it runs at once, with t5's
+    arguments (the newest)."""
+    triggers = [
+        Trigger(DKEY, "x", "x", 0.0, 0.05),
+        Trigger(DKEY, "y", "y", 2.0, 2.05),
+        Trigger(DKEY, "t5", "y", 2.3, 2.35),
+    ]
+    runs = {
+        "x": run_of("x", 1, range(KEY_UNITS), 1.2),
+        "y": run_of("y", 1, range(KEY_UNITS), start),
+    }
+    e = keyed_evidence(runs, triggers, inserted={"x": 0.0, "y": 4.7}, keys={"x": DKEY, "y": DKEY})
+    e = replace(e, debounced_keys={DKEY}, debounce=(QUIET, MAX_WAIT))
+    return with_markers(e, {"x": "x", "y": marker})
+
+
+def test_a_debounced_follow_up_runs_with_the_newest_waiting_triggers_arguments() -> None:
+    e = debounced_followup()
+
+    assert failed_checks(e) == []
+    assert (e.figures["debounce_bursts"], e.figures["debounce_followups"]) == (1, 1)
+
+    # The first waiting trigger's arguments (what follow-ups ran with before) are caught
+    first = debounced_followup(marker="y")
+    assert failed_checks(first) == [DEBOUNCE]
+    (check,) = [c for c in check_all(first) if c.name.startswith(DEBOUNCE)]
+    assert "y (account:d0, done): ran with the arguments of y; the last of 2 that waited" in (
+        check.text
+    )
+
+    # And a follow-up claimed before its quiet period ended is caught, as a burst's run is
+    early = debounced_followup(start=2.6)
+    assert DEBOUNCE in failed_checks(early)
+    (check,) = [c for c in check_all(early) if c.name.startswith(DEBOUNCE)]
+    assert "y (account:d0): claimed at 2.600, 0.20 s before its due time" in check.text
+
+
 def test_two_runs_of_a_debounced_key_at_once_are_caught_by_the_one_run_per_key_check() -> None:
     # Given y, the follow-up of a trigger during x's run, running from 3 while x ran until 4.2
     runs = {"x": run_of("x", 1, range(KEY_UNITS), 1.2), "y": run_of("y", 1, range(KEY_UNITS), 3)}
@@ -1275,19 +1318,39 @@ def test_admissions_beyond_the_groups_token_bucket_are_caught() -> None:
     early = grouped(tokens, limit=3, rate=1.0, admitted=together, dues={**tokens, "c": 2.5})
     assert failed_checks(early) == [GROUP_RATE]
     (check,) = [c for c in check_all(early) if c.name.startswith(GROUP_RATE)]
-    assert "g: c: first claimed at 1.990, token 2.500" in check.text
+    assert "g: c: claimed at 1.990, token 2.500" in check.text
 
 
-def test_a_crashed_jobs_second_attempt_is_no_new_admission() -> None:
-    # Given a (rate 1/s) whose first attempt died in unit 1 and whose second ran from 0.5:
-    # one admission, so b's token a second after a's is within the bucket
-    e = grouped({"a": 0.0, "b": 5.0}, rate=1.0, admitted={"a": -0.1, "b": 4.95})
-    rows = [unit("a", 0, 1, 0.0, None), *run_of("a", 2, range(UNITS), 0.5)]
+def test_a_crashed_jobs_second_attempt_waits_for_an_admission_of_its_own() -> None:
+    # Given a (rate 1/s) whose first attempt died in unit 0 and went back to its group's queue
+    # at 0.3, admitted again at 0.4 with the next token (0.9), its second attempt run from 1
+    e = grouped({"a": 0.0, "b": 6.0}, rate=1.0, admitted={"a": -0.1, "b": 5.9})
+    rows = [unit("a", 0, 1, 0.0, None), *run_of("a", 2, range(UNITS), 1.0)]
     rows += [r for r in e.unit_rows if r.job_id == "b"]
-    jobs = {**e.jobs, "a": replace(e.jobs["a"], attempts=2, token=2, finished_at=4.55)}
-    e = consistent(replace(e, unit_rows=rows, jobs=jobs, history=None))
+    jobs = {**e.jobs, "a": replace(e.jobs["a"], attempts=2, token=2, finished_at=5.05)}
+    admissions = [
+        Admission("a", "g", -0.1, -0.1),
+        Admission("a", "g", 0.3, kind=RELEASED),
+        Admission("a", "g", 0.4, 0.9),
+        Admission("b", "g", 5.9, 5.9),
+    ]
+    e = consistent(replace(e, unit_rows=rows, jobs=jobs, admissions=admissions))
 
     assert failed_checks(e) == []
+    assert e.figures["group_g_readmissions"] == 1
+
+    # Its second claim without the new admission is caught: a start no admission let in
+    unadmitted = replace(e, admissions=[a for a in admissions if a.at != 0.4])
+    assert failed_checks(unadmitted) == [GROUPED]
+    (check,) = [c for c in check_all(unadmitted) if c.name.startswith(GROUPED)]
+    assert "a (g): claimed at 0.990 with no admission of its own" in check.text
+
+    # And the new admission's token too close to the first is caught, as its claim before it
+    crowded = [*admissions[:2], Admission("a", "g", 0.4, 0.4), admissions[3]]
+    assert failed_checks(replace(e, admissions=crowded)) == [GROUP_RATE]
+    early = [*admissions[:2], Admission("a", "g", 0.4, 1.5), admissions[3]]
+    (check,) = [c for c in check_all(replace(e, admissions=early)) if not c.ok]
+    assert "g: a: claimed at 0.990, token 1.500" in check.text
 
 
 def test_a_grouped_job_left_waiting_or_run_without_admission_is_caught() -> None:
@@ -1305,3 +1368,108 @@ def test_a_grouped_job_left_waiting_or_run_without_admission_is_caught() -> None
     assert failed_checks(unadmitted) == [GROUPED]
     (check,) = [c for c in check_all(unadmitted) if c.name.startswith(GROUPED)]
     assert "b (g): ran, never admitted" in check.text
+
+
+def test_a_job_sent_by_name_starts_at_once_counted_in_its_group() -> None:
+    # Given a group of limit 1 and rate 1/s: b sent by name, started by its claim at 1.99 while
+    # a (admitted) runs, c admitted at 6.1 once both ended. The claim's one statement sets
+    # b's started_at, then its admitted_at (logged as the start), each read from the clock:
+    # the row's started_at comes a few microseconds before (PostgreSQL's clock_timestamp())
+    e = grouped({"a": 0.0, "b": 2.0, "c": 6.2}, rate=1.0, admitted={"a": -0.1, "c": 6.1})
+    e = replace(e, jobs={**e.jobs, "b": replace(e.jobs["b"], started_at=1.99 - 4e-6)})
+    admissions = [
+        Admission("a", "g", -0.1, -0.1),
+        Admission("b", "g", 1.99, kind=CLAIMED),
+        Admission("c", "g", 6.1, 6.1),
+    ]
+    e = replace(e, admissions=admissions, by_name={"b"})
+
+    # Its start by claim takes the group over its limit and no token: as documented
+    assert failed_checks(e) == []
+    assert e.figures["group_g_most_admitted"] == 2
+
+    # But an admission while it runs, its group full, is caught
+    full = [*admissions[:2], Admission("c", "g", 3.0, 3.0)]
+    (check,) = [c for c in check_all(replace(e, admissions=full)) if not c.ok]
+    assert check.name.startswith(GROUP_LIMIT)
+    assert "g: 3 jobs admitted and live at 3.000 (limit 1)" in check.text
+
+    # And a job a client recorded, started by its claim, is caught
+    recorded = replace(e, by_name=set())
+    assert failed_checks(recorded) == [GROUPED]
+    (check,) = [c for c in check_all(recorded) if c.name.startswith(GROUPED)]
+    assert "b (g): started by its claim, though a client recorded it" in check.text
+
+
+def test_a_job_sent_by_name_that_the_broker_lost_before_any_claim_is_allowed_only_so() -> None:
+    # Given a done, and b sent by name at 1.0 with no row at the end: no claim ever recorded it
+    e = grouped({"a": 0.0, "b": 2.0})
+    jobs = {"a": e.jobs["a"]}
+    e = replace(
+        e,
+        jobs=jobs,
+        table_rows=1,
+        unit_rows=[r for r in e.unit_rows if r.job_id == "a"],
+        checkpoints=[c for c in e.checkpoints if c.job_id == "a"],
+        admissions=[a for a in e.admissions if a.job_id == "a"],
+        by_name={"b"},
+        by_name_sent={"b": 1.0},
+    )
+    e = consistent(e)
+
+    # When the broker restarted, losing its queue, after b was sent: the broker lost it
+    lost = replace(e, broker_restarts=[1.5])
+    assert failed_checks(lost) == []
+    assert lost.figures["lost_by_the_broker"] == 1
+
+    # But with no broker restart after its send (one before it), it is a lost job
+    for restarts in ([], [0.5]):
+        failed = failed_checks(replace(e, broker_restarts=restarts))
+        assert {EVERY_JOB, GROUPED, "jobs table rows match jobs submitted"} <= set(failed)
+    # And so is a job a client recorded, whatever the broker did
+    recorded = replace(e, by_name=set(), by_name_sent={}, broker_restarts=[1.5])
+    assert EVERY_JOB in failed_checks(recorded)
+
+
+def test_a_retry_of_a_rated_job_is_admitted_again_and_its_start_counted() -> None:
+    # Given a (limit 1, rate 1/s) that asked for a retry after unit 1 (checkpoint at 2), back
+    # in its group's queue at 2.1 with a countdown; b admitted meanwhile at 2.2 (token 2.2),
+    # a admitted again at 6.4 once b ended (token 6.4), resuming at unit 2
+    e = grouped({"a": 0.0, "b": 2.3}, rate=1.0, admitted={"a": -0.1, "b": 2.2})
+    rows = [*run_of("a", 1, range(2), 0.0), *run_of("a", 2, range(2, UNITS), 6.5)]
+    rows += [r for r in e.unit_rows if r.job_id == "b"]
+    jobs = {**e.jobs, "a": replace(e.jobs["a"], attempts=2, token=2, finished_at=8.55)}
+    checkpoints = [
+        CheckpointRow("a", 1, json.dumps({"next": 1}), 1.0),
+        CheckpointRow("a", 1, json.dumps({"next": 2, RETRY_MARK: True}), 2.0),
+        *(CheckpointRow("a", 2, json.dumps({"next": n + 1}), 6.5 + n - 1) for n in (2, 3)),
+        *(c for c in e.checkpoints if c.job_id == "b"),
+    ]
+    admissions = [
+        Admission("a", "g", -0.1, -0.1),
+        Admission("a", "g", 2.1, kind=RELEASED),
+        Admission("b", "g", 2.2, 2.2),
+        Admission("a", "g", 6.4, 6.4),
+    ]
+    e = consistent(
+        replace(
+            e,
+            unit_rows=rows,
+            jobs=jobs,
+            checkpoints=checkpoints,
+            admissions=admissions,
+            group_retries={"a": 2},
+        )
+    )
+
+    assert failed_checks(e) == []
+    assert e.figures["grouped_retries_asked"] == e.figures["grouped_retries_readmitted"] == 1
+    assert e.figures["group_g_readmissions"] == 1
+
+    # Its retry's re-admission taking a token too soon after b's is caught
+    soon = [*admissions[:3], Admission("a", "g", 6.4, 2.6)]
+    assert failed_checks(replace(e, admissions=soon)) == [GROUP_RATE]
+
+    # And a that never went back to its group's queue, admitted with b live, is caught
+    kept = [a for a in admissions if a.kind != RELEASED]
+    assert GROUP_LIMIT in failed_checks(replace(e, admissions=kept))

@@ -203,7 +203,11 @@ def test_debounced_and_newest_accounts_come_after_the_coalescing_ones_and_defaul
 
 def test_grouped_jobs_are_exactly_once_jobs_of_the_long_form_named_by_their_group() -> None:
     assert config_of(build_parser().parse_args([])).grouped_jobs == SHORT.grouped_jobs == 0
-    assert config_of(build_parser().parse_args(long_form_arguments())).grouped_jobs >= 1
+    long_form = config_of(build_parser().parse_args(long_form_arguments()))
+    assert long_form.grouped_jobs >= 1
+    # Sent by name and retries of rated jobs: in the long form only
+    assert long_form.grouped_by_name > 0 and long_form.grouped_retries > 0
+    assert SHORT.grouped_by_name == SHORT.grouped_retries == 0
 
     assert group_of_id("chaos-7-00012-eo-g1") == "g1"
     assert group_of_id("chaos-7-00012-eo-g2-s") == "g2"
