@@ -17,7 +17,7 @@ from bench.common import parser, report, row
 ORDER = (
     "operations", "dispatch", "throughput", "recovery", "scale", "memory", "column_types", "keys",
     "newest",
-    "ceiling", "peers", "large", "joined", "debounce", "groups", "checkpoint",
+    "ceiling", "peers", "large", "joined", "debounce", "groups", "checkpoint", "pause",
 )  # fmt: skip
 
 
