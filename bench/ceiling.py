@@ -31,8 +31,14 @@ lifecycles / server CPU seconds. WAL bytes and WAL syncs per lifecycle come from
 ``pg_current_wal_lsn()`` and ``pg_stat_wal`` (the whole cluster's). Latencies in ms, each
 store call timed around it in the process.
 
+``--databases 2`` adds cells where the processes split over two databases of the same
+server (process i uses database i % 2, each with its jobs table: what ``leases_routes`` does
+with two routes), against one (``databases`` column): straight only. On one server the two
+share its CPU and its WAL, so this measures what routing costs, not what a second server
+gives.
+
     python -m bench.ceiling [--quick] [--processes 1 2 4 8 16] [--seconds S] [--rounds R]
-        [--via direct pgbouncer]
+        [--via direct pgbouncer] [--databases 1 2]
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ START_TIMEOUT = 180.0
 TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 
 COLUMNS = (
-    "via processes lifecycles lifecycles_per_s per_round"
+    "via databases processes lifecycles lifecycles_per_s per_round"
     + "".join(f" {s}_p50 {s}_p99" for s in STATEMENTS)
     + " ticks tick_p50 server_cores backends_cores pgbouncer_cores clients_cores busy_cores"
     + " steal_cores"
@@ -223,6 +229,17 @@ def admin(url: str) -> Iterator[sa.Connection]:
         connection_engine.dispose()
 
 
+@contextlib.contextmanager
+def second_database(server: sa.Connection, url: str) -> Iterator[str]:
+    """The URL of a database of this run's own on ``url``'s server, dropped on exit."""
+    name = f"bench_ceiling_{uuid.uuid4().hex[:6]}"
+    server.execute(sa.text(f"CREATE DATABASE {name}"))
+    try:
+        yield str(sa.make_url(url).set(database=name).render_as_string(hide_password=False))
+    finally:
+        server.execute(sa.text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+
+
 def empty(connection: sa.Connection, table: str) -> None:
     """Empty the jobs, holders and keys tables, and checkpoint: each cell starts the same."""
     connection.execute(sa.text(f"TRUNCATE {table}, {table}_holders, {table}_keys"))
@@ -230,11 +247,15 @@ def empty(connection: sa.Connection, table: str) -> None:
 
 
 def window(
-    server: sa.Connection, url: str, table: str, via: str, processes: int, seconds: float
-) -> dict[str, Any]:
-    """Run ``processes`` simulated workers through ``url`` for ``seconds``: what they and the
-    machine did (lifecycles, each call's seconds, cores used, WAL)."""
-    empty(server, table)
+    servers: list[sa.Connection], urls: list[str], table: str, via: str, processes: int,
+    seconds: float,
+) -> dict[str, Any]:  # fmt: skip
+    """Run ``processes`` simulated workers for ``seconds``, process i through ``urls[i %
+    len(urls)]``: what they and the machine did (lifecycles, each call's seconds, cores
+    used, WAL). ``servers``: a connection to each of those databases."""
+    for connection in servers:
+        empty(connection, table)
+    server = servers[0]
     app_name = f"bench-ceiling-{uuid.uuid4().hex[:8]}"
     context = multiprocessing.get_context("spawn")
     ready, results = context.Queue(), context.Queue()
@@ -242,7 +263,19 @@ def window(
     workers = [
         context.Process(
             target=simulate,
-            args=(url, table, via, i, processes, seconds, app_name, ready, start, results, release),
+            args=(
+                urls[i % len(urls)],
+                table,
+                via,
+                i,
+                processes,
+                seconds,
+                app_name,
+                ready,
+                start,
+                results,
+                release,
+            ),
             daemon=True,
         )
         for i in range(processes)
@@ -284,7 +317,9 @@ def window(
     }
 
 
-def summary(via: str, processes: int, windows: list[dict[str, Any]]) -> dict[str, Any]:
+def summary(
+    via: str, databases: int, processes: int, windows: list[dict[str, Any]]
+) -> dict[str, Any]:
     """The row of ``windows`` of one cell: lifecycles and CPU over all of them, percentiles
     of all their calls."""
     done = sum(w["lifecycles"] for w in windows)
@@ -301,7 +336,7 @@ def summary(via: str, processes: int, windows: list[dict[str, Any]]) -> dict[str
     server, busy = mean("server"), mean("busy")
     per_round = " / ".join(f"{w['lifecycles'] / w['seconds']:,.0f}" for w in windows)
     values = (
-        via, processes, done, done / seconds, per_round, *latencies,
+        via, databases, processes, done, done / seconds, per_round, *latencies,
         len(ticks), percentile(ticks, 50),
         server, mean("backends"), mean("pgbouncer") if via == "pgbouncer" else None,
         mean("clients"), busy, mean("steal"), server / busy if busy else None,
@@ -337,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     command.add_argument(
         "--via", nargs="+", choices=("direct", "pgbouncer"), default=("direct", "pgbouncer")
     )
+    command.add_argument("--databases", nargs="+", type=int, choices=(1, 2), default=(1,))
     args = command.parse_args(argv)
     seconds = args.seconds or (5.0 if args.quick else 15.0)
     rounds = args.rounds or (1 if args.quick else 2)
@@ -345,23 +381,41 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("PostgreSQL does not answer")
     found = {"direct": direct, "pgbouncer": available("pgbouncer")}
     urls = {via: url for via, url in found.items() if url is not None and via in args.via}
-    vias = list(urls)
-    windows: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    cells = [(via, 1) for via in urls if 1 in args.databases]
+    if 2 in args.databases:
+        cells.append(("direct", 2))
+    windows: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     started = time.monotonic()
-    with scratch(direct, "ceiling") as table, admin(direct) as server:
+    with contextlib.ExitStack() as stack:
+        table = stack.enter_context(scratch(direct, "ceiling"))
+        server = stack.enter_context(admin(direct))
+        second: list[tuple[str, sa.Connection]] = []
+        if 2 in args.databases:
+            other = stack.enter_context(second_database(server, direct))
+            stack.enter_context(scratch(other, "ceiling", name=table))
+            second = [(other, stack.enter_context(admin(other)))]
         for round_number in range(rounds):
-            # Every other round runs from the most processes down; the ways in alternate.
+            # Every other round runs from the most processes down; the cells alternate.
             order = args.processes if round_number % 2 == 0 else args.processes[::-1]
             for step, processes in enumerate(order):
-                shift = (step + round_number) % len(vias)
-                for via in vias[shift:] + vias[:shift]:
-                    print(f"  round {round_number + 1}: {via}, {processes} processes", flush=True)
-                    measured = window(server, urls[via], table, via, processes, seconds)
-                    windows.setdefault((via, processes), []).append(measured)
+                shift = (step + round_number) % len(cells)
+                for via, databases in cells[shift:] + cells[:shift]:
+                    print(
+                        f"  round {round_number + 1}: {via}, {databases} database(s), "
+                        f"{processes} processes",
+                        flush=True,
+                    )
+                    extra = second if databases == 2 else []
+                    measured = window(
+                        [server, *(c for _, c in extra)],
+                        [urls[via], *(u for u, _ in extra)],
+                        table, via, processes, seconds,
+                    )  # fmt: skip
+                    windows.setdefault((via, databases, processes), []).append(measured)
     rows = [
-        summary(via, processes, windows[via, processes])
+        summary(via, databases, processes, windows[via, databases, processes])
         for processes in args.processes
-        for via in vias
+        for via, databases in cells
     ]
     title = (
         "Job lifecycles (record, claim, 100 B checkpoint, finish) per second from N simulated"
@@ -369,7 +423,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     report(
         "ceiling", rows, quick=args.quick, title=title, seconds=seconds, warm_up=WARM_UP,
-        checkpoint_bytes=CHECKPOINT_BYTES, processes=args.processes, vias=vias, rounds=rounds,
+        checkpoint_bytes=CHECKPOINT_BYTES, processes=args.processes,
+        cells=[f"{via}x{databases}" for via, databases in cells], rounds=rounds,
         run_seconds=time.monotonic() - started,
     )  # fmt: skip
 

@@ -137,15 +137,15 @@ def _cell(value: Any) -> str:
 
 
 @contextlib.contextmanager
-def scratch(url: str, tag: str, *, leases: bool = True) -> Iterator[str]:
-    """A table name of this run's own in ``url``; with ``leases`` the migrations make it a
-    jobs table. On exit that table (and its migrations) and any ``<name>_*`` table (a unit
-    log) are dropped."""
+def scratch(url: str, tag: str, *, leases: bool = True, name: str | None = None) -> Iterator[str]:
+    """A table name of this run's own in ``url`` (``name``, or one made of ``tag``); with
+    ``leases`` the migrations make it a jobs table. On exit that table (and its migrations)
+    and any ``<name>_*`` table (a unit log) are dropped."""
     from celery_leases.db import migrations
     from celery_leases.db.store import Store
     from celery_leases.settings import DEFAULTS, validate
 
-    name = f"bench_{tag}_{uuid.uuid4().hex[:6]}"
+    name = name or f"bench_{tag}_{uuid.uuid4().hex[:6]}"
     store = Store(validate(DEFAULTS | {"database_url": url, "table": name}))
     try:
         if leases:

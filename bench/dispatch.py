@@ -1,13 +1,16 @@
 """Dispatch cost: ``apply_async`` of a LeasedTask (INSERT, then publish) vs a plain task.
 
-Redis broker, PostgreSQL store, no worker; alternating blocks, medians and p90 in ms. The
-floor of a leased dispatch is a plain one plus its INSERT: ``raw INSERT`` sends the statement
-the library sent (its text and parameters, read at the driver, a new id each call) by hand on
-the same connection in autocommit, so ``leased - plain - raw INSERT`` is the library's own work.
-``leased, async commit`` is a LeasedTask of a second app whose leases URL sets PostgreSQL's
-``synchronous_commit = off`` for its sessions (``?options=-c synchronous_commit=off``): its
-INSERT returns before the WAL reaches the disk (docs/benchmarks.md, section 2, says what a
-database crash can then lose).
+Redis broker, PostgreSQL store, no worker; alternating blocks, medians and p90 in ms.
+
+- ``leased``: the default. A plain job's record (no lease key, no group) commits without
+  waiting for its WAL flush (``Record.register_unflushed``; docs/guarantees.md says why that
+  loses nothing: the message published next is the job's second copy).
+- ``leased, sync record``: ``leases_record_sync_commit = True``, every record flushed.
+- ``leased keyed``: a lease key per call, each a new key (its record reads the key first,
+  then inserts, flushed: a keyed record decides what is published).
+- ``raw INSERT`` / ``raw INSERT, sync``: the statement the leased (or sync-record) call sent
+  (its text and parameters, read at the driver, a new id each call), sent by hand on the same
+  connection in autocommit: ``added - raw INSERT`` is the library's own work.
 
     python -m bench.dispatch [--quick]
 """
@@ -26,13 +29,15 @@ from tests.support.driver import executed
 from tests.support.scenario import close_app
 from tests.support.service import POSTGRES_URL, private_redis_url
 
-#: The same database, each session's commits asynchronous.
-ASYNC_COMMIT_URL = POSTGRES_URL + "?options=-c%20synchronous_commit%3Doff"
 COLUMNS = "task median_ms p90_ms mean_ms median/plain added_ms raw_insert_ms library_own_ms"
 
 
 def send(task: Any, i: int) -> None:
     task.apply_async()
+
+
+def send_keyed(task: Any, run: str, i: int) -> None:
+    task.apply_async(lease_key=f"{run}-{i}")
 
 
 def raw_insert(task: Any) -> Callable[[int], None]:
@@ -62,28 +67,39 @@ def main(argv: Sequence[str] | None = None) -> None:
             {"broker_url": broker, "leases_database_url": POSTGRES_URL, "leases_table": table}
         )
         tasks = {name: app.tasks[f"bench.{name}_noop"] for name in ("plain", "leased")}
-        fast = make_app(
-            {"broker_url": broker, "leases_database_url": ASYNC_COMMIT_URL, "leases_table": table}
+        synced = make_app(
+            {
+                "broker_url": broker,
+                "leases_database_url": POSTGRES_URL,
+                "leases_table": table,
+                "leases_record_sync_commit": True,
+            }
         )
-        tasks["leased, async commit"] = fast.tasks["bench.leased_noop"]
+        tasks["leased, sync record"] = synced.tasks["bench.leased_noop"]
+        run = uuid.uuid4().hex[:8]
         try:
-            for _ in range(20):  # connections, schema check, compiled statements
+            for i in range(20):  # connections, schema check, compiled statements
                 for task in tasks.values():
                     task.apply_async()
+                send_keyed(tasks["leased"], f"warm-{run}", i)
             variants = {name: steady(functools.partial(send, t)) for name, t in tasks.items()}
+            variants["leased keyed"] = steady(functools.partial(send_keyed, tasks["leased"], run))
             variants["raw INSERT"] = steady(raw_insert(tasks["leased"]))
+            variants["raw INSERT, sync"] = steady(raw_insert(tasks["leased, sync record"]))
             times = interleaved(variants, calls=calls, block=block)
         finally:
             close_app(app)
-            close_app(fast)
-    plain, insert = median_ms(times["plain"]), median_ms(times["raw INSERT"])
+            close_app(synced)
+    plain = median_ms(times["plain"])
     rows = []
-    for name in ("plain", "leased", "leased, async commit"):
+    for name in ("plain", "leased", "leased, sync record", "leased keyed"):
         seconds = times[name]
         median = median_ms(seconds)
         mean = statistics.fmean(seconds) * 1000
         added = median - plain
-        own = added - insert if name == "leased" else None
+        raw = {"leased": "raw INSERT", "leased, sync record": "raw INSERT, sync"}.get(name)
+        insert = median_ms(times[raw]) if raw else None
+        own = added - insert if insert is not None else None
         values = (name, median, p90_ms(seconds), mean, median / plain, added, insert, own)
         rows.append(row(COLUMNS, *values))
     title = f"apply_async, Redis broker, PostgreSQL store ({calls} calls each, ms)"

@@ -17,7 +17,8 @@ from bench.common import parser, report, row
 ORDER = (
     "operations", "dispatch", "throughput", "recovery", "scale", "memory", "column_types", "keys",
     "newest",
-    "ceiling", "peers", "large", "joined", "debounce", "groups", "checkpoint", "pause",
+    "ceiling", "peers", "large", "joined", "debounce", "groups", "checkpoint", "checkpoint_sql",
+    "pause",
 )  # fmt: skip
 
 

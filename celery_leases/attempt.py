@@ -14,7 +14,7 @@ from typing import Any, NoReturn, TypeVar
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from . import lifecycle, metrics
+from . import lifecycle, metrics, routes
 from .db import Store
 from .db.errors import conflict_in, ended_idle_transaction, first_line
 from .db.joined import Joined, ambient
@@ -39,6 +39,7 @@ from .message import (
     GROUP_HEADER,
     KEY_HEADER,
     KEY_STRATEGY_HEADER,
+    ROUTE_HEADER,
     Message,
 )
 from .process import owner_name
@@ -61,6 +62,18 @@ except ImportError:  # no gevent/eventlet here
     pass
 else:
     GOING_DOWN += (GreenletExit,)
+
+
+def deliver_later(task: Any, args: Any, kwargs: Any, exc: StoreUnavailable) -> NoReturn:
+    """A delivery this worker cannot claim before it runs (its message names a leases
+    database this worker does not know: a rolling deploy): sent again later, as when the
+    database is down, for a worker that knows it."""
+    if task.request.is_eager:
+        raise exc
+    with routes.using(routes.DEFAULT):
+        attempt = Attempt(task)
+    attempt.redeliver_later(Message.received(task.request, args, kwargs), exc)
+    raise Ignore() from exc
 
 
 class Attempt:
@@ -126,6 +139,11 @@ class Attempt:
             group = self.task.group_for(args, kwargs)
             if group is not None:
                 delivery = delivery.with_headers(**{GROUP_HEADER: group})
+        route = routes.active()
+        if route is not None and not delivery.headers.get(ROUTE_HEADER):
+            # Sent by name (or before the app had routes): the row its claim makes keeps its
+            # database, for the reaper's re-publish and every later delivery.
+            delivery = delivery.with_headers(**{ROUTE_HEADER: route})
         self.delivery = delivery
         try:
             # Task.apply() runs the job now, as Celery does, even one that has ended.

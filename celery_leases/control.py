@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from . import lifecycle
+from . import lifecycle, routes
 from .config import settings_for
 from .db import Store, store_for
 from .db.migrations import Migrated, upgrade
@@ -21,17 +21,22 @@ from .errors import ArgumentsError, InvalidJobState
 def migrate(app: Any, *, revision: str = "head") -> Migrated:
     """Create or upgrade the leases table of the Celery ``app`` (its ``leases_*`` settings) up
     to ``revision``: what ``celery -A proj leases upgrade`` runs. Safe to run again, and from
-    several processes at once."""
-    return upgrade(store_for(settings_for(app)), revision=revision)
+    several processes at once. With ``leases_databases``, every database's table is; the
+    default database's outcome is returned."""
+    done = [upgrade(store, revision=revision) for _, store in routes.stores(settings_for(app))]
+    return done[0]
 
 
 def get_job(app: Any, job_id: str) -> Job | None:
     """The job recorded under ``job_id`` in ``app``'s leases table, or None.
 
     The :class:`Job` has its state, checkpoint, attempts, token, owner and ``expires_in``
-    (seconds left on the lease by the database clock).
+    (seconds left on the lease by the database clock). With ``leases_databases``, each
+    database is asked in turn.
     """
-    return store_for(settings_for(app)).get(job_id)
+    settings = settings_for(app)
+    found = routes.locate(settings, job_id) if routes.routed(settings) else routes.DEFAULT
+    return None if found is None else store_for(routes.on(settings, found)).get(job_id)
 
 
 def retry(app: Any, store: Store, job_id: str) -> str:

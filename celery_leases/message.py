@@ -42,6 +42,9 @@ DEBOUNCE_HEADER = "leases_debounce"
 #: Header naming what a trigger of a busy lease key does (``LeasedTask.lease_key_strategy``):
 #: ``coalesce`` (absent: the same) or ``newest``.
 KEY_STRATEGY_HEADER = "leases_key_strategy"
+#: Header naming the leases database a job lives in (``routes``; absent: routed at its claim,
+#: as a message sent by name).
+ROUTE_HEADER = "leases_database"
 #: What a trigger of a busy key does: wait and run once the key's job ends (the default), or
 #: supersede that job, the newest trigger's arguments winning.
 COALESCE, NEWEST = "coalesce", "newest"

@@ -14,8 +14,8 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from . import routes
 from .config import settings_for
-from .db import store_for
 from .db.schema import STATES
 from .db.store.heartbeat import last_pass
 from .errors import LeaseError
@@ -76,6 +76,8 @@ class JobsCollector:
     """A Prometheus collector of the jobs in ``app``'s leases table, by state, and of its job
     groups.
 
+    With ``leases_routes``, every gauge has a ``database`` label (each database's jobs).
+
     ``celery_leases_jobs{state="running"}`` for every state (0 when none), and
     ``celery_leases_database_up`` (1, or 0 when the table could not be read: the other gauges
     are then left out rather than reported as 0). Each scrape runs one ``GROUP BY state``
@@ -103,49 +105,64 @@ class JobsCollector:
         return list(self._families())
 
     def collect(self) -> Iterator[Any]:
-        jobs, up, total, admitted, waiting, limit, reaper = self._families()
         try:
-            store = store_for(settings_for(self.app))
-            counts = store.count_by_state()
-            last = last_pass(store)
-            groups = store.busiest_groups(self.max_groups) if self.max_groups > 0 else []
-            total.add_metric([], store.count_groups())
+            settings = settings_for(self.app)
         except LeaseError as exc:
             logger.warning("celery-leases: metrics could not count the jobs: %s", exc)
+            _, up, *_ = self._families()
             up.add_metric([], 0)
             yield up
             return
-        for state in STATES:
-            jobs.add_metric([state], counts.get(state, 0))
-        for group in groups:
-            admitted.add_metric([group.name], group.admitted)
-            waiting.add_metric([group.name], group.waiting)
-            if group.limit is not None:
-                limit.add_metric([group.name], group.limit)
-        if last is not None:
-            reaper.add_metric([], last.age)
-        up.add_metric([], 1)
-        yield from (jobs, up, total, admitted, waiting, limit, reaper)
+        routed = routes.routed(settings)
+        families = self._families(routed=routed)
+        jobs, up, total, admitted, waiting, limit, reaper = families
+        answered = False
+        for name, store in routes.stores(settings):
+            where = [name] if routed else []
+            try:
+                counts = store.count_by_state()
+                last = last_pass(store)
+                groups = store.busiest_groups(self.max_groups) if self.max_groups > 0 else []
+                total.add_metric(where, store.count_groups())
+            except LeaseError as exc:
+                shown = f" of database {name}" if routed else ""
+                logger.warning("celery-leases: metrics could not count the jobs%s: %s", shown, exc)
+                up.add_metric(where, 0)
+                continue
+            for state in STATES:
+                jobs.add_metric([state, *where], counts.get(state, 0))
+            for group in groups:
+                admitted.add_metric([group.name, *where], group.admitted)
+                waiting.add_metric([group.name, *where], group.waiting)
+                if group.limit is not None:
+                    limit.add_metric([group.name, *where], group.limit)
+            if last is not None:
+                reaper.add_metric(where, last.age)
+            up.add_metric(where, 1)
+            answered = True
+        # A database that did not answer has its up at 0 and no other gauge (not zeros).
+        yield from families if answered else (up,)
 
     @staticmethod
-    def _families() -> tuple[Any, ...]:
+    def _families(*, routed: bool = False) -> tuple[Any, ...]:
         from prometheus_client.core import GaugeMetricFamily
 
+        where = ["database"] if routed else []
+
+        def gauge(name: str, documentation: str, labels: list[str] | None = None) -> Any:
+            return GaugeMetricFamily(name, documentation, labels=[*(labels or []), *where])
+
         def per_group(name: str, documentation: str) -> Any:
-            return GaugeMetricFamily(f"celery_leases_group_{name}", documentation, labels=["group"])
+            return gauge(f"celery_leases_group_{name}", documentation, ["group"])
 
         return (
-            GaugeMetricFamily(
-                "celery_leases_jobs", "Jobs in the leases table, by state", labels=["state"]
-            ),
-            GaugeMetricFamily(
-                "celery_leases_database_up", "1 when the leases table could be read, else 0"
-            ),
-            GaugeMetricFamily("celery_leases_groups", "Job groups (lease_group)"),
+            gauge("celery_leases_jobs", "Jobs in the leases table, by state", ["state"]),
+            gauge("celery_leases_database_up", "1 when the leases table could be read, else 0"),
+            gauge("celery_leases_groups", "Job groups (lease_group)"),
             per_group("admitted", "Jobs of the group admitted and live (in the broker or running)"),
             per_group("waiting", "Jobs of the group waiting for their admission"),
             per_group("limit", "The group's limit of jobs admitted at once"),
-            GaugeMetricFamily(
+            gauge(
                 "celery_leases_reaper_last_pass_age_seconds",
                 "Seconds since the last reaper pass ended (database clock)",
             ),

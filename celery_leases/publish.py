@@ -15,10 +15,10 @@ from typing import Any
 
 from celery import current_task
 
-from . import lifecycle
-from .errors import ArgumentsError, StoreUnavailable
+from . import lifecycle, routes
+from .errors import ArgumentsError, ConfigurationError, StoreUnavailable
 from .log import job_fields
-from .message import Message
+from .message import GROUP_HEADER, KEY_HEADER, ROUTE_HEADER, Message
 
 logger = logging.getLogger("celery_leases")
 
@@ -103,6 +103,8 @@ class Recorder:
         self.registered: str | None = None
         #: The job a debounced trigger was moved into (its id is the caller's result).
         self.debounced: str | None = None
+        #: The leases database the job is recorded in (``routes``; None: the only one).
+        self.route: str | None = None
 
     def producer(self, publisher: Any) -> RecordingProducer:
         """``publisher`` (kombu's), recording through this recorder."""
@@ -113,10 +115,14 @@ class Recorder:
         published now (a retry held back until the attempt's body has returned, or one its
         group's admission publishes). :class:`Coalesced` when another job serves the call,
         :class:`Waiting` when it waits in its group."""
+        self.route = self.route_of(published)
+        if self.route is not None:
+            published = published.with_headers(**{ROUTE_HEADER: self.route})
         try:
-            recording = lifecycle.record(
-                self.task, published, group_limit=self.group_limit, group_rate=self.group_rate
-            )
+            with routes.using(self.route):
+                recording = lifecycle.record(
+                    self.task, published, group_limit=self.group_limit, group_rate=self.group_rate
+                )
         except StoreUnavailable as exc:
             if not current_task or current_task.request.called_directly:
                 raise  # a client outside any task: nothing is published, the caller decides
@@ -141,10 +147,47 @@ class Recorder:
             self.debounced = recording.job_id
         return recording.message
 
+    def route_of(self, published: Message) -> str | None:
+        """The leases database of the published message's job (None without routes): the one
+        its header names, the running attempt's for a retry of it, else its route."""
+        task = self.task
+        settings = task._lease_cache().settings
+        if not routes.routed(settings):
+            return None
+        running = routes.active()
+        if (
+            running is not None
+            and not published.headers.get(ROUTE_HEADER)
+            and current_task
+            and current_task.request.id == published.id
+        ):
+            return running  # a retry of the running attempt: its job lives where it runs
+        queue = routes.queue_of(task.app, published.exchange, published.routing_key)
+        routed_to = routes.route(settings, task.name, queue)
+        name = routes.of_message(
+            settings,
+            published.id,
+            published.headers,
+            routed_to=routed_to,
+            recorded=published.version is not None,
+        )
+        if name != routed_to or published.version is not None:
+            return name  # the job exists: it stays where it lives
+        shared = task.lease_key or task.lease_group or published.headers.get(KEY_HEADER)
+        if (shared or published.headers.get(GROUP_HEADER)) and name != task.lease_home():
+            raise ConfigurationError(
+                f"task {task.name} sent to queue {queue!r}: its jobs have a lease key or a "
+                f"group, whose jobs must all live in one leases database, but the queue's "
+                f"route is database {name!r} and the task's own is {task.lease_home()!r}; "
+                f"route the task by its name (leases_routes 'tasks'), not by queue"
+            )
+        return name
+
     def undo(self) -> None:
         """The publish failed: leave no queued row that no message will ever claim."""
         if self.registered is not None:
-            lifecycle.forget(self.task, self.registered)
+            with routes.using(self.route):
+                lifecycle.forget(self.task, self.registered)
 
 
 __all__ = ["Coalesced", "Recorder", "RecordingProducer", "Waiting"]

@@ -13,9 +13,10 @@ from typing import Any
 from celery import Task, current_app
 from celery.local import Proxy
 
-from . import heartbeat, lifecycle, worker
+from . import heartbeat, lifecycle, routes, worker
 from .config import mark_uses_leases, settings_for
 from .db import store_for
+from .errors import LeaseError, StoreUnavailable
 from .lifecycle.outside import MAX_BATCHES
 from .log import QuietPasses, quiet
 from .notice import announce_pending
@@ -56,6 +57,8 @@ class ReapReport:
     #: them: the worker that ended a job of the group died first, or it ended outside any).
     admitted: list[str] = field(default_factory=list)
     purged: int = 0
+    #: Databases of ``leases_routes`` that did not answer (their jobs wait for them).
+    unreachable: list[str] = field(default_factory=list)
 
     def acted(self) -> bool:
         """Whether the pass did anything."""
@@ -73,36 +76,58 @@ class ReapReport:
             "followups": self.followups,
             "admitted": self.admitted,
             "purged": self.purged,
+            **({"unreachable": self.unreachable} if self.unreachable else {}),
         }
 
 
 def reap(app: Any) -> ReapReport:
-    """Run one reaper pass for ``app``'s leases database and return what it did: what every
+    """Run one reaper pass for ``app``'s leases databases and return what it did: what every
     end and hand-back left undone, done (``lifecycle``): expired leases re-published or given
     up, the triggers of free keys settled, the groups with room admitted round-robin, the
-    result backend told, then the retention purge."""
+    result backend told, then the retention purge.
+
+    With ``leases_routes``, one pass goes over every database in turn; a database that does
+    not answer is logged and named in the report (``unreachable``), and the others are
+    reaped all the same (its jobs wait for it, and move at the first pass after it is back).
+    """
     settings = settings_for(app)
-    store = store_for(settings)
     report = ReapReport()
+    if not routes.routed(settings):
+        _reap_one(app, settings, store_for(settings), report)
+        return report
+    for name, store in routes.stores(settings):
+        try:
+            with routes.using(name):
+                _reap_one(app, store.settings, store, report)
+        except LeaseError as exc:
+            report.unreachable.append(name)
+            logger.error("celery-leases: reaper: database %s skipped: %s", name, exc)
+            store.db.release_pool()
+    if len(report.unreachable) == len(settings.databases) + 1:
+        raise StoreUnavailable(f"no leases database answered: {', '.join(report.unreachable)}")
+    return report
+
+
+def _reap_one(app: Any, settings: Any, store: Any, report: ReapReport) -> None:
+    """One pass over one database's jobs, its findings added to ``report``."""
     expired = lifecycle.expire(app, store, settings)
-    report.orphaned = expired.orphaned
-    report.republished = expired.republished
-    report.gave_up = expired.gave_up
-    report.publish_failed = expired.publish_failed
-    report.expired = expired.expired
-    report.returned = expired.returned
-    report.followups = lifecycle.settle_pending(app, store, batch=settings.reap_batch)
-    report.admitted = lifecycle.admit_round_robin(app, store, batch=settings.reap_batch)
+    report.orphaned += expired.orphaned
+    report.republished += expired.republished
+    report.gave_up += expired.gave_up
+    report.publish_failed += expired.publish_failed
+    report.expired += expired.expired
+    report.returned += expired.returned
+    report.followups += lifecycle.settle_pending(app, store, batch=settings.reap_batch)
+    report.admitted += lifecycle.admit_round_robin(app, store, batch=settings.reap_batch)
     if _orphan_scan_due(store):
         report.admitted += lifecycle.repair_orphans(app, store, batch=settings.reap_batch)
-    report.notified = announce_pending(app, store, batch=settings.reap_batch)
-    report.purged = store.purge_all(
+    report.notified += announce_pending(app, store, batch=settings.reap_batch)
+    report.purged += store.purge_all(
         older_than=settings.retention, batch=settings.reap_batch, max_batches=MAX_BATCHES
     )
     store.prune_holders(idle=HOLDER_IDLE)
     heartbeat.record(store)
     store.db.release_pool()  # a pass every few seconds: no idle connection kept between them
-    return report
 
 
 #: A process's reaper passes look for groups whose waiting jobs have no row (left by an

@@ -82,6 +82,42 @@ def mapping(name: str, value: Any) -> dict[str, Any]:
     return dict(value)
 
 
+def database_names(name: str, value: Any) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise _fail(name, "a dict of database names to SQLAlchemy URLs", value)
+    found = {}
+    for alias, url in value.items():
+        if not isinstance(alias, str) or not _IDENTIFIER.match(alias) or alias == "default":
+            raise _fail(
+                name,
+                "a dict whose names are plain identifiers other than 'default' "
+                "(leases_database_url is 'default')",
+                alias,
+            )
+        found[alias] = database_url(f"{name}[{alias!r}]", url)
+    return found
+
+
+def route_rules(name: str, value: Any) -> Any:
+    if callable(value):
+        return value
+    if not isinstance(value, dict) or not set(value) <= {"queues", "tasks"}:
+        raise _fail(
+            name,
+            "{'queues': {queue: database}, 'tasks': {task name or glob: database}} or a "
+            "callable (task_name, queue) -> database name or None",
+            value,
+        )
+    rules = {}
+    for kind, found in value.items():
+        if not isinstance(found, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in found.items()
+        ):
+            raise _fail(f"{name}[{kind!r}]", "a dict of names to database names", found)
+        rules[kind] = dict(found)
+    return rules
+
+
 def setting(default: Any, check: Check, doc: str, *, per_task: bool = False) -> Any:
     """Declare a setting: ``leases_<name>`` in ``app.conf``; with ``per_task`` also the task
     option ``lease_<name>``. ``doc`` is its one-line meaning (the docs' configuration table)."""
@@ -100,6 +136,19 @@ class Settings:
     table: str = setting("celery_leases_jobs", identifier, "table name (letters, digits, `_`)")
     engine_options: dict[str, Any] = setting(
         None, optional(mapping), "extra `create_engine()` keyword arguments (None: none)"
+    )
+    databases: dict[str, str] = setting(
+        None,
+        optional(database_names),
+        "more leases databases by name (`{'billing': url}`); `leases_routes` says which jobs "
+        "live in each (None: only `leases_database_url`, named `'default'`)",
+    )
+    routes: Any = setting(
+        None,
+        optional(route_rules),
+        "which database of `leases_databases` holds a job: `{'queues': {queue: name}, "
+        "'tasks': {task name or glob: name}}` (tasks first), or a callable `(task_name, "
+        "queue)` returning a name or None; a job no rule names is `'default'`'s",
     )
     duration: float = setting(
         30.0,
@@ -176,6 +225,13 @@ class Settings:
     preempt_on_shutdown: bool = setting(
         True, flag, "on warm shutdown, running jobs hand back at their next checkpoint"
     )
+    record_sync_commit: bool = setting(
+        False,
+        flag,
+        "a plain job's record (no lease key, no group) waits for its commit to reach the disk "
+        "before its message is published (PostgreSQL); off: its commit is asynchronous, the "
+        "message being the job's second copy (docs/guarantees.md)",
+    )
     migrate_on_start: bool = setting(
         False,
         flag,
@@ -220,6 +276,18 @@ def validate(raw: dict[str, Any], *, where: str = "", spell: Spelling = celery_k
         except ConfigurationError as exc:
             raise ConfigurationError(f"{where}{exc}") from None
     values["engine_options"] = values["engine_options"] or {}
+    values["databases"] = values["databases"] or {}
+    rules = values["routes"]
+    if isinstance(rules, dict):
+        known = {"default", *values["databases"]}
+        for kind, found in rules.items():
+            for pattern, target in found.items():
+                if target not in known:
+                    raise ConfigurationError(
+                        f"{where}{spell('routes')} sends {kind[:-1]} {pattern!r} to database "
+                        f"{target!r}, which is not one of {sorted(known)} (name it in "
+                        f"{spell('databases')})"
+                    )
     duration = values["duration"]
     renew = values["renew_interval"] or duration / 3
     if renew >= duration:

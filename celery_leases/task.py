@@ -10,10 +10,16 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Ignore
 
-from . import attempt, checkpoint, groups, keys, lifecycle
+from . import attempt, checkpoint, groups, keys, lifecycle, routes
 from .config import check_task_options, conf_version, settings_for
 from .db import Store, store_for
-from .errors import ArgumentsError, ConfigurationError, LeaseError, LeaseLost
+from .errors import (
+    ArgumentsError,
+    ConfigurationError,
+    LeaseError,
+    LeaseLost,
+    StoreUnavailable,
+)
 from .lease import Lease, current, held, holding
 from .message import (
     COALESCE,
@@ -21,6 +27,7 @@ from .message import (
     GROUP_HEADER,
     KEY_HEADER,
     KEY_STRATEGY_HEADER,
+    VERSION_HEADER,
     checked_strategy,
 )
 from .publish import Coalesced, Recorder
@@ -113,16 +120,59 @@ class LeasedTask(Task):  # type: ignore[misc]
         Read again when the app's configuration changes (``app.conf.leases_x = ...``,
         ``app.conf.update()``, ``config_from_object()``; ``config.conf_version``), checked at
         each use with a few dictionary look-ups, validated only when it changed.
+
+        With ``leases_routes``, their ``database_url`` is that of the job being acted on
+        (``routes.using``), else that of the task's own route (its default queue's).
         """
-        return self._lease_cache().settings
+        cached = self._lease_cache()
+        if not cached.routed:
+            return cached.settings
+        return routes.on(cached.settings, routes.active() or cached.home(self))
 
     @property
     def lease_store(self) -> Store:
-        """The store of this task's leases database (one per process and database)."""
+        """The store of this task's leases database (one per process and database): with
+        ``leases_routes``, the database of the job being acted on (``lease_settings``)."""
         cached = self._lease_cache()
-        if cached.store is None:
-            cached.store = store_for(cached.settings)
-        return cached.store
+        if not cached.routed:
+            if cached.store is None:
+                cached.store = store_for(cached.settings)
+            return cached.store
+        return store_for(self.lease_settings)
+
+    def lease_home(self) -> str:
+        """The leases database of this task's jobs sent to its default queue ('default'
+        without ``leases_routes``)."""
+        cached = self._lease_cache()
+        return cached.home(self) if cached.routed else routes.DEFAULT
+
+    def lease_route(self, request: Any = None) -> str | None:
+        """The leases database of ``request``'s job (this task's request by default): the one
+        its message names, else its route; None without ``leases_routes``."""
+        cached = self._lease_cache()
+        if not cached.routed:
+            return None
+        request = request if request is not None else self.request
+        custom = getattr(request, "headers", None) or {}
+        # Celery puts a message's custom headers in the request's ``headers``, and at its top
+        # level too.
+        headers = {
+            name: custom.get(name) or getattr(request, name, None)
+            for name in (routes.ROUTE_HEADER, VERSION_HEADER)
+        }
+        info = getattr(request, "delivery_info", None) or {}
+        if info.get("routing_key"):
+            queue = routes.queue_of(self.app, info.get("exchange"), info["routing_key"])
+            routed_to = routes.route(cached.settings, self.name, queue)
+        else:
+            routed_to = cached.home(self)  # Task.apply(): never sent, so its default queue's
+        return routes.of_message(
+            cached.settings,
+            str(request.id),
+            headers,
+            routed_to=routed_to,
+            recorded=headers[VERSION_HEADER] is not None,
+        )
 
     def _lease_cache(self) -> _Cached:
         version = conf_version(self.app)
@@ -293,15 +343,38 @@ class LeasedTask(Task):  # type: ignore[misc]
         if request.called_directly or request.id is None:
             with holding(Lease("(direct call)", 0, 1, None, "", 1.0, 0.5, detached=True)):
                 return self.run(*args, **kwargs)
-        return attempt.Attempt(self).run(args, kwargs)
+        try:
+            route = self.lease_route(request)
+        except StoreUnavailable as exc:  # its database is unknown here, or cannot be asked
+            attempt.deliver_later(self, args, kwargs, exc)
+        with routes.using(route):
+            return attempt.Attempt(self).run(args, kwargs)
 
 
 class _Cached:
     """A task's settings and store, for one version of its app's configuration."""
 
-    __slots__ = ("settings", "store", "version")
+    __slots__ = ("_home", "routed", "settings", "store", "version")
 
     def __init__(self, version: tuple[Any, ...], settings: Settings) -> None:
         self.version = version
         self.settings = settings
         self.store: Store | None = None
+        self.routed = routes.routed(settings)
+        self._home: str | None = None
+
+    def home(self, task: Any) -> str:
+        """The database of the task's jobs sent to its default queue."""
+        if self._home is None:
+            self._home = routes.route(self.settings, task.name, _default_queue(task))
+        return self._home
+
+
+def _default_queue(task: Any) -> str | None:
+    """The queue Celery's router sends a call of ``task`` without options to."""
+    try:
+        queue = task.app.amqp.router.route({}, task.name, (), {})["queue"]
+    except Exception:  # a router of the app's that needs the call's arguments
+        found = task.queue or task.app.conf.task_default_queue
+        return None if found is None else str(found)
+    return str(getattr(queue, "name", queue))

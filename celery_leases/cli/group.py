@@ -4,11 +4,13 @@ and how an error becomes one line and an exit code."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import click
 
+from .. import routes
 from ..config import settings_for
 from ..db import Store, store_for
 from ..db.identity import checked_key
@@ -18,6 +20,8 @@ from ..errors import ArgumentsError, JobNotFound, LeaseError
 from ..settings import Settings
 
 MIN_PREFIX = 4
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -151,28 +155,80 @@ def cli_settings() -> Settings:
     return settings_for(cli_app())
 
 
-def cli_store() -> Store:
-    return store_for(cli_settings())
+# -- databases -----------------------------------------------------------------------------------
+
+
+def database_option(command: F) -> F:
+    """The ``--database NAME`` option of a command that otherwise covers every database."""
+    return click.option(
+        "--database",
+        metavar="NAME",
+        help="Only this leases database ('default', or a name of leases_databases); "
+        "default: every one.",
+    )(command)
+
+
+def cli_stores(database: str | None) -> list[tuple[str, Store]]:
+    """The name and store of every leases database (``'default'`` first), or of ``database``
+    alone: a name the app does not know is a :class:`click.BadParameter` naming those it
+    knows."""
+    settings = cli_settings()
+    if database is None:
+        return routes.stores(settings)
+    known = routes.names(settings)
+    if database not in known:
+        raise click.BadParameter(
+            f"{database!r} is not a leases database of this app (it has {', '.join(known)})",
+            param_hint="'--database'",
+        )
+    return [(database, store_for(routes.on(settings, database)))]
+
+
+def cli_routed() -> bool:
+    """Whether the app has more than one leases database (or routes): the commands then name
+    the database of what they show."""
+    return routes.routed(cli_settings())
 
 
 # -- resolving ids -------------------------------------------------------------------------------
 
 
-def find_job(store: Store, text: str) -> Job:
-    """The job with id ``text``, or the only job whose id starts with it."""
-    job = store.get(text)
-    if job is not None:
-        return job
+def find_job(stores: Sequence[tuple[str, Store]], text: str) -> tuple[str, Store, Job]:
+    """The job with id ``text``, or the only job whose id starts with it, in any of ``stores``
+    (the whole id first, in every database), with its database's name and store. A database
+    that does not answer is passed over when another holds the job; its error is raised when
+    none does."""
+    errors: list[LeaseError] = []
+    answering = list(stores)
+    for name, store in list(answering):
+        try:
+            job = store.get(text)
+        except LeaseError as exc:
+            errors.append(exc)
+            answering.remove((name, store))
+            continue
+        if job is not None:
+            return name, store, job
     if len(text) >= MIN_PREFIX:
-        ids = store.ids_starting_with(text, limit=5)
-        if len(ids) == 1:
-            job = store.get(ids[0])
+        found: list[tuple[str, Store, str]] = []
+        for name, store in answering:
+            try:
+                found += [(name, store, i) for i in store.ids_starting_with(text, limit=5)]
+            except LeaseError as exc:
+                errors.append(exc)
+        if len(found) == 1:
+            name, store, job_id = found[0]
+            job = store.get(job_id)
             if job is not None:
-                return job
-        elif ids:
+                return name, store, job
+        elif found:
+            ids = [job_id for _, _, job_id in found]
             shown = ", ".join(ids[:3]) + (", ..." if len(ids) > 3 else "")
             raise LeaseError(f"job id prefix {text!r} is ambiguous ({shown}): give more of it")
-    raise JobNotFound(f"no job {text!r} in table {store.table.name} of {store.safe_url}")
+    if errors:
+        raise errors[0]
+    where = ", ".join(store.safe_url for _, store in stores)
+    raise JobNotFound(f"no job {text!r} in table {stores[0][1].table.name} of {where}")
 
 
 # -- commands ------------------------------------------------------------------------------------
@@ -185,8 +241,10 @@ __all__ = [
     "LeaseKey",
     "cli_app",
     "cli_command",
+    "cli_routed",
     "cli_settings",
-    "cli_store",
+    "cli_stores",
+    "database_option",
     "fail",
     "find_job",
     "leases",

@@ -4,31 +4,40 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import textwrap
 import time
 from typing import Any
 
 import click
 from kombu.utils import json as kombu_json
 
-from .. import heartbeat
-from ..db import Store, store_for
+from ..db import Store
 from ..db.schema import CANCELLED, FAILED, RUNNING, STATES, WAITING
-from ..errors import LeaseError, StoreUnavailable
+from ..errors import StoreUnavailable
 from ..groups import rate_text
-from .group import JobId, cli_app, cli_command, cli_settings, find_job
+from .group import (
+    JobId,
+    cli_app,
+    cli_command,
+    cli_routed,
+    cli_settings,
+    cli_stores,
+    database_option,
+    find_job,
+)
+from .merge import ask, read_jobs
 from .view import (
     COUNT_CAP,
-    JOB_COLUMNS,
     Column,
     JobFacts,
     Output,
     counts_text,
+    job_columns,
     job_table,
     jobs_count,
     span,
     stall_note,
     table,
+    warning_lines,
 )
 
 
@@ -46,65 +55,88 @@ from .view import (
     "--limit", default=50, show_default=True, type=click.IntRange(min=1), help="At most N jobs."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array (all fields).")
+@database_option
+@click.pass_context
 def list_jobs(
-    states: tuple[str, ...], task: str | None, group: str | None, limit: int, as_json: bool
+    ctx: click.Context,
+    states: tuple[str, ...],
+    task: str | None,
+    group: str | None,
+    limit: int,
+    as_json: bool,
+    database: str | None,
 ) -> None:
     """List jobs, newest first, with lease, checkpoint age and progress.
 
     LEASE is the time left on a running job's lease, CKPT the age of its last checkpoint,
     TRY its attempts; IDs are short prefixes, accepted by the other commands. A finished
     state is counted up to 10,000 (shown as 10,000+), whatever the table holds.
+
+    With several leases databases, their jobs are listed together (DATABASE says where each
+    lives); a database that does not answer is named in a warning, the others are listed,
+    and the command exits with 1.
     """
-    settings = cli_settings()
-    store = store_for(settings)
-    facts = JobFacts(cli_app(), settings)
-    jobs = store.list_jobs(states=states, task=task, group=group, limit=limit)
-    missing = reaper_warning(cli_app(), store)
+    app, settings, routed = cli_app(), cli_settings(), cli_routed()
+    found = cli_stores(database)
+    facts = JobFacts(app, settings)
+    listing = read_jobs(
+        app,
+        found,
+        states=states,
+        task=task,
+        group=group,
+        limit=limit,
+        count_cap=None if as_json else COUNT_CAP,
+    )
+    jobs = listing.jobs
     if as_json:
-        click.echo(json.dumps([facts.as_dict(job) for job in jobs], indent=2))
-        if missing:
-            click.echo(warning_lines(missing), err=True)
-        return
-    out = Output()
-    counts = store.count_states(cap=COUNT_CAP)
-    total = jobs_count(counts.total, bool(counts.capped))
-    if jobs:
-        for text in job_table(out, facts, jobs, JOB_COLUMNS, min_bar=8, max_bar=20):
-            click.echo(text)
-    stalled = sum(1 for job in jobs if job.state == RUNNING and facts.stalled(job))
-    dot = " · " if out.unicode else ", "
-    summary = dot.join([f"showing {len(jobs)} of {total} jobs", *counts_text(counts, stalled)])
-    click.echo(summary if counts.total else "no jobs yet")
-    for note in stall_note(facts, jobs):
-        click.echo(note)
-    if missing:
-        click.echo(warning_lines(missing))
-
-
-def warning_lines(text: str) -> str:
-    """``warning: text``, wrapped to the width of the rest of the output."""
-    return textwrap.fill(f"warning: {text}", width=100, subsequent_indent="  ")
-
-
-def reaper_warning(app: Any, store: Store) -> str | None:
-    """The warning to show when no reaper pass happened for a while (``heartbeat.silence``);
-    None when one did, or when the table cannot say."""
-    try:
-        return heartbeat.silence(app, store)
-    except LeaseError:
-        return None
+        shown = [
+            {**facts.as_dict(job), **({"database": name} if routed else {})}
+            for job, name in zip(jobs, listing.databases, strict=True)
+        ]
+        click.echo(json.dumps(shown, indent=2))
+        for warning in listing.warnings:
+            click.echo(warning_lines(warning), err=True)
+    else:
+        out = Output()
+        counts = listing.counts
+        assert counts is not None
+        total = jobs_count(counts.total, bool(counts.capped))
+        if jobs:
+            for text in job_table(
+                out,
+                facts,
+                jobs,
+                job_columns(routed),
+                min_bar=8,
+                max_bar=20,
+                databases=listing.databases,
+            ):
+                click.echo(text)
+        stalled = sum(1 for job in jobs if job.state == RUNNING and facts.stalled(job))
+        dot = " · " if out.unicode else ", "
+        summary = dot.join([f"showing {len(jobs)} of {total} jobs", *counts_text(counts, stalled)])
+        click.echo(summary if counts.total else "no jobs yet")
+        for note in stall_note(facts, jobs):
+            click.echo(note)
+        for warning in listing.warnings:
+            click.echo(warning_lines(warning))
+    if listing.unanswered:
+        ctx.exit(1)
 
 
 @click.command()
 @click.argument("job_id", metavar="ID", type=JobId())
 @click.option("--json", "as_json", is_flag=True, help="Print the job as JSON.")
-def show(job_id: str, as_json: bool) -> None:
+@database_option
+def show(job_id: str, as_json: bool, database: str | None) -> None:
     """One job in full, with its checkpoint. ID may be a unique prefix."""
-    settings = cli_settings()
-    job = find_job(store_for(settings), job_id)
-    facts = JobFacts(cli_app(), settings)
+    routed = cli_routed()
+    where, _, job = find_job(cli_stores(database), job_id)
+    facts = JobFacts(cli_app(), cli_settings())
     if as_json:
-        click.echo(json.dumps(facts.as_dict(job), indent=2))
+        shown = {**facts.as_dict(job), **({"database": where} if routed else {})}
+        click.echo(json.dumps(shown, indent=2))
         return
     out = Output()
     state = facts.shown_state(job)
@@ -139,6 +171,7 @@ def show(job_id: str, as_json: bool) -> None:
     if job.stalled_attempts:
         attempts += f", {job.stalled_attempts} in a row ended without a checkpoint"
     fields = [
+        ("database", where if routed else None),
         ("task", job.task),
         ("key", job.lease_key),
         ("group", _group_text(job, ago)),
@@ -196,21 +229,24 @@ def _compact(value: Any) -> str:
     type=click.IntRange(min=1),
     help="At most N jobs (a terminal shows what fits).",
 )
+@database_option
 @click.pass_context
-def watch(ctx: click.Context, interval: float, once: bool, limit: int) -> None:
+def watch(
+    ctx: click.Context, interval: float, once: bool, limit: int, database: str | None
+) -> None:
     """Running jobs with progress bars, refreshed until Ctrl-C.
 
     On a terminal the screen is redrawn; otherwise (ssh pipes, CI logs) a block is printed per
-    refresh.
+    refresh. With several leases databases, the running jobs of all of them.
     """
-    settings = cli_settings()
-    store = store_for(settings)
-    facts = JobFacts(cli_app(), settings)
+    found = cli_stores(database)
+    facts = JobFacts(cli_app(), cli_settings())
     out = Output()
+    columns = job_columns(cli_routed())
     try:
         while True:
             try:
-                lines = watch_frame(out, store, facts, limit=limit, interval=interval)
+                lines = watch_frame(out, found, facts, columns, limit=limit, interval=interval)
             except StoreUnavailable as exc:
                 if once:
                     raise
@@ -227,26 +263,32 @@ def watch(ctx: click.Context, interval: float, once: bool, limit: int) -> None:
 
 
 def watch_frame(
-    out: Output, store: Store, facts: JobFacts, *, limit: int, interval: float
+    out: Output,
+    stores: list[tuple[str, Store]],
+    facts: JobFacts,
+    columns: list[Column],
+    *,
+    limit: int,
+    interval: float,
 ) -> list[str]:
-    """One refresh of ``watch``: a summary line and the running jobs."""
-    jobs = store.list_jobs(states=[RUNNING], limit=limit)
-    counts = store.count_states(cap=COUNT_CAP)
+    """One refresh of ``watch``: a summary line and the running jobs of ``stores``."""
+    listing = read_jobs(facts.app, stores, states=[RUNNING], limit=limit, count_cap=COUNT_CAP)
+    jobs, counts = listing.jobs, listing.counts
+    assert counts is not None
     stalled = sum(1 for job in jobs if facts.stalled(job))
-    missing = reaper_warning(facts.app, store)
     stamp = time.strftime("%H:%M:%S")
-    title = f"celery leases watch: {store.table.name} at {stamp}, every {interval:g}s"
+    title = f"celery leases watch: {stores[0][1].table.name} at {stamp}, every {interval:g}s"
     lines = [
         out.style(title, "header") + " (Ctrl-C stops)",
         ", ".join(counts_text(counts, stalled)) if counts.total else "no jobs",
         "",
     ]
     # Below the jobs, where it moves no line of theirs.
-    warned = (
-        [out.style(line, "stalled") for line in warning_lines(missing).splitlines()]
-        if missing
-        else []
-    )
+    warned = [
+        out.style(line, "stalled")
+        for warning in listing.warnings
+        for line in warning_lines(warning).splitlines()
+    ]
     hidden = 0
     if out.tty:
         room = max(out.height - 6, 1)
@@ -254,52 +296,71 @@ def watch_frame(
         jobs = jobs[:room]
     if not jobs:
         return [*lines, "no running jobs", *warned]
-    lines += job_table(out, facts, jobs, JOB_COLUMNS, min_bar=10, max_bar=30)
+    lines += job_table(
+        out, facts, jobs, columns, min_bar=10, max_bar=30, databases=listing.databases
+    )
     if hidden:
         lines.append(f"... and {hidden} more running (not shown: the terminal is full)")
     lines += stall_note(facts, jobs)
     return [*lines, *warned]
 
 
-#: The commands of this module (``cli/__init__.py`` adds them to the group).
 @click.command("groups")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
-def list_groups(as_json: bool) -> None:
+@database_option
+@click.pass_context
+def list_groups(ctx: click.Context, as_json: bool, database: str | None) -> None:
     """List the job groups (lease_group): each one's limit, its jobs admitted (in the broker or
-    running) and waiting in the database, its rate and its bucket's tokens now."""
-    found = store_for(cli_settings()).groups()
+    running) and waiting in the database, its rate and its bucket's tokens now.
+
+    With several leases databases, the groups of all of them (DATABASE says where each
+    lives); a database that does not answer is named in a warning and the command exits
+    with 1."""
+    routed = cli_routed()
+    answers, unanswered = ask(cli_stores(database), lambda store: store.groups())
+    found = [(name, g) for name, groups in answers for g in groups]
+    if len(answers) > 1:
+        found.sort(key=lambda pair: pair[1].name)
     if as_json:
-        click.echo(json.dumps([dataclasses.asdict(g) for g in found], indent=2))
-        return
-    if not found:
+        shown = [
+            {**dataclasses.asdict(g), **({"database": name} if routed else {})} for name, g in found
+        ]
+        click.echo(json.dumps(shown, indent=2))
+    elif not found:
         click.echo("no groups yet")
-        return
-    out = Output()
-    columns = [
-        Column("GROUP", clip="end", minimum=12),
-        Column("LIMIT", right=True),
-        Column("ADMITTED", right=True),
-        Column("WAITING", right=True),
-        Column("RATE", right=True),
-        Column("TOKENS", right=True),
-    ]
+    else:
+        out = Output()
+        columns = [
+            Column("GROUP", clip="end", minimum=12),
+            *([Column("DATABASE", clip="end")] if routed else []),
+            Column("LIMIT", right=True),
+            Column("ADMITTED", right=True),
+            Column("WAITING", right=True),
+            Column("RATE", right=True),
+            Column("TOKENS", right=True),
+        ]
 
-    def cell(text: str) -> tuple[str, str]:
-        return text, out.style(text, "dim" if text == "-" else None)
+        def cell(text: str) -> tuple[str, str]:
+            return text, out.style(text, "dim" if text == "-" else None)
 
-    rows = [
-        {
-            "GROUP": cell(g.name),
-            "LIMIT": cell("-" if g.limit is None else str(g.limit)),
-            "ADMITTED": cell(str(g.admitted)),
-            "WAITING": cell(str(g.waiting)),
-            "RATE": cell("-" if g.rate is None else rate_text(g.rate)),
-            "TOKENS": cell("-" if g.rate is None else f"{g.tokens:.2f}"),
-        }
-        for g in found
-    ]
-    for text in table(out, columns, rows):
-        click.echo(text)
+        rows = [
+            {
+                "GROUP": cell(g.name),
+                "DATABASE": cell(name),
+                "LIMIT": cell("-" if g.limit is None else str(g.limit)),
+                "ADMITTED": cell(str(g.admitted)),
+                "WAITING": cell(str(g.waiting)),
+                "RATE": cell("-" if g.rate is None else rate_text(g.rate)),
+                "TOKENS": cell("-" if g.rate is None else f"{g.tokens:.2f}"),
+            }
+            for name, g in found
+        ]
+        for text in table(out, columns, rows):
+            click.echo(text)
+    for warning in unanswered:
+        click.echo(warning_lines(warning), err=as_json)
+    if unanswered:
+        ctx.exit(1)
 
 
 def _group_text(job: Any, ago: Any) -> str | None:
@@ -312,6 +373,7 @@ def _group_text(job: Any, ago: Any) -> str | None:
     return group + (f", admitted {admitted}" if admitted else "")
 
 
+#: The commands of this module (``cli/__init__.py`` adds them to the group).
 COMMANDS = (
     list_groups,
     list_jobs,

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import shutil
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -227,12 +228,24 @@ JOB_COLUMNS = [
 ]
 
 
+def job_columns(routed: bool) -> list[Column]:
+    """The columns of a table of jobs: with a DATABASE column when ``routed``."""
+    if not routed:
+        return JOB_COLUMNS
+    return [JOB_COLUMNS[0], Column("DATABASE", clip="end"), *JOB_COLUMNS[1:]]
+
+
 def job_rows(
-    out: Output, facts: JobFacts, jobs: Sequence[Job], bar_width: int
+    out: Output,
+    facts: JobFacts,
+    jobs: Sequence[Job],
+    bar_width: int,
+    databases: Sequence[str] | None = None,
 ) -> list[dict[str, Cell]]:
+    """A table row of each job; ``databases``: the database of each (its DATABASE cell)."""
     ids = short_ids(jobs)
     rows = []
-    for job in jobs:
+    for job, database in zip(jobs, databases or [""] * len(jobs), strict=True):
         state = facts.shown_state(job)
         if job.state == RUNNING and job.expires_in is not None:
             lease = span(job.expires_in) if job.expires_in > 0 else "expired"
@@ -253,6 +266,7 @@ def job_rows(
                 "LEASE": lease_cell,
                 "CKPT": (ckpt, out.style(ckpt, "stalled" if state == "stalled" else ckpt_dim)),
                 "PROGRESS": out.bar(job.progress_done, job.progress_total, bar_width),
+                "DATABASE": (database, database),
             }
         )
     return rows
@@ -266,14 +280,15 @@ def job_table(
     *,
     min_bar: int,
     max_bar: int,
+    databases: Sequence[str] | None = None,
 ) -> list[str]:
     """The jobs as table lines; progress bars grow from ``min_bar`` to ``max_bar`` characters
-    into spare width."""
-    rows = job_rows(out, facts, jobs, bar_width=min_bar)
+    into spare width. ``databases``: the database of each job (``job_columns(True)``)."""
+    rows = job_rows(out, facts, jobs, min_bar, databases)
     widths = [max([len(c.header), *(len(row[c.header][0]) for row in rows)]) for c in columns]
     spare = out.width - sum(widths) - 2 * (len(columns) - 1)
     if spare > 0 and max_bar > min_bar:
-        rows = job_rows(out, facts, jobs, bar_width=min_bar + min(spare, max_bar - min_bar))
+        rows = job_rows(out, facts, jobs, min_bar + min(spare, max_bar - min_bar), databases)
     return table(out, columns, rows)
 
 
@@ -308,3 +323,8 @@ def stall_note(facts: JobFacts, jobs: Sequence[Job]) -> list[str]:
         f"stalled: no checkpoint for over {' / '.join(limits)} (leases_stall_timeout); "
         f"its lease is no longer renewed"
     ]
+
+
+def warning_lines(text: str) -> str:
+    """``warning: text``, wrapped to the width of the rest of the output."""
+    return textwrap.fill(f"warning: {text}", width=100, subsequent_indent="  ")

@@ -112,6 +112,10 @@ def record(
         queued_timeout=_queued_timeout(settings, key),
         fresh=fresh,
         debounce=debounce,
+        # A plain job's message, published next, is its second copy: if a database crash
+        # lost its unflushed record, its claim records it (docs/guarantees.md). A keyed or
+        # grouped job's record decides what is published, so it is flushed.
+        flush=settings.record_sync_commit or not (fresh and key is None and group is None),
     )
     if outcome.outcome == Recorded.DEBOUNCED:
         assert outcome.message is not None and debounce is not None

@@ -79,6 +79,14 @@ def claim(
         fresh=fresh,
         connection=connection,
     )
+    if isinstance(outcome, Claimed) and outcome.created and delivery.version is not None:
+        # Recorded once, yet no row: the record was lost (a database crash after an
+        # unflushed record, a restore from a backup); the message was its second copy.
+        logger.warning(
+            "job %s: its message was recorded, but its row was missing; made again at its claim",
+            delivery.id,
+            extra=job_fields(delivery.id),
+        )
     if isinstance(outcome, Claimed) and outcome.created and delivery.group is not None:
         limits = handon.limits_of(task.app)(delivery.task, delivery.group)
         if limits is not None:

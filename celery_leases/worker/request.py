@@ -31,7 +31,7 @@ from celery.exceptions import WorkerLostError
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
-from .. import lifecycle
+from .. import lifecycle, routes
 from ..db import Store, store_for
 from ..db.rows import Job
 from ..db.schema import DONE, FINISHED_STATES, LIVE_STATES, QUEUED
@@ -94,7 +94,7 @@ class LeasedRequest(Request):  # type: ignore[misc]
         """The pool process that took this job has died (seen by ``deaths.Deaths``): hand its
         lease back and send the job again now; nothing if the job has moved on or ended."""
         try:
-            with self._death_lock:
+            with self._death_lock, routes.using(self._route()):
                 store = store_for(self.task.lease_settings)
                 self._resumed_after_death = self._resume_at_once(
                     store, self._dead_owner(), seen_at_once=True
@@ -107,6 +107,20 @@ class LeasedRequest(Request):  # type: ignore[misc]
                 extra=job_fields(self.id),
             )
 
+    def _route(self) -> str | None:
+        """The leases database of this request's job (None: its task's own; the only one
+        without routes); a database that cannot be asked leaves the task's own."""
+        try:
+            return self.task.lease_route(self._context)  # type: ignore[no-any-return]
+        except LeaseError as exc:
+            logger.warning(
+                "celery-leases: job %s: its leases database is unknown here: %s",
+                self.id,
+                exc,
+                extra=job_fields(self.id),
+            )
+            return None
+
     def _dead_owner(self) -> str:
         return owner_name(self.hostname, self.worker_pid)
 
@@ -116,7 +130,8 @@ class LeasedRequest(Request):  # type: ignore[misc]
         if isinstance(_unwrapped(exc_info.exception), TimeLimitExceeded):
             self._time_limit_reported = True
         if self._lost(exc_info.exception):
-            with self._death_lock:  # after the Deaths thread's hand-back, if it is at it
+            # After the Deaths thread's hand-back, if it is at it.
+            with self._death_lock, routes.using(self._route()):
                 handled = self._handled_loss()
             if handled:
                 task_ready(self)

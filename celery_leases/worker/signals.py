@@ -24,7 +24,7 @@ from celery.signals import (
     worker_shutting_down,
 )
 
-from .. import lifecycle, notice
+from .. import lifecycle, notice, routes
 from ..config import settings_for, uses_leases
 from ..db import store_for
 from ..db.migrations import upgrade
@@ -52,7 +52,9 @@ def migrate_on_start(sender: Any = None, **_: Any) -> None:
     try:
         settings = settings_for(app)
         if settings.migrate_on_start:
-            logger.warning("celery-leases: %s", upgrade(store_for(settings)).describe())
+            for name, store in routes.stores(settings):
+                shown = "" if not routes.routed(settings) else f"database {name}: "
+                logger.warning("celery-leases: %s%s", shown, upgrade(store).describe())
     except LeaseError as exc:
         logger.error("celery-leases: leases_migrate_on_start failed: %s", exc)
 
@@ -118,10 +120,17 @@ def preempt_on_shutdown(sender: Any = None, **_: Any) -> None:
         settings = settings_for(app)
         if not settings.preempt_on_shutdown:
             return
-        count = lifecycle.preempt(store_for(settings), owner_prefix(sender))
     except LeaseError as exc:
         logger.warning("celery-leases: could not preempt running jobs: %s", exc)
         return
+    count = 0
+    for name, store in routes.stores(settings):
+        try:
+            count += lifecycle.preempt(store, owner_prefix(sender))
+        except LeaseError as exc:  # that database is down: its jobs move when their leases end
+            logger.warning(
+                "celery-leases: could not preempt running jobs in database %s: %s", name, exc
+            )
     if count:
         logger.warning(
             "celery-leases: %d running job(s) will hand back at their next checkpoint", count
@@ -143,8 +152,9 @@ def wait_for_a_worker_that_knows(
     reason = f"waiting for a worker that knows task {name!r} ({hostname} does not)"
     try:
         settings = settings_for(app)
-        waits = lifecycle.wait_for_worker(
-            store_for(settings), id, wait=settings.reap_grace, error=reason
+        found = routes.locate(settings, id) if routes.routed(settings) else routes.DEFAULT
+        waits = found is not None and lifecycle.wait_for_worker(
+            store_for(routes.on(settings, found)), id, wait=settings.reap_grace, error=reason
         )
     except LeaseError as exc:
         logger.warning(
@@ -179,8 +189,9 @@ def record_revoke(
     error = f"{how} in Celery ({getattr(request, 'hostname', None)})"
     # An expired copy of the message of a job an attempt runs under a live lease (the reaper
     # sent it again meanwhile) leaves that attempt alone, as Celery does a running task.
-    end_job(sender, job_id, State.REVOKED, error, unheld_only=expired)
-    notice.keep_revoked(sender, job_id)
+    with routes.using(_route_of(sender, job_id)):
+        end_job(sender, job_id, State.REVOKED, error, unheld_only=expired)
+        notice.keep_revoked(sender, job_id)
 
 
 def keep_revoked_after_retry(sender: Any = None, request: Any = None, **_: Any) -> None:
@@ -188,7 +199,8 @@ def keep_revoked_after_retry(sender: Any = None, request: Any = None, **_: Any) 
     retry's message as expired, say), REVOKED again (``notice.keep_revoked``)."""
     job_id = getattr(request, "id", None)
     if _is_leased(sender) and job_id:
-        notice.keep_revoked(sender, job_id)
+        with routes.using(_route_of(sender, job_id)):
+            notice.keep_revoked(sender, job_id)
 
 
 def record_failure_in_main_process(
@@ -206,9 +218,21 @@ def record_failure_in_main_process(
 def end_job(task: Any, job_id: str, state: State, error: str, *, unheld_only: bool = False) -> None:
     """End a live job of ``task`` as Celery decided it (``lifecycle.end_in_celery``;
     ``unheld_only``: unless an attempt holds it under a live lease), its end handed on."""
-    lifecycle.end_in_celery(
-        task.app, store_for(task.lease_settings), job_id, state, error, unheld_only=unheld_only
-    )
+    with routes.using(routes.active() or _route_of(task, job_id)):
+        lifecycle.end_in_celery(
+            task.app, store_for(task.lease_settings), job_id, state, error, unheld_only=unheld_only
+        )
+
+
+def _route_of(task: Any, job_id: str) -> str | None:
+    """The database of job ``job_id`` of ``task`` when the main process has no message of it
+    to read (None: the task's own; without routes, the only one). Asks each database: these
+    are rare events (a revoke, a hard time limit). A database that is down and may hold the
+    job raises its error, as the only database would."""
+    settings = task._lease_cache().settings
+    if not routes.routed(settings):
+        return None
+    return routes.locate(settings, job_id)
 
 
 def _is_leased(task: Any) -> bool:

@@ -25,8 +25,8 @@ from celery import current_app
 from celery.signals import beat_init, worker_init, worker_ready
 from sqlalchemy.engine import make_url
 
+from .. import routes
 from ..config import settings_for, uses_leases
-from ..db import store_for
 from ..db.dialects import dialect_for
 from ..db.schema import RUNNING
 from ..errors import ConfigurationError, LeaseError
@@ -53,7 +53,8 @@ def validate_at_worker_start(sender: Any = None, **_: Any) -> None:
         settings = validated(app, who=who)
         try:
             # Before the pool forks: its processes share the driver and the statements.
-            store_for(settings).warm()
+            for _name, store in routes.stores(settings):
+                store.warm()
         except ConfigurationError as exc:  # no driver for the URL, say
             logger.critical("celery-leases: %s does not start: %s", who, exc)
             raise SystemExit(f"celery-leases: {who} does not start: {exc}") from exc
@@ -76,14 +77,18 @@ def check(app: Any, *, who: str) -> list[str]:
     live and any warning; the warnings given. A bad setting is logged and stops the process
     (``SystemExit``)."""
     settings = validated(app, who=who)
-    store = store_for(settings)
-    place = where(settings)
-    try:
-        return _check(app, settings, store, place, who=who)
-    finally:
-        # A worker's main process (and beat) rarely needs the database after this: no idle
-        # connection of its own is kept open for it (one per worker adds up on a server).
-        store.engine.dispose()
+    warnings = []
+    for name, store in routes.stores(settings):
+        place = where(store.settings)
+        if routes.routed(settings):
+            place = f"database {name!r}: {place}"
+        try:
+            warnings += _check(app, store.settings, store, place, who=who)
+        finally:
+            # A worker's main process (and beat) rarely needs the database after this: no
+            # idle connection of its own is kept open for it (one per worker adds up).
+            store.engine.dispose()
+    return warnings
 
 
 def _check(app: Any, settings: Settings, store: Any, place: str, *, who: str) -> list[str]:
@@ -116,7 +121,12 @@ def validated(app: Any, *, who: str) -> Settings:
     """``app``'s settings; a bad one is logged and stops the process (``SystemExit``, whose
     message reaches stderr before logging is set up)."""
     try:
-        return settings_for(app)
+        settings = settings_for(app)
+        if routes.routed(settings):
+            split = routes.split_keys(app)
+            if split:
+                raise ConfigurationError("; ".join(split))
+        return settings
     except ConfigurationError as exc:
         logger.critical("celery-leases: %s does not start: %s", who, exc)
         raise SystemExit(f"celery-leases: {who} does not start: {exc}") from exc

@@ -240,6 +240,39 @@ def test_leases_in_a_database_alias_of_their_own_are_migrated_read_and_administe
             shop._store.engine.dispose()
 
 
+def test_migrate_of_the_leases_database_migrates_every_routed_database_too(
+    tmp_path: Path,
+) -> None:
+    # Given the project with a second leases database (CELERY_LEASES_DATABASES)
+    default, routed = tmp_path / "default.sqlite3", tmp_path / "routed.sqlite3"
+    env = {
+        "SHOP_DATABASE": "sqlite",
+        "SHOP_DB_NAME": str(default),
+        "SHOP_LEASES_TABLE": TABLE,
+        "SHOP_LEASES_ROUTED_URL": f"sqlite:///{routed}",
+        "SHOP_DEBUG": "0",
+    }
+    shop = Shop("sqlite", env, f"sqlite:///{default}")
+
+    # When the project is migrated, then its leases migrated back to zero
+    shop.manage("migrate", "--verbosity", "0")
+    made = tables_of(routed)
+    shop.manage("migrate", "celery_leases", "zero", "--verbosity", "0")
+
+    # Then the routed database got the jobs table at the code's revision, and lost it again
+    assert TABLE in made and f"{TABLE}_version" in made
+    assert [t for t in tables_of(routed) if t.startswith(TABLE)] == []
+
+
+def tables_of(path: Path) -> list[str]:
+    engine = sa.create_engine(f"sqlite:///{path}")
+    try:
+        with engine.connect() as connection:
+            return sa.inspect(connection).get_table_names()
+    finally:
+        engine.dispose()
+
+
 def test_an_in_memory_sqlite_database_is_refused_with_the_reason(tmp_path: Path) -> None:
     # Given a project whose database is SQLite in memory (no other connection can see it)
     env = {"SHOP_DATABASE": "sqlite", "SHOP_DB_NAME": ":memory:", "SHOP_DEBUG": "0"}

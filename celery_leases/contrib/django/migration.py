@@ -16,6 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 from django.db.migrations.operations.base import Operation
 
+from ... import routes
 from ...db import migrations
 from ...db.schema import version_table
 from ...errors import ConfigurationError
@@ -56,8 +57,9 @@ class Revision(Operation):
             for statement in migrations.sql(store, start=start, revision=self.revision):
                 schema_editor.execute(statement, params=None)
             return
-        if not _at_or_past(migrations.current(store), self.revision):
-            migrations.upgrade(store, revision=self.revision)
+        for each in _every_store(store):
+            if not _at_or_past(migrations.current(each), self.revision):
+                migrations.upgrade(each, revision=self.revision)
 
     def database_backwards(
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
@@ -80,11 +82,18 @@ class Revision(Operation):
             for statement in statements:
                 schema_editor.execute(statement, params=None)
             return
-        if _at_or_past(migrations.current(store), self.revision):
-            migrations.downgrade(store, revision=before)
-        if before == "base":
-            # Zero leaves nothing behind: Alembic keeps its version table, emptied.
-            _version_table(store).drop(store.engine, checkfirst=True)
+        for each in _every_store(store):
+            if _at_or_past(migrations.current(each), self.revision):
+                migrations.downgrade(each, revision=before)
+            if before == "base":
+                # Zero leaves nothing behind: Alembic keeps its version table, emptied.
+                _version_table(each).drop(each.engine, checkfirst=True)
+
+
+def _every_store(store: Any) -> list[Any]:
+    """``store`` (the leases database's), then the store of every other database named in
+    ``CELERY_LEASES_DATABASES``: ``migrate`` of the leases database migrates them all."""
+    return [store, *(other for _, other in routes.stores(store.settings)[1:])]
 
 
 def _version_table(store: Any) -> sa.Table:

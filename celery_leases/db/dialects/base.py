@@ -175,6 +175,12 @@ class Dialect:
         second live job of a lease key is an IntegrityError."""
         raise NotImplementedError
 
+    def unflushed(self, value: Any) -> Any:
+        """``value`` as an SQL expression whose evaluation makes the statement's commit
+        asynchronous (it returns before its WAL is flushed), or None where a statement cannot
+        ask that for its own transaction."""
+        return None
+
     def upsert(
         self,
         table: sa.Table,

@@ -156,6 +156,12 @@ class PostgreSQL(Dialect):
     def insert_unless_exists(self, table: sa.Table, values: dict[str, Any]) -> Any:
         return insert_unless_id_exists(postgresql.insert, table, values)
 
+    def unflushed(self, value: Any) -> Any:
+        # set_config(..., true) lasts to the end of the statement's own transaction, and a
+        # commit follows the setting in effect when it commits; volatile, so never folded.
+        asked = sa.func.set_config("synchronous_commit", "off", True)
+        return sa.case((asked.is_(None), value), else_=value)
+
     def upsert(
         self,
         table: sa.Table,

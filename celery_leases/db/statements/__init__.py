@@ -70,7 +70,8 @@ class Statements:
         record, renew, checkpoint, end = self.record, self.renew, self.checkpoint, self.end
         return [
             self.reads.schema_revision,
-            *(record.register, record.create_claimed, record.claim_version, record.claim_job),
+            *(record.register, record.register_unflushed, record.create_claimed),
+            *(record.claim_version, record.claim_job),
             *(record.claimed, record.facts),
             *(renew.bound, renew.unbound, renew.bind, renew.detach),
             *(checkpoint.save, checkpoint.save_progress, checkpoint.stop_of),

@@ -17,6 +17,17 @@ class Record:
         self.register = d.insert_unless_exists(
             t, {"id": param("id"), "token": 0} | p.new_job() | p.queued()
         )
+        #: ``register`` committed without waiting for its WAL flush where the database can
+        #: (PostgreSQL; elsewhere ``register``): a plain job's record, its message the
+        #: second copy (``leases_record_sync_commit``).
+        unflushed = d.unflushed(sa.literal(0))
+        self.register_unflushed = (
+            self.register
+            if unflushed is None
+            else d.insert_unless_exists(
+                t, {"id": param("id"), "token": unflushed} | p.new_job() | p.queued()
+            )
+        )
         #: A message no client recorded (sent by name from elsewhere): the job created claimed.
         self.create_claimed = d.insert_unless_exists(
             t,

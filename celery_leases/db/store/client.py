@@ -46,6 +46,7 @@ class ClientOps(TriggerOps):
         queued_timeout: float | None = None,
         fresh: bool = True,
         debounce: tuple[float, float] | None = None,
+        flush: bool = True,
     ) -> Registered:
         """Record the job of a message about to be published: ``new``, ``taken over`` (a new
         job reusing the id of one that ended, or a replacement: ``identity.takes_over``),
@@ -60,7 +61,10 @@ class ClientOps(TriggerOps):
         ``debounce``: (quiet, max_wait) seconds of a debounced trigger (its ``countdown`` is
         the quiet period): when the key's job is one that has not started and waits for its
         due time, the trigger becomes that job's message and moves its due time
-        (``debounced``); a started job keeps it as a waiting trigger (``coalesced``)."""
+        (``debounced``); a started job keeps it as a waiting trigger (``coalesced``).
+
+        ``flush``: a new row's commit waits for the WAL flush (False: not, where the database
+        can say so for one statement; ``Record.register_unflushed``)."""
         text = message.dumps()
         job_id = checked_id(message.id)
         expires_in = None if queued_timeout is None else (countdown or 0.0) + queued_timeout
@@ -77,10 +81,11 @@ class ClientOps(TriggerOps):
             if found is not None:
                 return found
         record = self.sql.record
+        insert = record.register if flush else record.register_unflushed
         for _ in range(3):
             try:
                 inserted = self._hot(
-                    lambda c: self._insert(c, record.register, params), refused=ArgumentsError
+                    lambda c: self._insert(c, insert, params), refused=ArgumentsError
                 )
                 if inserted:
                     return Registered(Recorded.NEW, job_id)

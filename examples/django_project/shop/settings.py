@@ -105,6 +105,12 @@ if os.environ.get("SHOP_LEASES_DB_NAME"):
     }
     CELERY_LEASES_DATABASE_ALIAS = "leases"
 
+if os.environ.get("SHOP_LEASES_ROUTED_URL"):
+    # A second leases database, for the jobs sent to the queue "routed" (leases_routes):
+    # ``manage.py migrate`` of the leases database migrates it too.
+    CELERY_LEASES_DATABASES = {"routed": os.environ["SHOP_LEASES_ROUTED_URL"]}
+    CELERY_LEASES_ROUTES = {"queues": {"routed": "routed"}}
+
 USE_TZ = True
 TIME_ZONE = "UTC"
 STATIC_URL = "static/"
