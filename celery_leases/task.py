@@ -148,20 +148,31 @@ class LeasedTask(Task):  # type: ignore[misc]
 
     def lease_route(self, request: Any = None) -> str | None:
         """The leases database of ``request``'s job (this task's request by default): the one
-        its message names, else its route; None without ``leases_routes``."""
+        its message names, else its route; None without ``leases_routes``.
+        :class:`StoreUnavailable` for a database this process does not know (a worker of a
+        rolling deploy that has not got it yet: the message goes back, for one that has)."""
         cached = self._lease_cache()
-        if not cached.routed:
-            return None
         request = request if request is not None else self.request
         custom = getattr(request, "headers", None) or {}
         # Celery puts a message's custom headers in the request's ``headers``, and at its top
         # level too.
+        if not cached.routed:
+            named = custom.get(routes.ROUTE_HEADER) or getattr(request, routes.ROUTE_HEADER, None)
+            if named and named != routes.DEFAULT:
+                routes.on(cached.settings, str(named))  # raises: no other database here
+            return None
         headers = {
             name: custom.get(name) or getattr(request, name, None)
-            for name in (routes.ROUTE_HEADER, VERSION_HEADER)
+            for name in (routes.ROUTE_HEADER, VERSION_HEADER, KEY_HEADER, GROUP_HEADER)
         }
         info = getattr(request, "delivery_info", None) or {}
-        if info.get("routing_key"):
+        keyed = self.lease_key or self.lease_group or headers[KEY_HEADER] or headers[GROUP_HEADER]
+        if keyed:
+            # A key's or a group's jobs all live in its task's database (a call sent to a
+            # queue routed elsewhere is refused when it is recorded): one sent by name to
+            # such a queue, never recorded, is claimed there too.
+            routed_to = cached.home(self)
+        elif info.get("routing_key"):
             queue = routes.queue_of(self.app, info.get("exchange"), info["routing_key"])
             routed_to = routes.route(cached.settings, self.name, queue)
         else:

@@ -22,7 +22,7 @@ from ..errors import ConfigurationError, LeaseError
 from ..settings import redact
 from .dbapi import Connections
 from .dialects import Dialect, dialect_for
-from .errors import Kind, Wrapped, cancel_statement, interrupted, kind_of
+from .errors import Wrapped, cancel_statement, interrupted, rerun
 from .session import Session
 
 T = TypeVar("T")
@@ -121,24 +121,20 @@ class Database:
         direct: bool = False,
         refused: type[LeaseError] = LeaseError,
     ) -> T:
-        """Run ``operation`` in one transaction, retrying once on a connection the server had
-        closed. ``single``: its outcome rests on one statement, so where the dialect allows it
-        runs in autocommit. ``direct``: ``operation`` only executes statements and reads their
-        rows (``dbapi.Direct``), so it runs on this process's direct connection, in
-        autocommit if ``single``, else in a transaction. ``refused``: the error raised when
-        the database refuses the write for good (``errors.Kind``)."""
+        """Run ``operation`` in one transaction, run again on a connection the server had
+        closed or after a concurrent transaction won (``errors.rerun``). ``single``: its
+        outcome rests on one statement, so where the dialect allows it runs in autocommit.
+        ``direct``: ``operation`` only executes statements and reads their rows
+        (``dbapi.Direct``), so it runs on this process's direct connection, in autocommit if
+        ``single``, else in a transaction. ``refused``: the error raised when the database
+        refuses the write for good (``errors.Kind``)."""
         execute = self.direct.run if direct else self._execute
+        # A connection the server had closed (a restart, an idle timeout) is gone, and a
+        # transaction a concurrent one won was rolled back: run again, on a fresh connection.
+        # Each operation is fenced (its statements test what they change), so running it
+        # again is safe.
         with self.wrapped_errors(refused=refused):
-            try:
-                return execute(operation, single=single)
-            except sa.exc.DBAPIError as exc:
-                if kind_of(exc, self.dialect) not in (Kind.GONE, Kind.CONFLICT):
-                    raise
-            # A connection the server had closed (a restart, an idle timeout) is gone, and a
-            # transaction a concurrent one won was rolled back: run once more, on a fresh
-            # connection. Each operation is fenced (its statements test what they change),
-            # so running it again is safe.
-            return execute(operation, single=single)
+            return rerun(lambda: execute(operation, single=single), self.dialect)
 
     def _execute(self, operation: Callable[[Any], T], *, single: bool) -> T:
         if single and self.dialect.autocommit:

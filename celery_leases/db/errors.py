@@ -7,8 +7,10 @@ Every driver error is one of four kinds (:class:`Kind`), each handled one way:
   the operation runs once more on a fresh connection (``Database.run``); raised as
   :class:`~celery_leases.StoreUnavailable` if that fails too;
 - ``conflict``: a concurrent transaction won (a serialization failure under snapshot
-  isolation, a deadlock, a lock timeout): the store's own one-statement operations run again
-  (each is fenced, so running it again is safe); in a caller's transaction it is raised as
+  isolation, a deadlock, a lock timeout): the store's own operations run again (each is
+  fenced, so running it again is safe), after a short random pause, up to
+  ``CONFLICT_RERUNS`` times (once after a lock timeout, which waited already: ``rerun``);
+  in a caller's transaction it is raised as
   :class:`~celery_leases.WriteConflict` (run the transaction again), never as an outage;
 - ``refused``: the database refuses this write for good (too large for its packet, a value
   too long, a constraint): raised at once with the database's own message, as the error of
@@ -25,13 +27,25 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator
-from typing import Any
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
 from ..errors import LeaseError, StoreUnavailable, WriteConflict
 from .dialects import Dialect, all_dialects
+
+T = TypeVar("T")
+
+#: Times a store's own operation runs again after a deadlock or a serialization failure:
+#: under contention (many triggers of one key while it settles, on MariaDB) the rerun can
+#: meet the same transactions again, and lose again.
+CONFLICT_RERUNS = 4
+#: Seconds of the longest random pause before the first rerun of a conflict, doubled at each
+#: rerun (full jitter: two transactions that deadlocked do not start again at one moment).
+CONFLICT_PAUSE = 0.002
 
 
 class Kind(enum.Enum):
@@ -57,6 +71,36 @@ def kind_of(exc: BaseException, dialect: Dialect | None = None) -> Kind:
     if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError | sa.exc.TimeoutError):
         return Kind.UNAVAILABLE
     return Kind.OTHER
+
+
+def rerun(
+    run: Callable[[], T],
+    dialect: Dialect,
+    *,
+    lost: Callable[[sa.exc.DBAPIError], None] | None = None,
+) -> T:
+    """``run()``, run again once on a connection the server had closed (``gone``), and up
+    to ``CONFLICT_RERUNS`` times, each after a short random pause, when a concurrent
+    transaction won (``conflict``; once only after a lock timeout, which waited already).
+    ``lost(exc)`` is called before each rerun. Every other error, and the last, is raised.
+    Only for operations that are safe to run again: the store's own, each fenced."""
+    gone = conflicts = 0
+    while True:
+        try:
+            return run()
+        except sa.exc.DBAPIError as exc:
+            found = kind_of(exc, dialect)
+            if found is Kind.GONE and not gone:
+                gone = 1
+            elif found is Kind.CONFLICT and conflicts < (
+                1 if dialect.waited_out(exc.orig) else CONFLICT_RERUNS
+            ):
+                conflicts += 1
+                time.sleep(random.uniform(0, CONFLICT_PAUSE * 2**conflicts))
+            else:
+                raise
+            if lost is not None:
+                lost(exc)
 
 
 class Wrapped:
@@ -172,4 +216,5 @@ __all__ = [
     "first_line",
     "interrupted",
     "kind_of",
+    "rerun",
 ]

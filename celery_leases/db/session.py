@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 
 from .dbapi import Direct
-from .errors import Kind, kind_of
+from .errors import rerun
 
 if TYPE_CHECKING:
     from .engine import Database
@@ -70,17 +70,16 @@ class Session:
     def run(self, operation: Callable[[Any], T], *, single: bool = False) -> T:
         """Run ``operation`` on the session's connection (``dbapi.Direct``): in autocommit
         where one statement tells its outcome (``single``: it is one statement, as a renew
-        tick's upsert), else in a transaction; reconnecting once if the server had closed
-        it."""
+        tick's upsert), else in a transaction; run again on a new connection if the server
+        had closed it, or after a concurrent transaction won (``errors.rerun``). Any other
+        error (a statement timeout, say) leaves the session alive."""
+
+        def lost(exc: sa.exc.DBAPIError) -> None:
+            if exc.connection_invalidated:
+                self._close()
+
         with self._lock, self.db.wrapped_errors():
-            try:
-                return self._execute(operation, single)
-            except sa.exc.DBAPIError as exc:
-                if kind_of(exc, self.db.dialect) not in (Kind.GONE, Kind.CONFLICT):
-                    raise  # a statement timeout, say: the session lives on
-                if exc.connection_invalidated:
-                    self._close()
-            return self._execute(operation, single)
+            return rerun(lambda: self._execute(operation, single), self.db.dialect, lost=lost)
 
     def _execute(self, operation: Callable[[Any], T], single: bool) -> T:
         direct = self._open()

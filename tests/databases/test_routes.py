@@ -16,7 +16,7 @@ from celery import Celery
 from celery_leases import LeasedTask, routes
 from celery_leases.config import settings_for
 from celery_leases.db import Store, store_for
-from celery_leases.errors import ConfigurationError
+from celery_leases.errors import ConfigurationError, StoreUnavailable
 from celery_leases.message import ROUTE_HEADER, VERSION_HEADER
 from celery_leases.reaper import reap
 from celery_leases.settings import validate
@@ -212,6 +212,45 @@ def test_a_keyed_task_sent_to_a_queue_routed_elsewhere_is_refused(app: Celery) -
     with pytest.raises(ConfigurationError, match="route the task by its name"):
         keyed.apply_async(("acme",), queue=PG_QUEUE)
     assert keyed.delay("acme").id  # to its own route: fine
+
+
+def test_a_keyed_task_sent_by_name_to_a_queue_routed_elsewhere_runs_in_its_own_database(
+    app: Celery,
+) -> None:
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.routes.keyed", lease_key="{0}")
+    def keyed(self: LeasedTask, account: str) -> str:
+        return account
+
+    # A delivery without a record (sent by name) from the queue routed to pg: the key's
+    # jobs live in the task's own database, where the unique live key can see them all
+    job_id = str(uuid.uuid4())
+    result = keyed.apply(("acme",), task_id=job_id, routing_key=PG_QUEUE)
+
+    assert result.result == "acme"
+    assert where(app, job_id) == ["default"]
+
+
+def test_a_message_naming_a_database_an_app_without_routes_lacks_is_not_run(
+    tmp_path: Path,
+) -> None:
+    # Given an app of one database (a worker of a rolling deploy before it got the routes)
+    url, table = f"sqlite:///{tmp_path}/alone.sqlite3", "leases_alone"
+    migrate_table(url, table)
+    app = memory_app("routes_alone", url, table)
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.routes.alone")
+    def alone(self: LeasedTask) -> str:
+        return "ran"
+
+    # When a message recorded in database 'pg' reaches it
+    result = alone.apply(task_id=str(uuid.uuid4()), headers={ROUTE_HEADER: "pg"})
+
+    # Then it does not run, nor make a second job in its database: it says what to do
+    assert isinstance(result.result, StoreUnavailable), result.result
+    assert "leases_databases does not name" in str(result.result)
+    assert store_for(settings_for(app)).get(result.id) is None
+    store_for(settings_for(app)).engine.dispose()
+    app.close()
 
 
 def test_tasks_sharing_a_key_over_two_databases_are_refused_at_start(app: Celery) -> None:

@@ -259,6 +259,13 @@ class Dialect:
         ``refused``, ``gone``), when this dialect knows it; None otherwise."""
         return None
 
+    def waited_out(self, orig: Any) -> bool:
+        """Whether the driver's error ``orig``, a ``conflict``, came after the statement
+        waited as long as the database lets it for a lock (a lock timeout, SQLite's busy
+        timeout): running it again at once may wait as long again. A deadlock or a
+        serialization failure is told at once, and the other transaction goes on."""
+        return False
+
     def ended_idle_transaction(self, orig: Any) -> bool:
         """Whether the driver's error ``orig`` is the database ending a transaction that sat
         idle too long."""

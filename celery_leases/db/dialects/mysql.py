@@ -27,6 +27,7 @@ DUPLICATE_ENTRY = 1062
 #: A concurrent transaction won: lock wait timeout (1205), deadlock (1213), a row changed since
 #: the snapshot read it (1020, MariaDB's innodb_snapshot_isolation).
 CONFLICT_CODES = (1205, 1213, 1020)
+LOCK_WAIT_TIMEOUT = 1205
 #: A write refused for good: a packet over max_allowed_packet (1153, 1301), a value too long
 #: (1406), out of range (1264), not in the column's character set (1366), NULL in a NOT NULL
 #: column (1048), a row too large (1118), a constraint (1452, 3819).
@@ -250,6 +251,10 @@ class MySQL(Dialect):
         if code in REFUSED_CODES:
             return "refused"
         return None
+
+    def waited_out(self, orig: Any) -> bool:
+        driver = type(orig).__module__.startswith(_DRIVERS)
+        return driver and bool(_code(orig) == LOCK_WAIT_TIMEOUT)
 
     def ended_idle_transaction(self, orig: Any) -> bool:
         driver = type(orig).__module__.startswith(_DRIVERS)

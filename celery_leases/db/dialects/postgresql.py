@@ -23,6 +23,7 @@ IDLE_IN_TRANSACTION_MESSAGE = "terminating connection due to idle-in-transaction
 #: SQLSTATEs of a concurrent transaction winning: serialization failure, deadlock, lock not
 #: available (lock_timeout, NOWAIT).
 CONFLICT_STATES = ("40001", "40P01", "55P03")
+LOCK_NOT_AVAILABLE = "55P03"
 #: SQLSTATE classes of a write refused for good: data exceptions (a value too long, out of
 #: range, not in the encoding) and integrity constraints; and a program limit exceeded (an
 #: index row too large).
@@ -195,6 +196,10 @@ class PostgreSQL(Dialect):
         if state[:2] in REFUSED_CLASSES or state in REFUSED_STATES:
             return "refused"
         return None
+
+    def waited_out(self, orig: Any) -> bool:
+        state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+        return bool(state == LOCK_NOT_AVAILABLE)
 
     def ended_idle_transaction(self, orig: Any) -> bool:
         state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)

@@ -221,6 +221,9 @@ class SQLite(Dialect):
             return "refused"
         return None
 
+    def waited_out(self, orig: Any) -> bool:
+        return self.error_kind(orig) == "conflict"  # the busy timeout ran out
+
     # -- migrations --------------------------------------------------------------------------
 
     @contextlib.contextmanager
