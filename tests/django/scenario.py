@@ -285,6 +285,20 @@ def admin() -> dict[str, Any]:
     seen["cancel messages"] = act("cancel", "queued", "running", "done")
     seen["retry messages"] = act("retry", "failed")
     seen["release messages"] = act("release", "running")
+    # A staff user who may only view the jobs is offered none of the actions (each needs the
+    # change permission), and the list still shows them
+    from django.contrib.auth.models import Permission
+
+    viewer = User.objects.create_user(f"viewer-{tag}", f"v{tag}@example.com", "pw", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_job"))
+    viewing = Client()
+    viewing.force_login(viewer)
+    shown = viewing.get(page)
+    form = shown.context["action_form"] if shown.context else None
+    seen["viewer sees"] = [
+        shown.status_code,
+        [] if form is None else [name for name, _ in form.fields["action"].choices if name],
+    ]
     jobs = {state: store.get(job_id) for state, job_id in ids.items()}
     seen["after"] = {
         state: [job.state, job.stop_requested, (job.expires_in or 0) <= 0]

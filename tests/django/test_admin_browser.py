@@ -100,8 +100,10 @@ def browser(tmp_path: Path) -> Iterator[object]:
 def test_a_staff_user_sees_a_running_job_progress_in_the_admin_and_cancels_it(
     shop: Shop, site: str, browser: object, spawn: Spawner, queue_name: str, tmp_path: Path
 ) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.remote.webdriver import WebDriver
+    from selenium.webdriver.support.expected_conditions import staleness_of
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     driver: WebDriver = browser  # type: ignore[assignment]
@@ -141,11 +143,13 @@ def test_a_staff_user_sees_a_running_job_progress_in_the_admin_and_cancels_it(
         row.find_element(By.NAME, "_selected_action").click()
         Select(driver.find_element(By.NAME, "action")).select_by_value("cancel")
         driver.find_element(By.NAME, "index").click()
-        # The action's answer is the next page, once it has loaded (a click does not wait).
-        WebDriverWait(driver, 30).until(
-            lambda d: d.find_elements(By.CSS_SELECTOR, "ul.messagelist li")
+        # The action's answer is the next page, once it has loaded: a click does not wait, and
+        # the page it leaves has messages of its own (the list warns that no reaper runs), so
+        # wait for that page to go, then read the new one's.
+        WebDriverWait(driver, 30).until(staleness_of(row))
+        said = WebDriverWait(driver, 30, ignored_exceptions=[StaleElementReferenceException]).until(
+            lambda d: [m.text for m in d.find_elements(By.CSS_SELECTOR, "ul.messagelist li")]
         )
-        said = [m.text for m in driver.find_elements(By.CSS_SELECTOR, "ul.messagelist li")]
         assert any("it stops at its next checkpoint and ends cancelled" in m for m in said), (
             said,
             job_of(shop, batch),

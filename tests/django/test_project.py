@@ -148,6 +148,7 @@ def test_the_admin_lists_filters_and_searches_jobs_and_groups_and_its_actions_us
         "queued again: attempt 2 resumes from its checkpoint" in m for m in seen["retry messages"]
     )
     assert any("lease of w@host/" in m for m in seen["release messages"])
+    assert seen["viewer sees"] == [200, []]
     assert seen["after"]["queued"][:2] == ["cancelled", None]
     assert seen["after"]["running"] == ["running", "cancel", True]
     assert seen["after"]["failed"][0] == "queued"

@@ -193,7 +193,10 @@ def test_renewals_that_fail_for_less_than_the_lease_keep_the_attempt_and_change_
     job_id = o.send(3, 3.0)
     o.started(job_id, 0, timeout=30)
 
-    # When the database is down for 1 s in the middle of unit 0
+    # When the database is down for 1 s in the middle of unit 0 (once the unit's start has
+    # its reply: stopped the moment the start's row commits, the proxy can cut the reply, and
+    # the body's own write fails instead of the renewals)
+    time.sleep(0.3)
     o.proxy.stop()
     time.sleep(1.0)
     o.proxy.start()
@@ -219,7 +222,9 @@ def test_an_outage_longer_than_the_lease_stops_the_attempt_and_the_job_resumes_a
     job_id = o.send(2, 5.0)
     o.started(job_id, 1, timeout=30)
 
-    # When the database is down for 3.5 s during unit 1 (past the lease)
+    # When the database is down for 3.5 s during unit 1 (past the lease), from 0.3 s into it
+    # (once the unit's start has its reply, as above)
+    time.sleep(0.3)
     o.proxy.stop()
     time.sleep(3.5)
     o.proxy.start()
@@ -272,8 +277,10 @@ def test_a_finish_blocked_past_the_lease_runs_again_from_the_last_checkpoint_red
     o.beat()
     job_id = o.send(2, 0.2, tail_seconds=1.5)
 
-    # When the database goes down right after the last checkpoint, for 5 s
+    # When the database goes down right after the last checkpoint, for 5 s (once the
+    # checkpoint's COMMIT has its reply, as above)
     o.committed(job_id, 1, timeout=30)
+    time.sleep(0.3)
     o.proxy.stop()
     time.sleep(5.0)
     o.proxy.start()

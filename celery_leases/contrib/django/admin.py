@@ -51,7 +51,6 @@ def cancel(modeladmin: Any, request: HttpRequest, jobs: QuerySet[Job]) -> None:
     _each(request, jobs, lambda job_id: control.cancel(_celery_app(), store, job_id))
 
 
-@admin.action(description="Release: expire the lease (its worker is dead)", permissions=["change"])
 def warn_without_reaper(request: HttpRequest) -> None:
     """Say on the page when no reaper pass happened for a while (``heartbeat.silence``)."""
     if request.method != "GET":
@@ -64,6 +63,7 @@ def warn_without_reaper(request: HttpRequest) -> None:
         messages.warning(request, f"celery-leases: {missing}")
 
 
+@admin.action(description="Release: expire the lease (its worker is dead)", permissions=["change"])
 def release(modeladmin: Any, request: HttpRequest, jobs: QuerySet[Job]) -> None:
     store = database.store()
     _each(request, jobs, lambda job_id: control.release(store, job_id))
