@@ -18,7 +18,7 @@ ORDER = (
     "operations", "dispatch", "throughput", "recovery", "scale", "memory", "column_types", "keys",
     "newest",
     "ceiling", "peers", "large", "joined", "debounce", "groups", "checkpoint", "checkpoint_sql",
-    "pause",
+    "pause", "timeline",
 )  # fmt: skip
 
 

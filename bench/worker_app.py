@@ -8,6 +8,11 @@ task makes (before and after the body), as raw single-row autocommit ``UPDATE``s
 psycopg on a connection of the pool process's own (as the store connects), each process on a
 row of its own of ``BENCH_FLOOR_TABLE``: what two durable writes per task cost a worker with
 no library at all.
+
+``BENCH_TIMELINE=<dir>`` (``bench.timeline``): each pool process stamps its jobs' moments on
+the machine's monotonic clock (``task_prerun``, the body's start and end, each statement's
+start and end: a LeasedTask's claim and finish, a floor task's writes, ``task_postrun``) and
+writes them to ``<dir>/<pid>.json`` when it exits.
 """
 
 from __future__ import annotations
@@ -26,7 +31,17 @@ from celery_leases import LeasedTask
 from tests.support.worker import CeleryProcess, Spawner, Worker
 
 CONFIG, COUNTER, RUN = "BENCH_CELERY_CONFIG", "BENCH_COUNTER_URL", "BENCH_RUN"
-FLOOR_TABLE = "BENCH_FLOOR_TABLE"
+FLOOR_TABLE, TIMELINE = "BENCH_FLOOR_TABLE", "BENCH_TIMELINE"
+
+#: This process's stamps, ``(monotonic seconds, moment)``, when ``BENCH_TIMELINE`` is set.
+_stamps: list[tuple[float, str]] | None = [] if os.environ.get(TIMELINE) else None
+
+
+def mark(moment: str) -> None:
+    """Stamp ``moment`` now (``BENCH_TIMELINE``); nothing otherwise."""
+    if _stamps is not None:
+        _stamps.append((time.monotonic(), moment))
+
 
 _writers: dict[int, Any] = {}
 
@@ -44,9 +59,11 @@ def raw_write(url: str) -> None:
             f"INSERT INTO {os.environ[FLOOR_TABLE]} VALUES (%s, 0) ON CONFLICT DO NOTHING",
             (os.getpid(),),
         )
+    mark("statement<")
     connection.execute(
         f"UPDATE {os.environ[FLOOR_TABLE]} SET v = v + 1 WHERE id = %s", (os.getpid(),)
     )
+    mark("statement>")
 
 
 def make_app(config: dict[str, Any], name: str = "bench") -> Celery:
@@ -55,18 +72,22 @@ def make_app(config: dict[str, Any], name: str = "bench") -> Celery:
     app.conf.update({"broker_connection_retry_on_startup": True, **config})
 
     def noop(self: Task) -> None:
-        return None
+        mark("body<")
+        mark("body>")
 
     def sleep(self: Task, seconds: float) -> None:
+        mark("body<")
         time.sleep(seconds)
+        mark("body>")
 
     def floor_noop(self: Task) -> None:
         raw_write(self.app.conf.leases_database_url)
+        noop(self)
         raw_write(self.app.conf.leases_database_url)
 
     def floor_sleep(self: Task, seconds: float) -> None:
         raw_write(self.app.conf.leases_database_url)
-        time.sleep(seconds)
+        sleep(self, seconds)
         raw_write(self.app.conf.leases_database_url)
 
     for kind, body in (("noop", noop), ("sleep", sleep)):
@@ -85,10 +106,12 @@ def start_worker(
     run: str,
     concurrency: int = 1,
     floor_table: str | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> Worker:
     """A ready ``celery worker -P prefork -c <concurrency>`` of this app, counting as ``run``
-    (``floor_table``: the table of the ``bench.floor_*`` tasks' writes)."""
-    env = {CONFIG: json.dumps(config), COUNTER: counter_url, RUN: run}
+    (``floor_table``: the table of the ``bench.floor_*`` tasks' writes; ``extra_env``: more of
+    its environment)."""
+    env = {CONFIG: json.dumps(config), COUNTER: counter_url, RUN: run, **(extra_env or {})}
     if floor_table is not None:
         env[FLOOR_TABLE] = floor_table
     return spawner.worker(__name__, env=env, concurrency=concurrency, timeout=60)
@@ -134,8 +157,40 @@ def _count(task: Any = None, **_: Any) -> None:
     pipe.execute()
 
 
+def _stamp_statements() -> None:
+    """Stamp the start and end of a LeasedTask's claim and finish statements (``mark``), and
+    each job's ``task_prerun`` and ``task_postrun`` (before the counter's own write)."""
+    from celery.signals import task_prerun, worker_process_shutdown
+
+    from celery_leases.db.store.worker import AttemptOps
+
+    def stamped(method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            mark("statement<")
+            try:
+                return method(*args, **kwargs)
+            finally:
+                mark("statement>")
+
+        return call
+
+    AttemptOps.claim = stamped(AttemptOps.claim)  # type: ignore[method-assign]
+    AttemptOps.finish = stamped(AttemptOps.finish)  # type: ignore[method-assign]
+    task_prerun.connect(lambda **_: mark("prerun"), weak=False)
+    task_postrun.connect(lambda **_: mark("postrun"), weak=False)
+
+    def write(**_: Any) -> None:
+        path = os.path.join(os.environ[TIMELINE], f"{os.getpid()}.json")
+        with open(path, "w") as file:
+            json.dump(_stamps, file)
+
+    worker_process_shutdown.connect(write, weak=False)
+
+
 if CONFIG in os.environ:
     app = make_app(json.loads(os.environ[CONFIG]))
+    if _stamps is not None:
+        _stamp_statements()
     task_postrun.connect(_count, weak=False)
     # The worker logs at INFO so that tests.support.worker sees it ready; a line per task would cost
     # both variants a write each, so the per-task loggers are quieter.
