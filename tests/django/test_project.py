@@ -265,6 +265,38 @@ def test_migrate_of_the_leases_database_migrates_every_routed_database_too(
     assert [t for t in tables_of(routed) if t.startswith(TABLE)] == []
 
 
+def test_a_leases_database_added_after_migrate_is_a_warning_until_migrate_brings_it_up(
+    tmp_path: Path,
+) -> None:
+    # Given the project migrated with its one leases database
+    default, routed = tmp_path / "default.sqlite3", tmp_path / "routed.sqlite3"
+    env = {
+        "SHOP_DATABASE": "sqlite",
+        "SHOP_DB_NAME": str(default),
+        "SHOP_LEASES_TABLE": TABLE,
+        "SHOP_DEBUG": "0",
+    }
+    shop = Shop("sqlite", env, f"sqlite:///{default}")
+    shop.manage("migrate", "--verbosity", "0")
+
+    # When a second leases database is added (CELERY_LEASES_DATABASES): the project checked,
+    # migrated (Django records every migration as applied already), checked again
+    added = {"SHOP_LEASES_ROUTED_URL": f"sqlite:///{routed}"}
+    before = shop.try_manage("check", "--database", "default", **added)
+    made = shop.manage("migrate", "--verbosity", "1", **added)
+    after = shop.try_manage("check", "--database", "default", **added)
+
+    # Then the check names the database and the command, and migrate, with no migration to
+    # apply, brings the new database to the leases table's revision
+    assert "celery_leases.W003" in before.stderr, before.stderr
+    assert "leases database 'routed' (CELERY_LEASES_DATABASES)" in before.stderr
+    assert "run manage.py migrate: it brings every database" in before.stderr
+    assert "No migrations to apply" in made.stdout
+    assert f"(database 'routed'): brought to revision {migrations.head()}" in made.stdout
+    assert TABLE in tables_of(routed)
+    assert "celery_leases.W003" not in after.stderr, after.stderr
+
+
 def tables_of(path: Path) -> list[str]:
     engine = sa.create_engine(f"sqlite:///{path}")
     try:

@@ -59,8 +59,10 @@ def release_after_task(sender: Any = None, **kwargs: Any) -> None:
 def report_after_migrate(
     using: str = "default", verbosity: int = 1, apps: Any = None, **_: Any
 ) -> None:
-    """After ``manage.py migrate`` of the leases database: where the table is and at which
+    """After ``manage.py migrate`` of the leases database: a routed database added since its
+    migrations were applied brought to their revision, then where the table is and at which
     revision (the revisions themselves are this app's migrations' operations)."""
-    from .migration import report
+    from .migration import report, settle_routed
 
+    settle_routed(using, verbosity=verbosity)
     report(using, verbosity=verbosity)

@@ -14,6 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 from django.core import checks
 
+from ... import routes
 from ...config import unread_keys, uses_leases
 from ...db.dialects import dialect_for
 from ...errors import ConfigurationError, LeaseError
@@ -226,14 +227,35 @@ def check_leases_table(
             )
         ]
     except LeaseError as exc:
-        return [
-            checks.Warning(
-                f"cannot read the leases table's revision in {store.safe_url}: {exc}",
-                hint="check that the database is reachable",
-                id="celery_leases.W003",
+        return [_unreadable(store, exc)]
+    found = []
+    for name, other in routes.stores(store.settings)[1:]:
+        try:
+            other.check_schema()
+        except ConfigurationError as exc:
+            found.append(
+                checks.Warning(
+                    f"leases database {name!r} (CELERY_LEASES_DATABASES): {exc}",
+                    hint=(
+                        f"run manage.py migrate{where}: it brings every database of "
+                        f"CELERY_LEASES_DATABASES to the leases table's revision (one added "
+                        f"after the migrations were applied too)"
+                    ),
+                    id="celery_leases.W003",
+                )
             )
-        ]
-    return []
+        except LeaseError as exc:
+            found.append(_unreadable(other, exc, name))
+    return found
+
+
+def _unreadable(store: Any, exc: Exception, name: str | None = None) -> checks.CheckMessage:
+    which = "" if name is None else f" (leases database {name!r})"
+    return checks.Warning(
+        f"cannot read the leases table's revision in {store.safe_url}{which}: {exc}",
+        hint="check that the database is reachable",
+        id="celery_leases.W003",
+    )
 
 
 def _migrated(alias: str) -> bool:

@@ -19,7 +19,7 @@ from django.db.migrations.operations.base import Operation
 from ... import routes
 from ...db import migrations
 from ...db.schema import version_table
-from ...errors import ConfigurationError
+from ...errors import ConfigurationError, LeaseError
 from . import database
 
 
@@ -109,6 +109,39 @@ def _drop_versions(store: Any) -> str:
 def _at_or_past(current: str | None, revision: str) -> bool:
     order = migrations.revisions()
     return current in order and order.index(current) >= order.index(revision)
+
+
+def settle_routed(using: str, *, verbosity: int = 0) -> None:
+    """After ``migrate`` of the leases database: bring each database named in
+    ``CELERY_LEASES_DATABASES`` whose table is behind the leases database's (one added after
+    the migrations were applied, where Django has nothing left to apply) to its revision.
+    Never takes one back: ``migrate celery_leases <n>`` undoes revisions on every database
+    itself (:class:`Revision`)."""
+    if using != database.alias():
+        return
+    store = database.store()
+    others = routes.stores(store.settings)[1:]
+    if not others:
+        return
+    target = migrations.current(store)
+    if target not in migrations.revisions():  # no table (zero), or a newer celery-leases's
+        return
+    for name, other in others:
+        try:
+            if _at_or_past(migrations.current(other), target):
+                continue
+            migrations.upgrade(other, revision=target)
+        except (LeaseError, sa.exc.DBAPIError) as exc:
+            raise ConfigurationError(
+                f"celery-leases: cannot bring leases database {name!r} ({other.safe_url}) to "
+                f"revision {target}, where the leases database is: {exc}. Make it reachable "
+                f"and run manage.py migrate again"
+            ) from exc
+        if verbosity >= 1:
+            print(
+                f"celery-leases: leases table {other.table.name} in {other.safe_url} "
+                f"(database {name!r}): brought to revision {target}"
+            )
 
 
 def report(using: str, *, verbosity: int = 0) -> None:
