@@ -382,9 +382,11 @@ class _Cached:
 
 
 def _default_queue(task: Any) -> str | None:
-    """The queue Celery's router sends a call of ``task`` without options to."""
+    """The queue Celery's router sends a call of ``task`` without options to: its own
+    ``queue`` (``@app.task(queue=...)``) before ``task_routes``, as ``apply_async`` has it."""
     try:
-        queue = task.app.amqp.router.route({}, task.name, (), {})["queue"]
+        options = dict(task._get_exec_options())  # a copy: the router pops from it
+        queue = task.app.amqp.router.route(options, task.name, (), {})["queue"]
     except Exception:  # a router of the app's that needs the call's arguments
         found = task.queue or task.app.conf.task_default_queue
         return None if found is None else str(found)

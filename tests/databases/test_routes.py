@@ -214,6 +214,30 @@ def test_a_keyed_task_sent_to_a_queue_routed_elsewhere_is_refused(app: Celery) -
     assert keyed.delay("acme").id  # to its own route: fine
 
 
+def test_a_keyed_task_whose_own_queue_is_routed_lives_in_that_queues_database(
+    app: Celery,
+) -> None:
+    # Given a keyed task declared with a queue of its own (@app.task(queue=...)), which
+    # apply_async sends it to before task_routes, and that queue routed to pg
+    @app.task(
+        base=LeasedTask, bind=True, shared=False, name="tests.routes.own_queue",
+        lease_key="{0}", queue=PG_QUEUE,
+    )  # fmt: skip
+    def own_queue(self: LeasedTask, account: str) -> str:
+        return account
+
+    # When it is called without options, and run as a delivery without a record
+    sent = own_queue.delay("acme")
+    job_id = str(uuid.uuid4())
+    run = own_queue.apply(("globex",), task_id=job_id)
+
+    # Then its home is that queue's database: the call is not refused as sent elsewhere, and
+    # both jobs live in pg
+    assert own_queue.lease_home() == "pg"
+    assert where(app, sent.id) == ["pg"]
+    assert run.result == "globex" and where(app, job_id) == ["pg"]
+
+
 def test_a_keyed_task_sent_by_name_to_a_queue_routed_elsewhere_runs_in_its_own_database(
     app: Celery,
 ) -> None:

@@ -644,6 +644,27 @@ def reaper_under_database_scheduler() -> dict[str, Any]:
     return seen
 
 
+@scenario
+def checkpoint_in_atomic_of_a_routed_job() -> dict[str, Any]:
+    """A task whose jobs live in the routed leases database (its queue's route) checkpoints
+    inside ``atomic()`` on the project's database: refused, naming the job's database."""
+    from django.db import transaction
+    from shop import celery_app
+
+    from celery_leases import LeasedTask
+
+    @celery_app.task(base=LeasedTask, bind=True, queue="routed", shared=False)
+    def routed_atomic(self: Any) -> str | None:
+        with transaction.atomic():
+            try:
+                self.checkpoint({"n": 1})
+            except Exception as exc:
+                return f"{type(exc).__name__}: {exc}"
+        return None
+
+    return {"home": routed_atomic.lease_home(), "error": routed_atomic.apply().get()}
+
+
 def main() -> None:
     name, args = sys.argv[1], json.loads(sys.argv[2])
     django.setup()

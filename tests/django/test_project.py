@@ -297,6 +297,34 @@ def test_a_leases_database_added_after_migrate_is_a_warning_until_migrate_brings
     assert "celery_leases.W003" not in after.stderr, after.stderr
 
 
+def test_a_checkpoint_in_atomic_of_a_routed_job_is_refused_naming_its_database(
+    tmp_path: Path,
+) -> None:
+    # Given the project with a second leases database, migrated
+    default, routed = tmp_path / "default.sqlite3", tmp_path / "routed.sqlite3"
+    env = {
+        "SHOP_DATABASE": "sqlite",
+        "SHOP_DB_NAME": str(default),
+        "SHOP_LEASES_TABLE": TABLE,
+        "SHOP_LEASES_ROUTED_URL": f"sqlite:///{routed}",
+        "SHOP_DEBUG": "0",
+    }
+    shop = Shop("sqlite", env, f"sqlite:///{default}")
+    shop.manage("migrate", "--verbosity", "0")
+
+    # When a task whose jobs live there checkpoints inside atomic() on the project's database
+    seen = shop.run("checkpoint_in_atomic_of_a_routed_job")
+
+    # Then it is refused, naming the job's database and what to do (not the settings of the
+    # leases database, which would not help)
+    assert seen["home"] == "routed"
+    error = seen["error"]
+    assert error.startswith("ConfigurationError: a checkpoint inside transaction.atomic()")
+    assert "this job lives in leases database 'routed' of CELERY_LEASES_DATABASES" in error
+    assert "add that database to DATABASES" in error and "after the block" in error
+    assert "CELERY_LEASES_DATABASE_ALIAS" not in error
+
+
 def tables_of(path: Path) -> list[str]:
     engine = sa.create_engine(f"sqlite:///{path}")
     try:

@@ -117,6 +117,29 @@ def refuse_unjoined(store: Any, lease: Any) -> None:
 
 def _unjoinable(store: Any, name: str) -> str:
     leases = database.alias_of(store.settings.database_url)
+    routed = next(
+        (n for n, url in store.settings.databases.items() if url == store.settings.database_url),
+        None,
+    )
+    if routed is not None:  # a job of a database of CELERY_LEASES_DATABASES (its route's)
+        if leases == name:
+            how = (
+                f"its URL there names DATABASES[{name!r}] through another driver than "
+                f"Django's: give it Django's driver"
+            )
+        elif leases is not None:
+            how = f"open the block with transaction.atomic(using={leases!r})"
+        else:
+            how = "add that database to DATABASES and open the block on its alias"
+        return (
+            f"a checkpoint inside transaction.atomic() on database {name!r} cannot commit with "
+            f"the block: this job lives in leases database {routed!r} of "
+            f"CELERY_LEASES_DATABASES ({store.safe_url}), so it would commit on its own, "
+            f"before the block, and a crash between the two would lose the block's work for "
+            f"good. A checkpoint joins a block on the database its job lives in: {how}; or "
+            f"call self.checkpoint() after the block (a crash then redoes the block's work: "
+            f"make it idempotent)"
+        )
     where = (
         f"DATABASES[{leases!r}] through another driver ({store.safe_url})"
         if leases is not None
