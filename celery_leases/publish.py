@@ -154,13 +154,12 @@ class Recorder:
         settings = task._lease_cache().settings
         if not routes.routed(settings):
             return None
+        named = published.headers.get(ROUTE_HEADER)
+        if named:  # where the job lives already: the routes of now are not asked
+            routes.on(settings, str(named))  # raises: a database this app does not know
+            return str(named)
         running = routes.active()
-        if (
-            running is not None
-            and not published.headers.get(ROUTE_HEADER)
-            and current_task
-            and current_task.request.id == published.id
-        ):
+        if running is not None and current_task and current_task.request.id == published.id:
             return running  # a retry of the running attempt: its job lives where it runs
         queue = routes.queue_of(task.app, published.exchange, published.routing_key)
         routed_to = routes.route(settings, task.name, queue)

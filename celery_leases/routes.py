@@ -16,6 +16,8 @@ a starting worker, the metrics) goes over :func:`stores`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -99,11 +101,32 @@ def queue_of(app: Any, exchange: str | None, routing_key: str | None) -> str | N
     app's queue bound so, else the routing key (Celery names a queue it creates after it)."""
     if not routing_key:
         return None
+    topical = None
     for queue in app.amqp.queues.values():
         bound = queue.exchange.name if queue.exchange is not None else ""
-        if queue.routing_key == routing_key and (not exchange or bound == exchange):
+        if exchange and bound != exchange:
+            continue
+        if queue.routing_key == routing_key:
             return str(queue.name)
-    return routing_key
+        if (
+            topical is None
+            and exchange
+            and getattr(queue.exchange, "type", None) == "topic"
+            and _topic(queue.routing_key or "").match(routing_key)
+        ):
+            topical = str(queue.name)  # the first queue whose binding pattern matches
+    return topical if topical is not None else routing_key
+
+
+@functools.lru_cache(maxsize=256)
+def _topic(pattern: str) -> re.Pattern[str]:
+    """A topic exchange's binding ``pattern`` as a regular expression, as kombu's own topic
+    exchange matches it (``*`` one word, ``#`` any words)."""
+    words = (
+        r"[^.]+" if word == "*" else r".*?" if word == "#" else re.escape(word)
+        for word in pattern.split(".")
+    )
+    return re.compile("^" + r"\.".join(words) + "$")
 
 
 def of_message(

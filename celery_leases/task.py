@@ -165,6 +165,10 @@ class LeasedTask(Task):  # type: ignore[misc]
             name: custom.get(name) or getattr(request, name, None)
             for name in (routes.ROUTE_HEADER, VERSION_HEADER, KEY_HEADER, GROUP_HEADER)
         }
+        named = headers[routes.ROUTE_HEADER]
+        if named:  # where the job was recorded: the routes of now are not asked
+            routes.on(cached.settings, str(named))  # raises: no such database here
+            return str(named)
         info = getattr(request, "delivery_info", None) or {}
         keyed = self.lease_key or self.lease_group or headers[KEY_HEADER] or headers[GROUP_HEADER]
         if keyed:
@@ -295,6 +299,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             limit = limit.__func__  # a function given as the option became a method of the task
         rate = options.pop("lease_group_rate", self.lease_group_rate)
         if self.app.conf.task_always_eager:
+            _eager_route(self, options, key=key, group=group)
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
@@ -336,6 +341,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         a transaction of the task's that may hold the job's row (a checkpoint joined it), the
         replacement waits for the body to return, that transaction ended
         (``Attempt.held_back``)."""
+        _refuse_replacement_elsewhere(self, sig)
         lease = held(self.request.id)
         if lease is not None and lease.joined_write and lease.joined is None:
             lease.held_back = ("replace", sig)
@@ -381,13 +387,75 @@ class _Cached:
         return self._home
 
 
+def _eager_route(task: Any, options: dict[str, Any], *, key: Any, group: Any) -> None:
+    """With ``task_always_eager`` and routes: name in the call's headers the database of the
+    queue it is sent to, as its record would (an eager run knows no queue), refusing a keyed
+    or grouped call to a queue routed elsewhere than its task."""
+    cached = task._lease_cache()
+    if not cached.routed or (options.get("headers") or {}).get(routes.ROUTE_HEADER):
+        return
+    try:
+        route = task.app.amqp.router.route(
+            {**task._get_exec_options(), **options}, task.name, (), {}
+        )
+    except Exception:  # a router that needs the call's arguments: the task's home
+        return
+    queue = route.get("queue")
+    if queue is not None:
+        queue = str(getattr(queue, "name", queue))
+    else:
+        exchange = route.get("exchange")
+        queue = routes.queue_of(
+            task.app, getattr(exchange, "name", exchange), route.get("routing_key")
+        )
+    name = routes.route(cached.settings, task.name, queue)
+    keyed = key or group or task.lease_key or task.lease_group
+    if keyed and name != cached.home(task):
+        raise ConfigurationError(
+            f"task {task.name} sent to queue {queue!r}: its jobs have a lease key or a "
+            f"group, whose jobs must all live in one leases database, but the queue's route "
+            f"is database {name!r} and the task's own is {cached.home(task)!r}; route the "
+            f"task by its name (leases_routes 'tasks'), not by queue"
+        )
+    options["headers"] = {**(options.get("headers") or {}), routes.ROUTE_HEADER: name}
+
+
+def _refuse_replacement_elsewhere(task: Any, sig: Any) -> None:
+    """Refuse, before the job ends, ``task.replace(sig)`` by a keyed or grouped task whose jobs
+    live in another leases database than the running job's: the replacement takes over the
+    job's id where the job lives, and a key's or a group's jobs must all live in its own."""
+    running = routes.active()
+    name = getattr(sig, "task", None)
+    other = task.app.tasks.get(name) if isinstance(name, str) else None
+    if running is None or other is None or not getattr(other, "__celery_leases__", False):
+        return
+    options = getattr(sig, "options", None) or {}
+    shared = other.lease_key or other.lease_group
+    if not (shared or options.get("lease_key") or options.get("lease_group")):
+        return
+    home = other.lease_home()
+    if home != running:
+        raise ConfigurationError(
+            f"task {task.name}: replace() by {other.name}, whose jobs have a lease key or a "
+            f"group and live in leases database {home!r}, cannot take over this job's id in "
+            f"database {running!r} (a key's or a group's jobs must all live in one): send "
+            f"it with apply_async() and return its result instead"
+        )
+
+
 def _default_queue(task: Any) -> str | None:
     """The queue Celery's router sends a call of ``task`` without options to: its own
     ``queue`` (``@app.task(queue=...)``) before ``task_routes``, as ``apply_async`` has it."""
     try:
         options = dict(task._get_exec_options())  # a copy: the router pops from it
-        queue = task.app.amqp.router.route(options, task.name, (), {})["queue"]
+        route = task.app.amqp.router.route(options, task.name, (), {})
     except Exception:  # a router of the app's that needs the call's arguments
-        found = task.queue or task.app.conf.task_default_queue
-        return None if found is None else str(found)
-    return str(getattr(queue, "name", queue))
+        route = {}
+    queue = route.get("queue")
+    if queue is not None:
+        return str(getattr(queue, "name", queue))
+    exchange = route.get("exchange")
+    found = routes.queue_of(task.app, getattr(exchange, "name", exchange), route.get("routing_key"))
+    if found is None:
+        found = getattr(task, "queue", None) or task.app.conf.task_default_queue
+    return None if found is None else str(getattr(found, "name", found))
