@@ -19,8 +19,10 @@ each job's time splits into:
   and the finish, timed around the store's calls; floor: the raw writes); what is left of
   ``before`` and ``after`` is Python (Celery's and the library's).
 
-Medians over every job but each process's first, then the median of the rounds; the rate is
-the batch's, first to last completion. Nothing here is asserted.
+Medians over every job but each process's first and last, then the median of the rounds; the
+rate is the batch's, first to last completion. Nothing here is asserted. The stamps are in the
+pool processes only: what the worker's main process does shows in ``between``, for every
+variant alike (with ``-c 2`` it includes a wait for the main process to hand the next job).
 
     python -m bench.timeline [--quick] [--concurrency N] [--rounds R] [--kinds 10ms noop]
 """
@@ -52,18 +54,20 @@ COLUMNS = "task variant per_s " + " ".join(f"{s}_ms" for s in SEGMENTS) + " pyth
 
 def jobs_of(stamps: Sequence[tuple[float, str]]) -> list[dict[str, float]]:
     """One process's stamps as its jobs' segments (ms), each job but the first and the last
-    (the one without a next ``task_prerun``)."""
+    (the one without a next ``task_prerun``), and but one whose body did not run."""
     starts = [i for i, (_, moment) in enumerate(stamps) if moment == "prerun"]
     jobs = []
     for begin, end in itertools.pairwise(starts[1:]):
         job = stamps[begin:end]
         at = {moment: t for t, moment in job if not moment.startswith("statement")}
+        if "body<" not in at or "body>" not in at or "postrun" not in at:
+            continue  # a delivery that did not run its body (a duplicate dropped by its claim)
         statements = [t for t, moment in job if moment.startswith("statement")]
         spans = list(zip(statements[::2], statements[1::2], strict=True))
         before = (at["body<"] - at["prerun"]) * 1000
         after = (at["postrun"] - at["body>"]) * 1000
         stmt1 = sum((b - a) * 1000 for a, b in spans if a < at["body<"])
-        stmt2 = sum((b - a) * 1000 for a, b in spans if a >= at["body<"])
+        stmt2 = sum((b - a) * 1000 for a, b in spans if a >= at["body>"])
         jobs.append(
             {
                 "before": before,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -112,21 +111,26 @@ def queue_of(app: Any, exchange: str | None, routing_key: str | None) -> str | N
             topical is None
             and exchange
             and getattr(queue.exchange, "type", None) == "topic"
-            and _topic(queue.routing_key or "").match(routing_key)
+            and _topic_matches(queue.routing_key or "", routing_key)
         ):
             topical = str(queue.name)  # the first queue whose binding pattern matches
     return topical if topical is not None else routing_key
 
 
-@functools.lru_cache(maxsize=256)
-def _topic(pattern: str) -> re.Pattern[str]:
-    """A topic exchange's binding ``pattern`` as a regular expression, as kombu's own topic
-    exchange matches it (``*`` one word, ``#`` any words)."""
-    words = (
-        r"[^.]+" if word == "*" else r".*?" if word == "#" else re.escape(word)
-        for word in pattern.split(".")
-    )
-    return re.compile("^" + r"\.".join(words) + "$")
+@functools.lru_cache(maxsize=1024)
+def _topic_matches(pattern: str, key: str) -> bool:
+    """Whether a topic exchange bound with ``pattern`` routes ``key`` to its queue, as AMQP
+    has it: ``*`` one word, ``#`` zero or more words."""
+    return _words_match(tuple(pattern.split(".")), tuple(key.split(".")))
+
+
+def _words_match(pattern: tuple[str, ...], key: tuple[str, ...]) -> bool:
+    if not pattern:
+        return not key
+    head, rest = pattern[0], pattern[1:]
+    if head == "#":
+        return any(_words_match(rest, key[i:]) for i in range(len(key) + 1))
+    return bool(key) and head in ("*", key[0]) and _words_match(rest, key[1:])
 
 
 def of_message(

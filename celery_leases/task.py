@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Task
+from celery.canvas import _chain, chord
 from celery.exceptions import Ignore
 
 from . import attempt, checkpoint, groups, keys, lifecycle, routes
@@ -299,7 +300,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             limit = limit.__func__  # a function given as the option became a method of the task
         rate = options.pop("lease_group_rate", self.lease_group_rate)
         if self.app.conf.task_always_eager:
-            _eager_route(self, options, key=key, group=group)
+            _eager_route(self, args, kwargs, options, key=key, group=group)
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
@@ -387,7 +388,9 @@ class _Cached:
         return self._home
 
 
-def _eager_route(task: Any, options: dict[str, Any], *, key: Any, group: Any) -> None:
+def _eager_route(
+    task: Any, args: Any, kwargs: Any, options: dict[str, Any], *, key: Any, group: Any
+) -> None:
     """With ``task_always_eager`` and routes: name in the call's headers the database of the
     queue it is sent to, as its record would (an eager run knows no queue), refusing a keyed
     or grouped call to a queue routed elsewhere than its task."""
@@ -396,9 +399,9 @@ def _eager_route(task: Any, options: dict[str, Any], *, key: Any, group: Any) ->
         return
     try:
         route = task.app.amqp.router.route(
-            {**task._get_exec_options(), **options}, task.name, (), {}
+            {**task._get_exec_options(), **options}, task.name, args or (), kwargs or {}
         )
-    except Exception:  # a router that needs the call's arguments: the task's home
+    except Exception:  # a router that fails here fails the call's send too: the home
         return
     queue = route.get("queue")
     if queue is not None:
@@ -425,6 +428,14 @@ def _refuse_replacement_elsewhere(task: Any, sig: Any) -> None:
     live in another leases database than the running job's: the replacement takes over the
     job's id where the job lives, and a key's or a group's jobs must all live in its own."""
     running = routes.active()
+    # The replacement's task that takes over the job's id: a chain's last, a chord's body.
+    while True:
+        if isinstance(sig, _chain) and sig.tasks:
+            sig = sig.tasks[-1]
+        elif isinstance(sig, chord):
+            sig = sig.body
+        else:
+            break
     name = getattr(sig, "task", None)
     other = task.app.tasks.get(name) if isinstance(name, str) else None
     if running is None or other is None or not getattr(other, "__celery_leases__", False):

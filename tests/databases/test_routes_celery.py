@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from celery import Celery
+from celery import Celery, chain
 from celery.worker.request import Request
 from kombu import Consumer, Exchange, Queue
 from kombu import Message as KombuMessage
@@ -172,6 +172,32 @@ def test_a_keyed_replacement_whose_key_lives_elsewhere_is_refused_before_the_job
     assert live_rows_of_key(app, "acct:acme") == {"maria": [first.id]}
 
 
+def test_a_keyed_replacement_at_the_end_of_a_chain_is_refused_too(app: Celery) -> None:
+    # Given a keyed task whose home is maria, and a task that replaces itself with a chain
+    # whose last step (the one that takes over the job's id) is a call of that task
+    @app.task(
+        base=LeasedTask, bind=True, shared=False, name="tests.review.billing_keyed",
+        lease_key="acct:{0}",
+    )  # fmt: skip
+    def billing_keyed(self: LeasedTask, account: str) -> str:
+        return account
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.review.hand_over")
+    def hand_over(self: LeasedTask, account: str) -> Any:
+        return self.replace(chain(billing_keyed.s(account)))
+
+    # When a job running in pg replaces itself so
+    sent = hand_over.apply_async(("acme",), queue=pg_queue(app))
+    [message] = received(app, pg_queue(app))
+    execute(app, message)
+
+    # Then it is refused before the job ends, and no job of the key was made anywhere
+    job = store(app, "pg").get(sent.id)
+    assert job is not None and job.state == "failed"
+    assert "cannot take over this job's id in database 'pg'" in str(job.error)
+    assert live_rows_of_key(app, "acct:acme") == {}
+
+
 def test_a_keyed_task_whose_task_routes_give_an_exchange_and_routing_key_can_be_called(
     urls: dict[str, Any], apps: list[Celery]
 ) -> None:
@@ -214,6 +240,29 @@ def test_a_keyed_task_with_a_router_that_reads_the_arguments_can_be_called(
     # Neither queue is routed: the job lives in default
     sent = keyed.delay("eu-acme")
     assert where(app, sent.id) == ["default"]
+
+
+def test_an_eager_call_is_routed_by_a_router_that_reads_its_arguments(
+    urls: dict[str, Any], apps: list[Celery]
+) -> None:
+    # Given task_always_eager and a router that sends calls for EU accounts to the queue
+    # routed to pg
+    table = urls["table"]
+
+    def eu_to_pg(name: str, args: Any, kwargs: Any, options: Any, **_: Any) -> Any:
+        return {"queue": f"{table}_pg" if args and args[0].startswith("eu-") else table}
+
+    app = make_app(urls, task_always_eager=True, task_routes=(eu_to_pg,))
+    apps.append(app)
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.review.plain")
+    def plain(self: LeasedTask, account: str) -> str:
+        return account
+
+    # When an EU and a US account's calls run, then each lives where its queue's route says
+    eu, us = plain.delay("eu-acme"), plain.delay("us-acme")
+    assert (eu.result, us.result) == ("eu-acme", "us-acme")
+    assert (where(app, eu.id), where(app, us.id)) == (["pg"], ["default"])
 
 
 def test_a_worker_starts_with_a_keyed_task_and_a_router_that_reads_the_arguments(
@@ -266,6 +315,10 @@ def test_a_call_sent_through_a_topic_exchange_lives_in_its_queues_database(
     assert message.headers["id"] == sent.id
     # Then it lives in pg, the database of the queue it is sent to
     assert where(app, sent.id) == ["pg"]
+    # And, as AMQP matches topics, '#' takes zero words too; a pattern of no match does not
+    exchange = f"{table}_jobs"
+    assert routes.queue_of(app, exchange, "billing") == f"{table}_pg"
+    assert routes.queue_of(app, exchange, "shipping.label") == "shipping.label"
 
 
 def test_a_message_naming_its_database_runs_there_whatever_a_routes_callable_says_now(

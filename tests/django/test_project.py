@@ -283,6 +283,8 @@ def test_a_leases_database_added_after_migrate_is_a_warning_until_migrate_brings
     # migrated (Django records every migration as applied already), checked again
     added = {"SHOP_LEASES_ROUTED_URL": f"sqlite:///{routed}"}
     before = shop.try_manage("check", "--database", "default", **added)
+    shop.manage("flush", "--no-input", **added)  # what a TransactionTestCase does after a test
+    flushed = tables_of(routed)
     made = shop.manage("migrate", "--verbosity", "1", **added)
     after = shop.try_manage("check", "--database", "default", **added)
 
@@ -291,10 +293,36 @@ def test_a_leases_database_added_after_migrate_is_a_warning_until_migrate_brings
     assert "celery_leases.W003" in before.stderr, before.stderr
     assert "leases database 'routed' (CELERY_LEASES_DATABASES)" in before.stderr
     assert "run manage.py migrate: it brings every database" in before.stderr
+    assert TABLE not in flushed  # flush sends post_migrate too: it migrates nothing
     assert "No migrations to apply" in made.stdout
     assert f"(database 'routed'): brought to revision {migrations.head()}" in made.stdout
     assert TABLE in tables_of(routed)
     assert "celery_leases.W003" not in after.stderr, after.stderr
+
+
+def test_migrate_goes_through_when_a_routed_database_added_later_cannot_be_reached(
+    tmp_path: Path,
+) -> None:
+    # Given the project migrated, then a second leases database added that cannot be reached
+    default = tmp_path / "default.sqlite3"
+    env = {
+        "SHOP_DATABASE": "sqlite",
+        "SHOP_DB_NAME": str(default),
+        "SHOP_LEASES_TABLE": TABLE,
+        "SHOP_DEBUG": "0",
+    }
+    shop = Shop("sqlite", env, f"sqlite:///{default}")
+    shop.manage("migrate", "--verbosity", "0")
+    gone = {"SHOP_LEASES_ROUTED_URL": f"sqlite:///{tmp_path}/no/such/dir/routed.sqlite3"}
+
+    # When the project is migrated (a new migration of another app would be applied so)
+    made = shop.try_manage("migrate", "--verbosity", "1", **gone)
+
+    # Then migrate succeeds (Django's migrations are committed, the other apps' post_migrate
+    # receivers ran) and says which database it could not bring to the revision, and why
+    assert made.returncode == 0, made.stderr
+    assert "could not bring leases database 'routed'" in made.stdout
+    assert "Run manage.py migrate again once it answers" in made.stdout
 
 
 def test_a_checkpoint_in_atomic_of_a_routed_job_is_refused_naming_its_database(

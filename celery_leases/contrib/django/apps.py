@@ -57,12 +57,16 @@ def release_after_task(sender: Any = None, **kwargs: Any) -> None:
 
 
 def report_after_migrate(
-    using: str = "default", verbosity: int = 1, apps: Any = None, **_: Any
+    using: str = "default", verbosity: int = 1, apps: Any = None, **kwargs: Any
 ) -> None:
     """After ``manage.py migrate`` of the leases database: a routed database added since its
     migrations were applied brought to their revision, then where the table is and at which
-    revision (the revisions themselves are this app's migrations' operations)."""
+    revision (the revisions themselves are this app's migrations' operations). Django's
+    ``flush`` sends this signal too (after every ``TransactionTestCase`` test), without a
+    ``plan``: then nothing is done."""
     from .migration import report, settle_routed
 
-    settle_routed(using, verbosity=verbosity)
+    if "plan" not in kwargs:  # flush, not migrate
+        return
+    settle_routed(using, verbosity=verbosity, out=kwargs.get("stdout"))
     report(using, verbosity=verbosity)

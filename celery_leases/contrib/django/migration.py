@@ -111,37 +111,55 @@ def _at_or_past(current: str | None, revision: str) -> bool:
     return current in order and order.index(current) >= order.index(revision)
 
 
-def settle_routed(using: str, *, verbosity: int = 0) -> None:
+def settle_routed(using: str, *, verbosity: int = 0, out: Any = None) -> None:
     """After ``migrate`` of the leases database: bring each database named in
     ``CELERY_LEASES_DATABASES`` whose table is behind the leases database's (one added after
     the migrations were applied, where Django has nothing left to apply) to its revision.
-    Never takes one back: ``migrate celery_leases <n>`` undoes revisions on every database
-    itself (:class:`Revision`)."""
+    Never takes one back (``migrate celery_leases <n>`` undoes revisions on every database
+    itself: :class:`Revision`), nor touches a table a newer celery-leases migrated. A database
+    it cannot bring there is written to ``out`` (the command's output) and left to
+    ``celery_leases.W003``: ``migrate`` has committed Django's migrations by then, and the
+    other apps' ``post_migrate`` receivers must still run."""
     if using != database.alias():
         return
-    store = database.store()
+    try:
+        store = database.store()
+    except ConfigurationError:
+        return  # a leases URL that cannot be used: the checks say why (E00x, W002)
     others = routes.stores(store.settings)[1:]
     if not others:
         return
     target = migrations.current(store)
-    if target not in migrations.revisions():  # no table (zero), or a newer celery-leases's
+    known = migrations.revisions()
+    if target not in known:  # no table (zero), or a newer celery-leases's
         return
     for name, other in others:
         try:
-            if _at_or_past(migrations.current(other), target):
-                continue
+            current = migrations.current(other)
+            if (current is not None and current not in known) or _at_or_past(current, target):
+                continue  # at or past it (a newer celery-leases's revision included)
             migrations.upgrade(other, revision=target)
-        except (LeaseError, sa.exc.DBAPIError) as exc:
-            raise ConfigurationError(
-                f"celery-leases: cannot bring leases database {name!r} ({other.safe_url}) to "
-                f"revision {target}, where the leases database is: {exc}. Make it reachable "
-                f"and run manage.py migrate again"
-            ) from exc
-        if verbosity >= 1:
-            print(
-                f"celery-leases: leases table {other.table.name} in {other.safe_url} "
-                f"(database {name!r}): brought to revision {target}"
+        except (LeaseError, ConfigurationError, sa.exc.DBAPIError) as exc:
+            _say(
+                out,
+                f"celery-leases: could not bring leases database {name!r} "
+                f"({other.safe_url}) to revision {target}, where the leases database is: "
+                f"{exc}. Run manage.py migrate again once it answers",
             )
+            continue
+        if verbosity >= 1:
+            _say(
+                out,
+                f"celery-leases: leases table {other.table.name} in {other.safe_url} "
+                f"(database {name!r}): brought to revision {target}",
+            )
+
+
+def _say(out: Any, line: str) -> None:
+    if out is None:
+        print(line)
+    else:
+        out.write(line + "\n")
 
 
 def report(using: str, *, verbosity: int = 0) -> None:

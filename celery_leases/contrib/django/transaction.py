@@ -122,13 +122,15 @@ def _unjoinable(store: Any, name: str) -> str:
         None,
     )
     if routed is not None:  # a job of a database of CELERY_LEASES_DATABASES (its route's)
-        if leases == name:
-            how = (
-                f"its URL there names DATABASES[{name!r}] through another driver than "
-                f"Django's: give it Django's driver"
-            )
+        joinable = database.joinable_alias(store.settings.database_url)
+        if joinable is not None:
+            how = f"open the block with transaction.atomic(using={joinable!r})"
         elif leases is not None:
-            how = f"open the block with transaction.atomic(using={leases!r})"
+            how = (
+                f"its URL there names DATABASES[{leases!r}] through another driver than "
+                f"Django's: give it Django's driver, and open the block with "
+                f"transaction.atomic(using={leases!r})"
+            )
         else:
             how = "add that database to DATABASES and open the block on its alias"
         return (
