@@ -16,7 +16,7 @@ from typing import Any
 from celery import current_task
 
 from . import lifecycle, routes
-from .errors import ArgumentsError, ConfigurationError, StoreUnavailable
+from .errors import ArgumentsError, StoreUnavailable
 from .log import job_fields
 from .message import GROUP_HEADER, KEY_HEADER, ROUTE_HEADER, Message
 
@@ -174,12 +174,7 @@ class Recorder:
             return name  # the job exists: it stays where it lives
         shared = task.lease_key or task.lease_group or published.headers.get(KEY_HEADER)
         if (shared or published.headers.get(GROUP_HEADER)) and name != task.lease_home():
-            raise ConfigurationError(
-                f"task {task.name} sent to queue {queue!r}: its jobs have a lease key or a "
-                f"group, whose jobs must all live in one leases database, but the queue's "
-                f"route is database {name!r} and the task's own is {task.lease_home()!r}; "
-                f"route the task by its name (leases_routes 'tasks'), not by queue"
-            )
+            raise routes.split_call(task.name, queue, name, task.lease_home())
         return name
 
     def undo(self) -> None:

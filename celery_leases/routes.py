@@ -133,6 +133,17 @@ def _words_match(pattern: tuple[str, ...], key: tuple[str, ...]) -> bool:
     return bool(key) and head in ("*", key[0]) and _words_match(rest, key[1:])
 
 
+def split_call(task: str, queue: str | None, name: str, home: str) -> ConfigurationError:
+    """The refusal of a call of keyed or grouped ``task`` sent to ``queue``, routed to
+    database ``name``, not to the task's ``home``."""
+    return ConfigurationError(
+        f"task {task} sent to queue {queue!r}: its jobs have a lease key or a group, whose "
+        f"jobs must all live in one leases database, but the queue's route is database "
+        f"{name!r} and the task's own is {home!r}; route the task by its name (leases_routes "
+        f"'tasks'), not by queue"
+    )
+
+
 def of_message(
     settings: Settings, job_id: str, headers: Any, *, routed_to: str, recorded: bool
 ) -> str:
@@ -226,6 +237,7 @@ __all__ = [
     "queue_of",
     "route",
     "routed",
+    "split_call",
     "split_keys",
     "stores",
     "using",

@@ -397,29 +397,13 @@ def _eager_route(
     cached = task._lease_cache()
     if not cached.routed or (options.get("headers") or {}).get(routes.ROUTE_HEADER):
         return
-    try:
-        route = task.app.amqp.router.route(
-            {**task._get_exec_options(), **options}, task.name, args or (), kwargs or {}
-        )
-    except Exception:  # a router that fails here fails the call's send too: the home
+    queue = _routed_queue(task, options, args, kwargs)
+    if queue is None:  # a router that fails here fails the call's send too: the home
         return
-    queue = route.get("queue")
-    if queue is not None:
-        queue = str(getattr(queue, "name", queue))
-    else:
-        exchange = route.get("exchange")
-        queue = routes.queue_of(
-            task.app, getattr(exchange, "name", exchange), route.get("routing_key")
-        )
     name = routes.route(cached.settings, task.name, queue)
     keyed = key or group or task.lease_key or task.lease_group
     if keyed and name != cached.home(task):
-        raise ConfigurationError(
-            f"task {task.name} sent to queue {queue!r}: its jobs have a lease key or a "
-            f"group, whose jobs must all live in one leases database, but the queue's route "
-            f"is database {name!r} and the task's own is {cached.home(task)!r}; route the "
-            f"task by its name (leases_routes 'tasks'), not by queue"
-        )
+        raise routes.split_call(task.name, queue, name, cached.home(task))
     options["headers"] = {**(options.get("headers") or {}), routes.ROUTE_HEADER: name}
 
 
@@ -456,17 +440,26 @@ def _refuse_replacement_elsewhere(task: Any, sig: Any) -> None:
 
 def _default_queue(task: Any) -> str | None:
     """The queue Celery's router sends a call of ``task`` without options to: its own
-    ``queue`` (``@app.task(queue=...)``) before ``task_routes``, as ``apply_async`` has it."""
+    ``queue`` (``@app.task(queue=...)``) before ``task_routes``, as ``apply_async`` has it;
+    for a router that needs the call's arguments, its own queue or the default one."""
+    found = _routed_queue(task, {}, (), {})
+    if found is None:
+        found = getattr(task, "queue", None) or task.app.conf.task_default_queue
+    return None if found is None else str(getattr(found, "name", found))
+
+
+def _routed_queue(task: Any, options: dict[str, Any], args: Any, kwargs: Any) -> str | None:
+    """The name of the queue Celery's router sends a call of ``task`` with ``options`` to (the
+    task's own options first, as ``apply_async`` merges them): the route's queue, else the one
+    its exchange and routing key reach. None when the router fails or names neither."""
     try:
-        options = dict(task._get_exec_options())  # a copy: the router pops from it
-        route = task.app.amqp.router.route(options, task.name, (), {})
-    except Exception:  # a router of the app's that needs the call's arguments
-        route = {}
+        route = task.app.amqp.router.route(
+            {**task._get_exec_options(), **options}, task.name, args or (), kwargs or {}
+        )
+    except Exception:  # a router of the app's that needs other arguments
+        return None
     queue = route.get("queue")
     if queue is not None:
         return str(getattr(queue, "name", queue))
     exchange = route.get("exchange")
-    found = routes.queue_of(task.app, getattr(exchange, "name", exchange), route.get("routing_key"))
-    if found is None:
-        found = getattr(task, "queue", None) or task.app.conf.task_default_queue
-    return None if found is None else str(getattr(found, "name", found))
+    return routes.queue_of(task.app, getattr(exchange, "name", exchange), route.get("routing_key"))
