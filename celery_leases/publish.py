@@ -154,10 +154,9 @@ class Recorder:
         settings = task._lease_cache().settings
         if not routes.routed(settings):
             return None
-        named = published.headers.get(ROUTE_HEADER)
-        if named:  # where the job lives already: the routes of now are not asked
-            routes.on(settings, str(named))  # raises: a database this app does not know
-            return str(named)
+        named = routes.named(settings, published.headers)
+        if named is not None:
+            return named
         running = routes.active()
         if running is not None and current_task and current_task.request.id == published.id:
             return running  # a retry of the running attempt: its job lives where it runs
@@ -166,7 +165,6 @@ class Recorder:
         name = routes.of_message(
             settings,
             published.id,
-            published.headers,
             routed_to=routed_to,
             recorded=published.version is not None,
         )

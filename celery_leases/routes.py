@@ -144,18 +144,23 @@ def split_call(task: str, queue: str | None, name: str, home: str) -> Configurat
     )
 
 
-def of_message(
-    settings: Settings, job_id: str, headers: Any, *, routed_to: str, recorded: bool
-) -> str:
-    """The database of a message's job: the one its ``leases_database`` header names (where
-    the job was recorded); else, for a message built from a recorded one (``recorded``: it
-    carries a version, yet no database: recorded before the app had routes, or re-sent by
-    Celery without its custom headers), the database that holds the job; else
-    ``routed_to``, its route (a message sent by name: its claim records it there)."""
-    named = (headers or {}).get(ROUTE_HEADER)
-    if named:
-        on(settings, str(named))  # refuses a name this app does not know, with what to do
-        return str(named)
+def named(settings: Settings, headers: Any) -> str | None:
+    """The database a message's ``leases_database`` header names (where its job was
+    recorded: the routes of now are not asked), or None; :class:`StoreUnavailable` for a name
+    this app does not know, with what to do."""
+    name = (headers or {}).get(ROUTE_HEADER)
+    if not name:
+        return None
+    on(settings, str(name))
+    return str(name)
+
+
+def of_message(settings: Settings, job_id: str, *, routed_to: str, recorded: bool) -> str:
+    """The database of the job of a message whose header names none (:func:`named` first):
+    for a message built from a recorded one (``recorded``: it carries a version, yet no
+    database: recorded before the app had routes, or re-sent by Celery without its custom
+    headers), the database that holds the job; else ``routed_to``, its route (a message sent
+    by name: its claim records it there)."""
     if recorded:
         found = locate(settings, job_id, first=routed_to)
         if found is not None:
@@ -231,6 +236,7 @@ __all__ = [
     "ROUTE_HEADER",
     "active",
     "locate",
+    "named",
     "names",
     "of_message",
     "on",

@@ -166,10 +166,9 @@ class LeasedTask(Task):  # type: ignore[misc]
             name: custom.get(name) or getattr(request, name, None)
             for name in (routes.ROUTE_HEADER, VERSION_HEADER, KEY_HEADER, GROUP_HEADER)
         }
-        named = headers[routes.ROUTE_HEADER]
-        if named:  # where the job was recorded: the routes of now are not asked
-            routes.on(cached.settings, str(named))  # raises: no such database here
-            return str(named)
+        named = routes.named(cached.settings, headers)
+        if named is not None:
+            return named
         info = getattr(request, "delivery_info", None) or {}
         keyed = self.lease_key or self.lease_group or headers[KEY_HEADER] or headers[GROUP_HEADER]
         if keyed:
@@ -185,7 +184,6 @@ class LeasedTask(Task):  # type: ignore[misc]
         return routes.of_message(
             cached.settings,
             str(request.id),
-            headers,
             routed_to=routed_to,
             recorded=headers[VERSION_HEADER] is not None,
         )
@@ -412,6 +410,8 @@ def _refuse_replacement_elsewhere(task: Any, sig: Any) -> None:
     live in another leases database than the running job's: the replacement takes over the
     job's id where the job lives, and a key's or a group's jobs must all live in its own."""
     running = routes.active()
+    if running is None:
+        return
     # The replacement's task that takes over the job's id: a chain's last, a chord's body.
     while True:
         if isinstance(sig, _chain) and sig.tasks:
@@ -422,7 +422,7 @@ def _refuse_replacement_elsewhere(task: Any, sig: Any) -> None:
             break
     name = getattr(sig, "task", None)
     other = task.app.tasks.get(name) if isinstance(name, str) else None
-    if running is None or other is None or not getattr(other, "__celery_leases__", False):
+    if other is None or not getattr(other, "__celery_leases__", False):
         return
     options = getattr(sig, "options", None) or {}
     shared = other.lease_key or other.lease_group

@@ -20,28 +20,23 @@ from celery_leases.errors import ConfigurationError, StoreUnavailable
 from celery_leases.message import ROUTE_HEADER, VERSION_HEADER
 from celery_leases.reaper import reap
 from celery_leases.settings import validate
-from celery_leases.worker.keeper import all_keepers
 from tests.support.cli import migrate_table
-from tests.support.memory import memory_app
-from tests.support.service import drop_tables, require
+from tests.support.memory import close_routed, memory_app, three_databases
 
 PG_QUEUE = "to_pg"
 
 
 @pytest.fixture
 def app(tmp_path: Path) -> Iterator[Celery]:
-    table = f"leases_t_{uuid.uuid4().hex[:8]}"
-    urls = {
-        "default": f"sqlite:///{tmp_path}/leases.sqlite3",
-        "pg": require("postgres"),
-        "maria": require("mariadb"),
-    }
-    for url in urls.values():
-        migrate_table(url, table)
+    with three_databases(tmp_path, "leases_t_") as urls:
+        yield from _app(urls)
+
+
+def _app(urls: dict[str, str]) -> Iterator[Celery]:
     app = memory_app(
         "routes_tests",
         urls["default"],
-        table,
+        urls["table"],
         leases_databases={"pg": urls["pg"], "maria": urls["maria"]},
         leases_routes={"tasks": {"tests.routes.billing*": "maria"}, "queues": {PG_QUEUE: "pg"}},
     )
@@ -63,17 +58,10 @@ def app(tmp_path: Path) -> Iterator[Celery]:
     def chain_step(self: LeasedTask, account: str) -> Any:
         return billing.delay(account).id  # a job of another route, sent from a running one
 
-    yield app
-    stores = [store for _, store in routes.stores(settings_for(app))]
-    for keeper in all_keepers():
-        if keeper.store in stores:
-            keeper.stop()
-            keeper.join(timeout=5)
-    for store in stores:
-        store.engine.dispose()
-    app.close()
-    for name in ("pg", "maria"):
-        drop_tables(urls[name], table)
+    try:
+        yield app
+    finally:
+        close_routed(app)
 
 
 def store(app: Celery, name: str) -> Store:

@@ -7,7 +7,6 @@ in this process, not eager)."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,26 +22,14 @@ from celery_leases import LeasedTask, routes
 from celery_leases.config import settings_for
 from celery_leases.db import Store, store_for
 from celery_leases.message import ROUTE_HEADER
-from celery_leases.worker.keeper import all_keepers
 from celery_leases.worker.startup import validated
-from tests.support.cli import migrate_table
-from tests.support.memory import memory_app
-from tests.support.service import drop_tables, require
+from tests.support.memory import close_routed, memory_app, three_databases
 
 
 @pytest.fixture
 def urls(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    table = f"leases_r_{uuid.uuid4().hex[:8]}"
-    found = {
-        "default": f"sqlite:///{tmp_path}/leases.sqlite3",
-        "pg": require("postgres"),
-        "maria": require("mariadb"),
-    }
-    for url in found.values():
-        migrate_table(url, table)
-    yield {"table": table, **found}
-    for name in ("pg", "maria"):
-        drop_tables(found[name], table)
+    with three_databases(tmp_path, "leases_r_") as found:
+        yield found
 
 
 def make_app(urls: dict[str, Any], **conf: Any) -> Celery:
@@ -67,14 +54,7 @@ def apps() -> Iterator[list[Celery]]:
     made: list[Celery] = []
     yield made
     for app in made:
-        stores = [store for _, store in routes.stores(settings_for(app))]
-        for keeper in all_keepers():
-            if keeper.store in stores:
-                keeper.stop()
-                keeper.join(timeout=5)
-        for store in stores:
-            store.engine.dispose()
-        app.close()
+        close_routed(app)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -103,6 +104,16 @@ class Shop:
                 {"b": batch},
             ).all()
         return [tuple(r) for r in rows]  # type: ignore[misc]
+
+
+def sqlite_shop(tmp_path: Path, **env: str) -> Shop:
+    """The example project on a fresh SQLite file of ``tmp_path`` (not migrated), with the
+    environment variables ``env`` added."""
+    path = tmp_path / "shop.sqlite3"
+    base = {"SHOP_DATABASE": "sqlite", "SHOP_DB_NAME": str(path)}
+    return Shop(
+        "sqlite", base | {"SHOP_LEASES_TABLE": TABLE, "SHOP_DEBUG": "0"} | env, f"sqlite:///{path}"
+    )
 
 
 @pytest.fixture(scope="session", params=["sqlite", "postgres", "mariadb"])

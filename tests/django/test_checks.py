@@ -12,17 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from celery_leases.db import migrations
-from tests.django.conftest import TABLE, Shop
+from tests.django.conftest import TABLE, Shop, sqlite_shop
 
 #: The project's settings with SHOP_EXTRA_SETTINGS (JSON) added.
 EXTRA_SETTINGS = "tests.django.extra_settings"
 _ID = re.compile(r"\((celery_leases\.[EW]\d{3})\) ")
-
-
-def sqlite_shop(tmp_path: Path, **env: str) -> Shop:
-    """The example project on a fresh SQLite file (not migrated: these checks read no table)."""
-    base = {"SHOP_DATABASE": "sqlite", "SHOP_DB_NAME": str(tmp_path / "shop.sqlite3")}
-    return Shop("sqlite", base | {"SHOP_LEASES_TABLE": TABLE, "SHOP_DEBUG": "0"} | env, "")
 
 
 def check(

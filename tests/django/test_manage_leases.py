@@ -216,7 +216,7 @@ def test_without_a_celery_app_the_command_says_how_to_name_it(tmp_path: Any) -> 
 
 
 def test_a_missing_leases_table_names_manage_py_migrate_first(tmp_path: Any) -> None:
-    from tests.django.test_checks import sqlite_shop
+    from tests.django.conftest import sqlite_shop
 
     # Given a project whose database was never migrated
     shop = sqlite_shop(tmp_path)

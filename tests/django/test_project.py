@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 import celery_leases.contrib.django.migrations as django_migrations
 from celery_leases.db import migrations
-from tests.django.conftest import TABLE, Shop
+from tests.django.conftest import TABLE, Shop, sqlite_shop
 
 DJANGO_MIGRATIONS = Path(django_migrations.__file__).parent
 
@@ -245,15 +245,8 @@ def test_migrate_of_the_leases_database_migrates_every_routed_database_too(
     tmp_path: Path,
 ) -> None:
     # Given the project with a second leases database (CELERY_LEASES_DATABASES)
-    default, routed = tmp_path / "default.sqlite3", tmp_path / "routed.sqlite3"
-    env = {
-        "SHOP_DATABASE": "sqlite",
-        "SHOP_DB_NAME": str(default),
-        "SHOP_LEASES_TABLE": TABLE,
-        "SHOP_LEASES_ROUTED_URL": f"sqlite:///{routed}",
-        "SHOP_DEBUG": "0",
-    }
-    shop = Shop("sqlite", env, f"sqlite:///{default}")
+    routed = tmp_path / "routed.sqlite3"
+    shop = sqlite_shop(tmp_path, SHOP_LEASES_ROUTED_URL=f"sqlite:///{routed}")
 
     # When the project is migrated, then its leases migrated back to zero
     shop.manage("migrate", "--verbosity", "0")
@@ -269,14 +262,8 @@ def test_a_leases_database_added_after_migrate_is_a_warning_until_migrate_brings
     tmp_path: Path,
 ) -> None:
     # Given the project migrated with its one leases database
-    default, routed = tmp_path / "default.sqlite3", tmp_path / "routed.sqlite3"
-    env = {
-        "SHOP_DATABASE": "sqlite",
-        "SHOP_DB_NAME": str(default),
-        "SHOP_LEASES_TABLE": TABLE,
-        "SHOP_DEBUG": "0",
-    }
-    shop = Shop("sqlite", env, f"sqlite:///{default}")
+    routed = tmp_path / "routed.sqlite3"
+    shop = sqlite_shop(tmp_path)
     shop.manage("migrate", "--verbosity", "0")
 
     # When a second leases database is added (CELERY_LEASES_DATABASES): the project checked,
@@ -304,14 +291,7 @@ def test_migrate_goes_through_when_a_routed_database_added_later_cannot_be_reach
     tmp_path: Path,
 ) -> None:
     # Given the project migrated, then a second leases database added that cannot be reached
-    default = tmp_path / "default.sqlite3"
-    env = {
-        "SHOP_DATABASE": "sqlite",
-        "SHOP_DB_NAME": str(default),
-        "SHOP_LEASES_TABLE": TABLE,
-        "SHOP_DEBUG": "0",
-    }
-    shop = Shop("sqlite", env, f"sqlite:///{default}")
+    shop = sqlite_shop(tmp_path)
     shop.manage("migrate", "--verbosity", "0")
     gone = {"SHOP_LEASES_ROUTED_URL": f"sqlite:///{tmp_path}/no/such/dir/routed.sqlite3"}
 
@@ -329,15 +309,8 @@ def test_a_checkpoint_in_atomic_of_a_routed_job_is_refused_naming_its_database(
     tmp_path: Path,
 ) -> None:
     # Given the project with a second leases database, migrated
-    default, routed = tmp_path / "default.sqlite3", tmp_path / "routed.sqlite3"
-    env = {
-        "SHOP_DATABASE": "sqlite",
-        "SHOP_DB_NAME": str(default),
-        "SHOP_LEASES_TABLE": TABLE,
-        "SHOP_LEASES_ROUTED_URL": f"sqlite:///{routed}",
-        "SHOP_DEBUG": "0",
-    }
-    shop = Shop("sqlite", env, f"sqlite:///{default}")
+    routed = tmp_path / "routed.sqlite3"
+    shop = sqlite_shop(tmp_path, SHOP_LEASES_ROUTED_URL=f"sqlite:///{routed}")
     shop.manage("migrate", "--verbosity", "0")
 
     # When a task whose jobs live there checkpoints inside atomic() on the project's database

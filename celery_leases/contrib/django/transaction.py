@@ -116,13 +116,11 @@ def refuse_unjoined(store: Any, lease: Any) -> None:
 
 
 def _unjoinable(store: Any, name: str) -> str:
-    leases = database.alias_of(store.settings.database_url)
-    routed = next(
-        (n for n, url in store.settings.databases.items() if url == store.settings.database_url),
-        None,
-    )
+    url = store.settings.database_url
+    leases = database.alias_of(url)
+    routed = next((n for n, each in store.settings.databases.items() if each == url), None)
     if routed is not None:  # a job of a database of CELERY_LEASES_DATABASES (its route's)
-        joinable = database.joinable_alias(store.settings.database_url)
+        joinable = database.joinable_alias(url)
         if joinable is not None:
             how = f"open the block with transaction.atomic(using={joinable!r})"
         elif leases is not None:
@@ -133,25 +131,25 @@ def _unjoinable(store: Any, name: str) -> str:
             )
         else:
             how = "add that database to DATABASES and open the block on its alias"
-        return (
-            f"a checkpoint inside transaction.atomic() on database {name!r} cannot commit with "
-            f"the block: this job lives in leases database {routed!r} of "
-            f"CELERY_LEASES_DATABASES ({store.safe_url}), so it would commit on its own, "
-            f"before the block, and a crash between the two would lose the block's work for "
-            f"good. A checkpoint joins a block on the database its job lives in: {how}; or "
-            f"call self.checkpoint() after the block (a crash then redoes the block's work: "
-            f"make it idempotent)"
+        lives = (
+            f"this job lives in leases database {routed!r} of CELERY_LEASES_DATABASES "
+            f"({store.safe_url})"
         )
-    where = (
-        f"DATABASES[{leases!r}] through another driver ({store.safe_url})"
-        if leases is not None
-        else f"another database ({store.safe_url})"
-    )
+        advice = f"A checkpoint joins a block on the database its job lives in: {how}; or"
+    else:
+        where = (
+            f"DATABASES[{leases!r}] through another driver ({store.safe_url})"
+            if leases is not None
+            else f"another database ({store.safe_url})"
+        )
+        lives = f"the leases live in {where}"
+        advice = (
+            f"Keep the leases in that database (leave CELERY_LEASES_DATABASE_URL unset and set "
+            f"CELERY_LEASES_DATABASE_ALIAS = {name!r}), or"
+        )
     return (
         f"a checkpoint inside transaction.atomic() on database {name!r} cannot commit with the "
-        f"block: the leases live in {where}, so it would commit on its own, before the block, "
-        f"and a crash between the two would lose the block's work for good. Keep the leases "
-        f"in that database (leave CELERY_LEASES_DATABASE_URL unset and set "
-        f"CELERY_LEASES_DATABASE_ALIAS = {name!r}), or call self.checkpoint() after the "
-        f"block (a crash then redoes the block's work: make it idempotent)"
+        f"block: {lives}, so it would commit on its own, before the block, and a crash between "
+        f"the two would lose the block's work for good. {advice} call self.checkpoint() after "
+        f"the block (a crash then redoes the block's work: make it idempotent)"
     )
