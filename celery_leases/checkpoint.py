@@ -12,7 +12,7 @@ from .db import rows
 from .db.joined import Joined, joined, refuse_unjoined
 from .errors import Cancelled, CheckpointError, LeaseLost, Preempted, Superseded
 from .lease import Lease, until_deadline
-from .lifecycle.run import lost_commits
+from .lifecycle.run import why_refused
 from .log import job_fields, lease_fields
 from .signals import checkpoint_saved
 
@@ -130,18 +130,23 @@ def _written(lease: Lease, transaction: Joined | None, write: Any, *, what: str)
 
 
 def fenced_out(task: Any, lease: Lease, what: str) -> NoReturn:
-    """A write of ``lease``'s attempt found a newer token: it lost the lease (LeaseLost)."""
+    """A write of ``lease``'s attempt was refused by its fence: it lost the lease (LeaseLost),
+    said with why (:func:`lifecycle.why_refused`)."""
     lease.lost = True
     metrics.count("leases_lost", task=task.name)
-    if not lost_commits(task, lease, f"{what} not saved"):
+    why = why_refused(task, lease, f"{what} not saved")
+    if why is not None:
         logger.warning(
-            "lease lost on job %s (token %s): another attempt holds it; %s not saved",
+            "lease lost on job %s (token %s): %s; %s not saved",
             lease.job_id,
             lease.token,
+            why,
             what,
             extra=lease_fields(lease),
         )
-    raise LeaseLost(f"job {lease.job_id}: another attempt holds the lease; stop")
+    raise LeaseLost(
+        f"job {lease.job_id}: this attempt lost its lease ({why or 'commits lost'}); stop"
+    )
 
 
 def _encoded(task: Any, lease: Lease, state: Any, what: str) -> str:

@@ -26,7 +26,7 @@ COUNTERS = {
     "claims": "Leases claimed (first runs and resumes)",
     "resumes": "Claims that resumed a job after an earlier attempt",
     "duplicates_dropped": "Deliveries dropped because the job was finished or leased",
-    "leases_lost": "Attempts that found another attempt holds their job",
+    "leases_lost": "Attempts whose fenced write was refused: their lease was lost",
     "lost_commits": "Refused writes that found the database behind the attempt (a failover)",
     "reaped": "Expired jobs re-published by the reaper",
     "gave_up": "Jobs failed by the reaper after attempts without progress",

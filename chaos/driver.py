@@ -186,10 +186,13 @@ LOG_ERRORS = {
 }
 #: A worker's log line saying a job's renewals failed until its lease expired.
 LOST_RENEWALS = r"lease lost on job (\S+): renewals failed"
-#: A worker's log line saying an attempt found at its checkpoint that another held its job.
+#: A worker's log line saying an attempt found at its checkpoint that another held its job,
+#: or that its lease had ended under it (or that it could not tell): not one whose job was
+#: ended meanwhile (a revoke's terminate ends the job just before its signal stops the process).
 LOST_TO_ANOTHER = (
     r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}): [^\n]*lease lost on job (\S+) \(token "
-    r"(\d+)\): another attempt holds it"
+    r"(\d+)\): (?:another attempt holds it|its lease ended before this write|its write "
+    r"was refused, and the job cannot be read)"
 )
 
 

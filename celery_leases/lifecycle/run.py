@@ -16,6 +16,7 @@ from typing import Any
 from .. import metrics
 from ..db import Store, rows
 from ..db.rows import Claimed, Refusal, Refused
+from ..db.schema import FINISHED_STATES
 from ..db.statements.common import SUPERSEDED_TEXT
 from ..errors import LeaseError
 from ..lease import Lease, queued_by, recorded, until_deadline
@@ -185,17 +186,21 @@ def refusal_text(refused: Refused) -> str:
     return f"the job is already {refused.reason}"
 
 
-def lost_commits(task: Any, lease: Lease, what: str) -> bool:
-    """After a fenced write of ``lease``'s attempt was refused: whether the database went
-    back behind it (the job gone, or at an older token: a failover to a replica that missed
-    commits, or a restore), said at ERROR, with the ``lost_commits`` counter. The job's
-    stored checkpoint may then be older than this attempt's last one. One read, on this
-    refusal only; False when it cannot tell (the database is down)."""
+def why_refused(task: Any, lease: Lease, what: str) -> str | None:
+    """After a fenced write of ``lease``'s attempt was refused: why, from one read of the job
+    (on this refusal only), as the log says it. A newer token: another attempt holds the job.
+    The same token: the job ended meanwhile (a revoke's terminate ends it before its signal
+    reaches the process, an operator's cancel, a give-up), or its lease ended (renewals that
+    stopped, an operator's release; the reaper sends the job again). The job gone, or at an
+    older token: the database went back behind the attempt (a failover to a replica that
+    missed commits, a restore), said at ERROR here with the ``lost_commits`` counter, as its
+    stored checkpoint may then be older than this attempt's last one (None then). ``what``:
+    what was not written ("checkpoint not saved")."""
     try:
-        behind = task.lease_store.lost_commits(lease.job_id, lease.token)
-    except LeaseError:
-        return False
-    if behind:
+        job = task.lease_store.get(lease.job_id)
+    except LeaseError as exc:
+        return f"its write was refused, and the job cannot be read now ({exc})"
+    if job is None or job.token is None or job.token < lease.token:
         metrics.count("lost_commits", task=task.name)
         logger.error(
             "job %s: the database is behind this attempt (token %s): it lost commits (a "
@@ -206,7 +211,12 @@ def lost_commits(task: Any, lease: Lease, what: str) -> bool:
             what,
             extra=lease_fields(lease),
         )
-    return bool(behind)
+        return None
+    if job.token > lease.token:
+        return "another attempt holds it"
+    if job.state in FINISHED_STATES:
+        return f"the job ended meanwhile ({job.state}{': ' + job.error if job.error else ''})"
+    return f"its lease ended before this write (the job is now {job.state})"
 
 
 def give_up_corrupt(task: Any, job_id: str, error: str) -> None:
@@ -240,12 +250,14 @@ def finish(task: Any, lease: Lease, result: Any) -> bool:
     )
     if not ended:
         metrics.count("leases_lost", task=task.name)
-        if not lost_commits(task, lease, "its result is dropped"):
+        why = why_refused(task, lease, "its result is dropped")
+        if why is not None:
             logger.warning(
-                "job %s: attempt with token %d finished after losing its lease; "
+                "job %s: attempt with token %d finished after losing its lease (%s); "
                 "its result is dropped",
                 lease.job_id,
                 lease.token,
+                why,
                 extra=lease_fields(lease),
             )
         return False
@@ -396,11 +408,11 @@ __all__ = [
     "give_up_corrupt",
     "hand_back",
     "handed_back",
-    "lost_commits",
     "refusal_text",
     "refused",
     "replace",
     "revoked",
     "send_again",
     "stop",
+    "why_refused",
 ]

@@ -7,6 +7,7 @@ so at ``END`` unless a test says otherwise.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 from chaos.check import (
@@ -1473,3 +1474,21 @@ def test_a_retry_of_a_rated_job_is_admitted_again_and_its_start_counted() -> Non
     # And a that never went back to its group's queue, admitted with b live, is caught
     kept = [a for a in admissions if a.kind != RELEASED]
     assert GROUP_LIMIT in failed_checks(replace(e, admissions=kept))
+
+
+def test_a_refusal_by_another_attempt_or_an_ended_lease_counts_one_for_an_ended_job_not() -> None:
+    """The worker log lines the check of two attempts at once reads (``LOST_TO_ANOTHER``): a
+    revoke's terminate ends the job just before its signal stops the pool process, and a
+    checkpoint between the two is refused for an ended job, not by another attempt."""
+    from chaos.driver import LOST_TO_ANOTHER
+
+    stamp = "[2026-12-06 05:32:04,890: WARNING/ForkPoolWorker-1] lease lost on job j-1 (token 7): "
+    counted = [
+        "another attempt holds it; checkpoint not saved",
+        "its lease ended before this write (the job is now queued); checkpoint not saved",
+        "its write was refused, and the job cannot be read now (down); checkpoint not saved",
+    ]
+    ended = "the job ended meanwhile (revoked: terminated in Celery (w@h)); checkpoint not saved"
+    text = "\n".join(stamp + line for line in [*counted, ended])
+    found = re.findall(LOST_TO_ANOTHER, text, re.MULTILINE)
+    assert [(job, token) for *_, job, token in found] == [("j-1", "7")] * len(counted)

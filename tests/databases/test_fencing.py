@@ -12,11 +12,12 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_leases import LeasedTask, LeaseLost
+from celery_leases import LeasedTask, LeaseLost, lifecycle
 from celery_leases.config import settings_for
 from celery_leases.db.rows import Claimed
 from celery_leases.db.store import Store, store_for
 from celery_leases.lease import Lease, current
+from celery_leases.states import State
 from tests.support.message import job_message
 
 
@@ -153,3 +154,54 @@ def test_a_refused_write_that_finds_the_database_behind_the_attempt_says_it_lost
 
     # And a refusal by a newer attempt's claim is not taken for it
     assert not store.lost_commits("job", first.token - 1)
+
+
+def test_a_refused_checkpoint_says_why_newer_attempt_job_ended_or_lease_ended(
+    app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A revoke's terminate ends the job in the worker's main process just before its signal
+    reaches the pool process: a checkpoint between the two is refused, and its log line must
+    not say another attempt holds the job (the chaos check of two attempts at once reads it)."""
+
+    @app.task(base=LeasedTask, bind=True, shared=False)
+    def step(self: LeasedTask) -> None:
+        pass
+
+    store = store_for(settings_for(app))
+
+    def refusal(token: int) -> str:
+        lease = Lease("job", token, 1, None, "a/1", 30.0, 10.0)
+        current.stack.append(lease)
+        caplog.clear()
+        try:
+            with pytest.raises(LeaseLost) as raised, caplog.at_level("WARNING", "celery_leases"):
+                step.checkpoint({"page": 3})
+        finally:
+            current.stack.remove(lease)
+        (record,) = [r for r in caplog.records if "lease lost on job" in r.getMessage()]
+        assert "checkpoint not saved" in record.getMessage()
+        assert str(raised.value).startswith("job job: this attempt lost its lease (")
+        return record.getMessage()
+
+    # Given a job whose first attempt's lease was taken by a second attempt's claim
+    first, second = two_attempts(store)
+    # Then the first attempt's checkpoint says another attempt holds it
+    assert "another attempt holds it" in refusal(first.token)
+
+    # Given the second attempt's job revoked as a revoke's terminate ends it, at its token
+    lifecycle.end_in_celery(app, store, "job", State.REVOKED, "terminated in Celery (w@h)")
+    # Then its checkpoint says the job ended, and why, not that another attempt holds it
+    said = refusal(second.token)
+    assert "the job ended meanwhile (revoked: terminated in Celery (w@h))" in said
+    assert "another attempt" not in said
+
+    # Given the second attempt's lease ended under it instead, and the reaper sent the job
+    # again, not claimed yet (its row at the same token, queued)
+    t = store.table
+    with store.engine.begin() as connection:
+        connection.execute(
+            sa.update(t).where(t.c.id == "job").values(state="queued", owner=None, error=None)
+        )
+    # Then its checkpoint says its lease ended
+    said = refusal(second.token)
+    assert "its lease ended before this write (the job is now queued)" in said
