@@ -18,6 +18,7 @@ from ..db import Store, rows
 from ..db.rows import Claimed, Refusal, Refused
 from ..db.schema import FINISHED_STATES
 from ..db.statements.common import SUPERSEDED_TEXT
+from ..db.store.operator import behind
 from ..errors import LeaseError
 from ..lease import Lease, queued_by, recorded, until_deadline
 from ..log import job_fields, lease_fields
@@ -200,7 +201,7 @@ def why_refused(task: Any, lease: Lease, what: str) -> str | None:
         job = task.lease_store.get(lease.job_id)
     except LeaseError as exc:
         return f"its write was refused, and the job cannot be read now ({exc})"
-    if job is None or job.token is None or job.token < lease.token:
+    if job is None or behind(job, lease.token):
         metrics.count("lost_commits", task=task.name)
         logger.error(
             "job %s: the database is behind this attempt (token %s): it lost commits (a "

@@ -29,8 +29,7 @@ class OperatorOps(StoreBase):
         commits goes back: a failover to a replica that missed them, a restore). Read when
         a fenced write of that attempt was refused, to tell that from another attempt's
         claim."""
-        job = self.get(job_id)
-        return job is None or job.token is None or job.token < token
+        return behind(self.get(job_id), token)
 
     def list_jobs(
         self,
@@ -196,3 +195,9 @@ class OperatorOps(StoreBase):
 
 
 __all__ = ["OperatorOps", "like_prefix"]
+
+
+def behind(job: Job | None, token: int) -> bool:
+    """Whether the database, which holds ``job`` (None: not at all), went back behind the
+    attempt of ``token``: the job gone, or at an older token (tokens only grow)."""
+    return job is None or job.token is None or job.token < token
