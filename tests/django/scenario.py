@@ -704,5 +704,115 @@ def adelay_on_commit_in_async_code() -> dict[str, Any]:
     return seen
 
 
+@scenario
+def admin_across_databases() -> dict[str, Any]:
+    """The admin of a project with a second leases database (``CELERY_LEASES_DATABASES``):
+    each list shows one database, chosen with its filter, and says where each row lives; a
+    job's page finds the job wherever it lives; the actions and a group's facts use the
+    store of the job's database."""
+    import html
+
+    from billing.tasks import invoice_orders
+    from django.contrib.auth.models import User
+    from django.test import Client
+    from django.test.utils import setup_test_environment
+
+    from celery_leases.contrib.django import routed
+    from celery_leases.message import GROUP_HEADER
+    from tests.support.message import job_message
+
+    tag = uuid.uuid4().hex[:8]
+    stores = {name: routed.store_of(name) for name in ("default", "routed")}
+    ids = {"default": f"home-{tag}", "routed": f"away-{tag}"}
+    group = f"tenant-{tag}"
+    for name, job_id in ids.items():
+        sent = job_message(job_id, invoice_orders.name, args=[job_id, 10])
+        stores[name].register(sent)
+        claimed = stores[name].claim(sent, owner=f"w@host/{tag}", duration=300.0)
+        stores[name].checkpoint(job_id, claimed.token, f'{{"at": "{name}"}}', progress=(4, 10))
+    grouped = f"grouped-{tag}"
+    stores["routed"].register(
+        job_message(grouped, invoice_orders.name, args=[grouped, 1], **{GROUP_HEADER: group})
+    )
+    stores["routed"].admit(group, limits=(1, None), define=True)
+    setup_test_environment()
+    user = User.objects.create_superuser(f"admin-{tag}", f"{tag}@example.com", "pw")
+    client = Client()
+    client.force_login(user)
+    page = "/admin/celery_leases/job/"
+
+    def text(url: str) -> str:
+        response = client.get(url)
+        assert response.status_code == 200, (url, response.status_code)
+        return response.content.decode()
+
+    def rows(body: str) -> dict[str, str]:
+        """Each listed job of this scenario, and its database column."""
+        found = {}
+        for row in re.findall(r"<tr.*?</tr>", body, re.S):
+            cell = re.search(r'class="field-leases_database[^"]*"[^>]*>(.*?)</t[dh]>', row, re.S)
+            for job_id in (*ids.values(), grouped):
+                if job_id in row:
+                    found[job_id] = "" if cell is None else cell[1].strip()
+        return found
+
+    listed = text(page)
+    seen: dict[str, Any] = {
+        "tag": tag,
+        "default list": rows(listed),
+        "routed list": rows(text(f"{page}?database=routed")),
+        "filter offers": _filter_links(listed, "database"),
+        "unknown database": client.get(f"{page}?database=nowhere").status_code,
+    }
+    away = text(f"{page}{ids['routed']}/change/")
+    seen["routed job's page"] = ['"at": "routed"' in html.unescape(away), ">routed<" in away]
+    cancelled = client.post(
+        f"{page}?database=routed",
+        {"action": "cancel", "_selected_action": [ids["routed"]], "index": 0},
+        follow=True,
+    )
+    seen["cancel messages"] = [str(m) for m in cancelled.context["messages"]]
+    seen["after"] = {name: stores[name].get(job_id).stop_requested for name, job_id in ids.items()}
+    groups = text("/admin/celery_leases/jobgroup/?database=routed")
+    link = re.search(r'href="([^"]*\?[^"]*group=[^"]*)"', groups)
+    seen["group's jobs link"] = None if link is None else html.unescape(link[1])
+    seen["group's jobs"] = rows(text(seen["group's jobs link"] or page))
+    seen["groups of default"] = group in text("/admin/celery_leases/jobgroup/")
+    return seen
+
+
+def _filter_links(page: str, title: str) -> list[str]:
+    """The links of the admin list's filter ``title``, each with its text and whether it is
+    the selected one."""
+    import html
+
+    section = re.search(rf"By {title}.*?<ul>(.*?)</ul>", page, re.S)
+    if section is None:
+        return []
+    links = re.findall(r'<li( class="selected")?>\s*<a href="([^"]*)"[^>]*>(.*?)</a>', section[1])
+    return [f"{'*' if chosen else ''}{html.unescape(text)}: {href}" for chosen, href, text in links]
+
+
+@scenario
+def admin_of_a_database_not_in_databases() -> dict[str, Any]:
+    """A routed leases database that ``DATABASES`` does not name: offered by the admin's
+    filter, whose list says how to read it."""
+    import html
+
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    tag = uuid.uuid4().hex[:8]
+    client = Client()
+    client.force_login(User.objects.create_superuser(f"a-{tag}", f"{tag}@example.com", "pw"))
+    listed = client.get("/admin/celery_leases/job/?database=routed")
+    body = listed.content.decode()
+    return {
+        "status": listed.status_code,
+        "offered": "routed (not in DATABASES)" in body,
+        "says": [html.unescape(m) for m in re.findall(r"leases: leases database[^<]*", body)],
+    }
+
+
 if __name__ == "__main__":
     main()

@@ -326,6 +326,51 @@ def test_a_checkpoint_in_atomic_of_a_routed_job_is_refused_naming_its_database(
     assert "CELERY_LEASES_DATABASE_ALIAS" not in error
 
 
+def test_the_admin_shows_each_leases_database_and_acts_where_a_job_lives(
+    tmp_path: Path,
+) -> None:
+    # Given the project with a second leases database that DATABASES names too, migrated,
+    # a running job in each database and a group in the second
+    routed = tmp_path / "routed.sqlite3"
+    shop = sqlite_shop(
+        tmp_path,
+        SHOP_LEASES_ROUTED_URL=f"sqlite:///{routed}",
+        SHOP_LEASES_ROUTED_SQLITE=str(routed),
+    )
+    shop.manage("migrate", "--verbosity", "0")
+
+    # When a staff user lists the jobs of each database, opens one, cancels it, and follows
+    # a group of the second database to its jobs
+    seen = shop.run("admin_across_databases")
+
+    # Then each list shows its database's jobs, each row saying where it lives; the filter
+    # offers both (no "All": a list pages one database); an unknown name is Django's error
+    # page; the routed job's page is found without the filter, and cancelled in its database
+    home, away = (f"{kind}-{seen['tag']}" for kind in ("home", "away"))
+    assert seen["default list"] == {home: "default"}, seen
+    assert seen["routed list"] == {away: "routed", f"grouped-{seen['tag']}": "routed"}, seen
+    assert seen["filter offers"] == ["*default: ?", "routed: ?database=routed"], seen
+    assert seen["unknown database"] == 302
+    assert seen["routed job's page"] == [True, True]
+    cancel, warning = seen["cancel messages"]
+    assert cancel.startswith(f"job {away} (billing.invoice_orders) running on "), cancel
+    assert cancel.endswith("it stops at its next checkpoint and ends cancelled"), cancel
+    # (no reaper ran: the list's warning names the database it has not seen a pass in)
+    assert warning.startswith("celery-leases (leases database 'routed'): no reaper pass"), warning
+    assert seen["after"] == {"default": None, "routed": "cancel"}
+    assert seen["group's jobs link"].startswith("/admin/celery_leases/job/?database=routed&")
+    assert seen["group's jobs"] == {f"grouped-{seen['tag']}": "routed"}
+    assert seen["groups of default"] is False
+
+    # And a routed database that DATABASES does not name is offered, and its list says how
+    # to see its jobs
+    apart = sqlite_shop(tmp_path, SHOP_LEASES_ROUTED_URL=f"sqlite:///{routed}")
+    said = apart.run("admin_of_a_database_not_in_databases")
+    assert said["status"] == 200 and said["offered"] is True, said
+    assert len(said["says"]) == 1 and "is not in DATABASES" in said["says"][0], said
+    assert "leases list --database routed" in said["says"][0]
+
+
 def tables_of(path: Path) -> list[str]:
     engine = sa.create_engine(f"sqlite:///{path}")
     try:

@@ -10,6 +10,7 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import display_for_value
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
@@ -20,9 +21,10 @@ from ... import control, heartbeat
 from ...db.rows import load_message
 from ...db.schema import QUEUED, STATES, WAITING
 from ...errors import ArgumentsError, LeaseError
-from . import database
+from . import routed
 from .group_admin import GroupFilter, jobs_of  # and registers the groups' admin
 from .models import Job, LeaseKey
+from .routed import DatabaseFilter, RoutedAdmin
 
 
 def _celery_app() -> Any:
@@ -41,31 +43,36 @@ def _each(request: HttpRequest, jobs: QuerySet[Job], act: Callable[[str], str]) 
 
 @admin.action(description="Retry: queue again from the checkpoint", permissions=["change"])
 def retry(modeladmin: Any, request: HttpRequest, jobs: QuerySet[Job]) -> None:
-    store = database.store()
+    store = routed.store_of(routed.chosen(request))
     _each(request, jobs, lambda job_id: control.retry(_celery_app(), store, job_id))
 
 
 @admin.action(description="Cancel: stop at the next checkpoint", permissions=["change"])
 def cancel(modeladmin: Any, request: HttpRequest, jobs: QuerySet[Job]) -> None:
-    store = database.store()
+    store = routed.store_of(routed.chosen(request))
     _each(request, jobs, lambda job_id: control.cancel(_celery_app(), store, job_id))
 
 
 def warn_without_reaper(request: HttpRequest) -> None:
-    """Say on the page when no reaper pass happened for a while (``heartbeat.silence``)."""
+    """Say on the page when no reaper pass happened for a while in the database it shows
+    (``heartbeat.silence``)."""
     if request.method != "GET":
         return
     try:
-        missing = heartbeat.silence(_celery_app(), database.store())
-    except LeaseError:
+        name = routed.chosen(request)
+        if routed.aliases()[name] is None:
+            return  # the page says it cannot read that database
+        missing = heartbeat.silence(_celery_app(), routed.store_of(name))
+    except (LeaseError, IncorrectLookupParameters):
         return
     if missing:
-        messages.warning(request, f"celery-leases: {missing}")
+        where = "" if not routed.several() else f" (leases database {name!r})"
+        messages.warning(request, f"celery-leases{where}: {missing}")
 
 
 @admin.action(description="Release: expire the lease (its worker is dead)", permissions=["change"])
 def release(modeladmin: Any, request: HttpRequest, jobs: QuerySet[Job]) -> None:
-    store = database.store()
+    store = routed.store_of(routed.chosen(request))
     _each(request, jobs, lambda job_id: control.release(store, job_id))
 
 
@@ -113,8 +120,9 @@ class CreatedFilter(admin.SimpleListFilter):
 
 
 @admin.register(Job)
-class JobAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    """Jobs newest first; filters by state, task and group, search by id (or its start)."""
+class JobAdmin(RoutedAdmin):
+    """Jobs newest first; filters by database (when there are several), state, task, group and
+    creation, search by id (or its start)."""
 
     list_display = (
         "id",
@@ -126,7 +134,7 @@ class JobAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "created",
         "checkpointed",
     )
-    list_filter = (StateFilter, "task", GroupFilter, CreatedFilter)
+    list_filter = (DatabaseFilter, StateFilter, "task", GroupFilter, CreatedFilter)
     date_hierarchy = "created_at"  # a Moment: see check()
     search_fields = ("^id",)
     actions = (retry, cancel, release)
@@ -144,9 +152,6 @@ class JobAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         # a Moment is its column's (a float); the date hierarchy itself takes it as the
         # DateTimeField it is (its links filter by range, Moments.datetimes() lists them).
         return [e for e in super().check(**kwargs) if e.id != "admin.E128"]
-
-    def get_queryset(self, request: HttpRequest) -> QuerySet[Job]:
-        return super().get_queryset(request).using(database.alias())
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
         """The list, with a warning when no reaper pass happened for a while."""
@@ -182,7 +187,8 @@ class JobAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         else:
             said = f"admitted {display_for_value(job.admitted_at, '-')}"
         group = job.lease_group
-        return format_html('<a href="{}">{}</a>, {}', jobs_of(group), group, said)
+        link = jobs_of(group, routed.name_of(job._state.db))
+        return format_html('<a href="{}">{}</a>, {}', link, group, said)
 
     @admin.display(description="progress")
     def progress(self, job: Job) -> str:
@@ -215,7 +221,7 @@ class JobAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         the key's live job ends."""
         if job.lease_key is None:
             return "-"
-        key = LeaseKey.objects.using(database.alias()).filter(lease_key=job.lease_key).first()
+        key = LeaseKey.objects.using(job._state.db).filter(lease_key=job.lease_key).first()
         if key is None or key.pending_id is None:
             return "none"
         latest = (
@@ -299,19 +305,17 @@ class CursorForm(forms.ModelForm):  # type: ignore[type-arg]
 
 
 @admin.register(LeaseKey)
-class LeaseKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class LeaseKeyAdmin(RoutedAdmin):
     """Lease keys: each one's cursor and waiting trigger. A key's page sets or clears its
     cursor through the store (``control.set_cursor``), as ``celery leases cursor`` does."""
 
     form = CursorForm
     list_display = ("lease_key", "cursor_short", "cursor_at", "pending_id", "pending_at")
+    list_filter = (DatabaseFilter,)
     search_fields = ("^lease_key",)
     readonly_fields = ("lease_key", "job_id", "cursor_at", "pending_id", "pending_at")
     fields = ("lease_key", "cursor", "job_id", "cursor_at", "pending_id", "pending_at")
     list_per_page = 50
-
-    def get_queryset(self, request: HttpRequest) -> QuerySet[LeaseKey]:
-        return super().get_queryset(request).using(database.alias())
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -341,7 +345,9 @@ class LeaseKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         try:
             messages.success(
                 request,
-                control.set_cursor(database.store(), obj.lease_key, form.cleaned_data["cursor"]),
+                control.set_cursor(
+                    routed.store_where(obj), obj.lease_key, form.cleaned_data["cursor"]
+                ),
             )
         except LeaseError as exc:
             messages.error(request, str(exc))

@@ -12,18 +12,22 @@ from django.http import HttpRequest
 from django.urls import reverse
 from django.utils.html import format_html
 
+from ... import routes
 from ...db.store.groups import GroupRow
 from ...groups import rate_text
-from . import database
+from . import routed
 from .models import Job, JobGroup
+from .routed import DatabaseFilter, RoutedAdmin
 
 #: The groups the jobs list's group filter offers (by name); any other is filtered by its URL.
 FILTER_GROUPS = 100
 
 
-def jobs_of(name: str) -> str:
-    """The URL of the admin's list of the jobs of group ``name``."""
-    return reverse("admin:celery_leases_job_changelist") + "?" + urlencode({"group": name})
+def jobs_of(name: str, where: str = routes.DEFAULT) -> str:
+    """The URL of the admin's list of the jobs of group ``name`` of leases database
+    ``where``."""
+    query = {"group": name} if where == routes.DEFAULT else {"database": where, "group": name}
+    return reverse("admin:celery_leases_job_changelist") + "?" + urlencode(query)
 
 
 class GroupFilter(admin.SimpleListFilter):
@@ -34,7 +38,10 @@ class GroupFilter(admin.SimpleListFilter):
     parameter_name = "group"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        groups = JobGroup.objects.using(database.alias()).order_by("name")
+        alias = routed.aliases()[routed.chosen(request)]
+        if alias is None:
+            return []
+        groups = JobGroup.objects.using(alias).order_by("name")
         return [(name, name) for name in groups.values_list("name", flat=True)[:FILTER_GROUPS]]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Job]) -> QuerySet[Job]:
@@ -43,7 +50,7 @@ class GroupFilter(admin.SimpleListFilter):
 
 
 @admin.register(JobGroup)
-class JobGroupAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class JobGroupAdmin(RoutedAdmin):
     """Job groups, as ``celery leases groups`` lists them: each one's limit, rate, tokens now,
     jobs admitted and waiting, read with the store's listing. A group's name leads to its
     jobs. Read-only: admissions write the groups."""
@@ -53,13 +60,11 @@ class JobGroupAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "last_admission",
     )  # fmt: skip
     list_display_links = None
+    list_filter = (DatabaseFilter,)
     search_fields = ("^name",)
     readonly_fields = list_display
     fields = readonly_fields
     list_per_page = 50
-
-    def get_queryset(self, request: HttpRequest) -> QuerySet[JobGroup]:
-        return super().get_queryset(request).using(database.alias())
 
     def get_changelist_instance(self, request: HttpRequest) -> Any:
         listing = super().get_changelist_instance(request)
@@ -83,7 +88,8 @@ class JobGroupAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     @admin.display(description="group", ordering="name")
     def group(self, group: JobGroup) -> str:
-        return format_html('<a href="{}">{}</a>', jobs_of(group.name), group.name)
+        link = jobs_of(group.name, routed.name_of(group._state.db))
+        return format_html('<a href="{}">{}</a>', link, group.name)
 
     @admin.display(description="limit")
     def limit(self, group: JobGroup) -> str:
@@ -119,7 +125,10 @@ class JobGroupAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 def _with_facts(groups: list[JobGroup]) -> None:
     """Give each group what the store's listing reads of it now (one query for the page)."""
-    found = {row.name: row for row in database.store().groups(names=[g.name for g in groups])}
+    if not groups:
+        return
+    store = routed.store_where(groups[0])  # a page's groups are of one database
+    found = {row.name: row for row in store.groups(names=[g.name for g in groups])}
     for group in groups:
         group._leases_facts = found.get(group.name)  # type: ignore[attr-defined]
 

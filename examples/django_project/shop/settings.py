@@ -110,6 +110,14 @@ if os.environ.get("SHOP_LEASES_ROUTED_URL"):
     # ``manage.py migrate`` of the leases database migrates it too.
     CELERY_LEASES_DATABASES = {"routed": os.environ["SHOP_LEASES_ROUTED_URL"]}
     CELERY_LEASES_ROUTES = {"queues": {"routed": "routed"}}
+    if os.environ.get("SHOP_LEASES_ROUTED_SQLITE"):
+        # The same database as a DATABASES entry (an SQLite file here), for the admin to read
+        # its jobs, keys and groups.
+        DATABASES["routed"] = {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": os.environ["SHOP_LEASES_ROUTED_SQLITE"],
+            "OPTIONS": {"timeout": 30},
+        }
 
 USE_TZ = True
 TIME_ZONE = "UTC"

@@ -1,0 +1,193 @@
+"""The admin across the leases databases (``CELERY_LEASES_DATABASES``).
+
+Each leases database the admin can read is a Django database: the default one is the leases
+database (``CELERY_LEASES_DATABASE_ALIAS``, or the entry ``CELERY_LEASES_DATABASE_URL``
+names), each routed one the ``DATABASES`` entry its URL names (whatever the driver). A list
+shows one database at a time, chosen with its ``database`` filter (``'default'`` unless the
+query says otherwise), since Django pages, sorts and counts one queryset; each row and each
+page says which database it is from, a job's page finds the job in whichever database holds
+it, and the actions and the cursor's form act through that database's store. A routed
+database that ``DATABASES`` does not name is offered too, and its list says how to see it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.admin.options import IncorrectLookupParameters
+from django.core.exceptions import ValidationError
+from django.db.models import Model, QuerySet
+from django.http import HttpRequest, QueryDict
+
+from ... import routes
+from ...db import Store, store_for
+from . import database
+
+#: The leases settings whose values say where each database is.
+_READ = ("database_url", "databases")
+#: The query parameter of the database a list shows.
+DATABASE_VAR = "database"
+
+
+def aliases() -> dict[str, str | None]:
+    """Each leases database's name (``'default'`` first) and the Django database alias it is,
+    None for one that ``DATABASES`` does not name. Read once for the settings it comes from
+    (a list page asks for each row)."""
+    from django.conf import settings
+
+    names = ("DATABASES", database.ALIAS_SETTING, *map(database.django_key, _READ))
+    return dict(_aliases(repr([getattr(settings, name, None) for name in names])))
+
+
+@functools.lru_cache(maxsize=8)
+def _aliases(settings_seen: str) -> tuple[tuple[str, str | None], ...]:
+    found: dict[str, str | None] = {routes.DEFAULT: _default_alias()}
+    for name, url in database.settings().databases.items():
+        found[name] = database.alias_of(url)
+    return tuple(found.items())
+
+
+def _default_alias() -> str | None:
+    from django.conf import settings
+
+    explicit = getattr(settings, database.django_key("database_url"), None)
+    return database.alias() if not explicit else database.alias_of(str(explicit))
+
+
+def several() -> bool:
+    """Whether the leases live in more than one database."""
+    return len(aliases()) > 1
+
+
+def chosen(request: HttpRequest) -> str:
+    """The database a page shows: its query's ``database``, or that of the list it came
+    from (a job's page keeps the list's filters in ``_changelist_filters``), else
+    ``'default'``. :class:`IncorrectLookupParameters` for a name no database has."""
+    name = request.GET.get(DATABASE_VAR)
+    if name is None:
+        name = QueryDict(request.GET.get("_changelist_filters", "")).get(DATABASE_VAR)
+    if name is None:
+        return routes.DEFAULT
+    if name not in aliases():
+        raise IncorrectLookupParameters(f"no leases database is named {name!r}")
+    return name
+
+
+def name_of(alias: str | None) -> str:
+    """The leases database that Django database ``alias`` is (``'default'`` for any other)."""
+    return next((n for n, a in aliases().items() if a == alias and a is not None), routes.DEFAULT)
+
+
+def store_of(name: str) -> Store:
+    """The store of leases database ``name``."""
+    return store_for(routes.on(database.settings(), name))
+
+
+def store_where(obj: Model) -> Store:
+    """The store of the leases database ``obj`` was read from."""
+    return store_of(name_of(obj._state.db))
+
+
+class DatabaseFilter(admin.SimpleListFilter):
+    """The database a list shows (shown only when the leases live in several): one at a time,
+    ``'default'`` unless chosen; no "All", as one list pages one database's rows."""
+
+    title = "database"
+    parameter_name = DATABASE_VAR
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        found = aliases()
+        if len(found) < 2:
+            return []
+        return [
+            (name, name if alias is not None else f"{name} (not in DATABASES)")
+            for name, alias in found.items()
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        return queryset  # the admin's get_queryset reads the database: counts follow it
+
+    def get_facet_counts(self, pk_attname: str, filtered_qs: QuerySet[Any]) -> dict[str, Any]:
+        return {}  # each choice is another database: no count of this queryset says it
+
+    def choices(self, changelist: Any) -> Any:
+        shown = self.value() or routes.DEFAULT
+        for name, title in self.lookup_choices:
+            yield {
+                "selected": shown == name,
+                "query_string": (
+                    changelist.get_query_string(remove=[self.parameter_name])
+                    if name == routes.DEFAULT
+                    else changelist.get_query_string({self.parameter_name: name})
+                ),
+                "display": title,
+            }
+
+
+class RoutedAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """An admin of a leases table in every leases database: the list reads the chosen one
+    (:class:`DatabaseFilter`), an object's page the one that holds it, and a ``database``
+    column says which when there are several."""
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        alias = aliases()[chosen(request)]
+        queryset = super().get_queryset(request)
+        return queryset.using(alias) if alias is not None else queryset.none()
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
+        if request.method == "GET":
+            try:
+                name = chosen(request)
+            except IncorrectLookupParameters:
+                pass  # the list says so, as Django does for a filter's unknown value
+            else:
+                if aliases()[name] is None:
+                    messages.warning(request, _not_in_databases(name))
+        return super().changelist_view(request, extra_context)
+
+    def get_object(self, request: HttpRequest, object_id: str, from_field: Any = None) -> Any:
+        """The object in the database of the list it came from, else in any other."""
+        try:
+            first = chosen(request)
+        except IncorrectLookupParameters:
+            first = routes.DEFAULT
+        found = aliases()
+        order = [found[first]] + [a for n, a in found.items() if n != first]
+        meta = self.model._meta
+        field = meta.pk if from_field is None else meta.get_field(from_field)
+        try:
+            key = field.to_python(object_id)
+        except (ValidationError, ValueError):
+            return None
+        for alias in dict.fromkeys(a for a in order if a is not None):
+            queryset = super().get_queryset(request).using(alias)
+            obj = queryset.filter(**{field.name: key}).first()
+            if obj is not None:
+                return obj
+        return None
+
+    def get_list_display(self, request: HttpRequest) -> Any:
+        shown = tuple(super().get_list_display(request))
+        return (*shown, "leases_database") if several() else shown
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        shown = tuple(super().get_fields(request, obj))
+        return (*shown, "leases_database") if several() else shown
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        shown = tuple(super().get_readonly_fields(request, obj))
+        return (*shown, "leases_database") if several() else shown
+
+    @admin.display(description="database")
+    def leases_database(self, obj: Model) -> str:
+        return name_of(obj._state.db)
+
+
+def _not_in_databases(name: str) -> str:
+    return (
+        f"celery-leases: leases database {name!r} (CELERY_LEASES_DATABASES) is not in "
+        f"DATABASES, so the admin cannot read it: add an entry for the same database to "
+        f"DATABASES (`celery -A proj leases list --database {name}` lists its jobs meanwhile)"
+    )
