@@ -355,4 +355,6 @@ class LeaseKeyAdmin(RoutedAdmin):
     def response_change(self, request: HttpRequest, obj: LeaseKey) -> HttpResponse:
         # The message save_model left says what happened; Django's own "changed
         # successfully" would be wrong when the store refused.
-        return HttpResponseRedirect(request.path)
+        # The query names the database the key was read from (its list's filters): the
+        # page after the save shows the same key, not one of that name elsewhere.
+        return HttpResponseRedirect(request.get_full_path())

@@ -1,8 +1,8 @@
 """The admin across the leases databases (``CELERY_LEASES_DATABASES``).
 
 Each leases database the admin can read is a Django database: the default one is the leases
-database (``CELERY_LEASES_DATABASE_ALIAS``, or the entry ``CELERY_LEASES_DATABASE_URL``
-names), each routed one the ``DATABASES`` entry its URL names (whatever the driver). A list
+database (``CELERY_LEASES_DATABASE_ALIAS``, as before routes), each routed one the
+``DATABASES`` entry its URL names (whatever the driver). A list
 shows one database at a time, chosen with its ``database`` filter (``'default'`` unless the
 query says otherwise), since Django pages, sorts and counts one queryset; each row and each
 page says which database it is from, a job's page finds the job in whichever database holds
@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import sqlalchemy as sa
 from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.core.exceptions import ValidationError
@@ -23,6 +24,8 @@ from django.http import HttpRequest, QueryDict
 
 from ... import routes
 from ...db import Store, store_for
+from ...errors import ConfigurationError
+from ...settings import DEFAULTS, Settings
 from . import database
 
 #: The leases settings whose values say where each database is.
@@ -34,26 +37,38 @@ DATABASE_VAR = "database"
 def aliases() -> dict[str, str | None]:
     """Each leases database's name (``'default'`` first) and the Django database alias it is,
     None for one that ``DATABASES`` does not name. Read once for the settings it comes from
-    (a list page asks for each row)."""
+    (a list page asks for each row), without checking the other leases settings (a wrong one
+    is the system checks' and the workers' to report, not a reason for the admin to fail)."""
+    return dict(_aliases(_snapshot()))
+
+
+def _snapshot() -> str:
     from django.conf import settings
 
     names = ("DATABASES", database.ALIAS_SETTING, *map(database.django_key, _READ))
-    return dict(_aliases(repr([getattr(settings, name, None) for name in names])))
+    return repr([getattr(settings, name, None) for name in names])
 
 
 @functools.lru_cache(maxsize=8)
-def _aliases(settings_seen: str) -> tuple[tuple[str, str | None], ...]:
-    found: dict[str, str | None] = {routes.DEFAULT: _default_alias()}
-    for name, url in database.settings().databases.items():
-        found[name] = database.alias_of(url)
+def _aliases(snapshot: str) -> tuple[tuple[str, str | None], ...]:
+    from django.conf import settings
+
+    try:
+        found: dict[str, str | None] = {routes.DEFAULT: database.alias()}
+    except ConfigurationError:
+        found = {routes.DEFAULT: None}
+    routed = getattr(settings, database.django_key("databases"), None) or {}
+    for name, url in dict(routed).items() if isinstance(routed, dict) else ():
+        try:
+            found[str(name)] = database.alias_of(str(url))
+        except (ConfigurationError, ValueError, sa.exc.ArgumentError):
+            found[str(name)] = None
     return tuple(found.items())
 
 
-def _default_alias() -> str | None:
-    from django.conf import settings
-
-    explicit = getattr(settings, database.django_key("database_url"), None)
-    return database.alias() if not explicit else database.alias_of(str(explicit))
+@functools.lru_cache(maxsize=8)
+def _settings(snapshot: str) -> Settings:
+    return database.settings()
 
 
 def several() -> bool:
@@ -81,8 +96,13 @@ def name_of(alias: str | None) -> str:
 
 
 def store_of(name: str) -> Store:
-    """The store of leases database ``name``."""
-    return store_for(routes.on(database.settings(), name))
+    """The store of leases database ``name`` (its settings read once for the settings they
+    come from, as ``routes.on`` keeps what it made of each)."""
+    from django.conf import settings
+
+    names = [database.django_key(key) for key in DEFAULTS]
+    seen = repr([_snapshot(), *(getattr(settings, key, None) for key in names)])
+    return store_for(routes.on(_settings(seen), name))
 
 
 def store_where(obj: Model) -> Store:
@@ -174,11 +194,13 @@ class RoutedAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         shown = tuple(super().get_fields(request, obj))
-        return (*shown, "leases_database") if several() else shown
+        wanted = several() and "leases_database" not in shown
+        return (*shown, "leases_database") if wanted else shown
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         shown = tuple(super().get_readonly_fields(request, obj))
-        return (*shown, "leases_database") if several() else shown
+        wanted = several() and "leases_database" not in shown
+        return (*shown, "leases_database") if wanted else shown
 
     @admin.display(description="database")
     def leases_database(self, obj: Model) -> str:
