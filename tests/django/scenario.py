@@ -778,6 +778,17 @@ def admin_across_databases() -> dict[str, Any]:
     seen["group's jobs link"] = None if link is None else html.unescape(link[1])
     seen["group's jobs"] = rows(text(seen["group's jobs link"] or page))
     seen["groups of default"] = group in text("/admin/celery_leases/jobgroup/")
+    # A key of the same name in both databases: the one opened from the routed list is set
+    # there, and the page after the save shows it, not the default database's
+    key = f"cursor-{tag}"
+    stores["default"].set_cursor(key, '"home"')
+    stores["routed"].set_cursor(key, '"away"')
+    keys = text("/admin/celery_leases/leasekey/?database=routed")
+    opened = html.unescape(re.search(rf'href="([^"]*{key}[^"]*)"', keys)[1])
+    saved = client.post(opened, {"cursor": '"edited"'})
+    after = html.unescape(text(saved["Location"]))
+    seen["cursors after the save"] = [stores[n].cursor(key) for n in ("default", "routed")]
+    seen["page after the save"] = sorted(set(re.findall(r'"(home|away|edited)"', after)))
     return seen
 
 

@@ -361,6 +361,9 @@ def test_the_admin_shows_each_leases_database_and_acts_where_a_job_lives(
     assert seen["group's jobs link"].startswith("/admin/celery_leases/job/?database=routed&")
     assert seen["group's jobs"] == {f"grouped-{seen['tag']}": "routed"}
     assert seen["groups of default"] is False
+    # (a key of one name in both: set where it was opened, shown from there after the save)
+    assert seen["cursors after the save"] == ["home", "edited"], seen
+    assert seen["page after the save"] == ["edited"], seen
 
     # And a routed database that DATABASES does not name is offered, and its list says how
     # to see its jobs
