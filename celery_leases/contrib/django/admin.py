@@ -43,13 +43,13 @@ def _each(request: HttpRequest, jobs: QuerySet[Job], act: Callable[[str], str]) 
 
 @admin.action(description="Retry: queue again from the checkpoint", permissions=["change"])
 def retry(modeladmin: Any, request: HttpRequest, jobs: QuerySet[Job]) -> None:
-    store = routed.store_of(routed.chosen(request))
+    store = routed.store_shown(request)
     _each(request, jobs, lambda job_id: control.retry(_celery_app(), store, job_id))
 
 
 @admin.action(description="Cancel: stop at the next checkpoint", permissions=["change"])
 def cancel(modeladmin: Any, request: HttpRequest, jobs: QuerySet[Job]) -> None:
-    store = routed.store_of(routed.chosen(request))
+    store = routed.store_shown(request)
     _each(request, jobs, lambda job_id: control.cancel(_celery_app(), store, job_id))
 
 
@@ -72,7 +72,7 @@ def warn_without_reaper(request: HttpRequest) -> None:
 
 @admin.action(description="Release: expire the lease (its worker is dead)", permissions=["change"])
 def release(modeladmin: Any, request: HttpRequest, jobs: QuerySet[Job]) -> None:
-    store = routed.store_of(routed.chosen(request))
+    store = routed.store_shown(request)
     _each(request, jobs, lambda job_id: control.release(store, job_id))
 
 

@@ -28,8 +28,6 @@ from ...errors import ConfigurationError
 from ...settings import DEFAULTS, Settings
 from . import database
 
-#: The leases settings whose values say where each database is.
-_READ = ("database_url", "databases")
 #: The query parameter of the database a list shows.
 DATABASE_VAR = "database"
 
@@ -45,7 +43,7 @@ def aliases() -> dict[str, str | None]:
 def _snapshot() -> str:
     from django.conf import settings
 
-    names = ("DATABASES", database.ALIAS_SETTING, *map(database.django_key, _READ))
+    names = ("DATABASES", database.ALIAS_SETTING, database.django_key("databases"))
     return repr([getattr(settings, name, None) for name in names])
 
 
@@ -58,7 +56,7 @@ def _aliases(snapshot: str) -> tuple[tuple[str, str | None], ...]:
     except ConfigurationError:
         found = {routes.DEFAULT: None}
     routed = getattr(settings, database.django_key("databases"), None) or {}
-    for name, url in dict(routed).items() if isinstance(routed, dict) else ():
+    for name, url in routed.items() if isinstance(routed, dict) else ():
         try:
             found[str(name)] = database.alias_of(str(url))
         except (ConfigurationError, ValueError, sa.exc.ArgumentError):
@@ -103,6 +101,11 @@ def store_of(name: str) -> Store:
     names = [database.django_key(key) for key in DEFAULTS]
     seen = repr([_snapshot(), *(getattr(settings, key, None) for key in names)])
     return store_for(routes.on(_settings(seen), name))
+
+
+def store_shown(request: HttpRequest) -> Store:
+    """The store of the leases database a page shows (:func:`chosen`)."""
+    return store_of(chosen(request))
 
 
 def store_where(obj: Model) -> Store:
