@@ -879,7 +879,7 @@ class Chaos:
                 fault = faults.pop(0)
                 if not self._inject(fault, progress):
                     # No keyed job waits now: again a little later (a few times).
-                    faults.insert(0, fault)
+                    F.try_again(faults, fault, progress)
                 last_fault = time.monotonic()
             if now >= next_report:
                 self.out(

@@ -174,6 +174,15 @@ def plan(
     ]
 
 
+def try_again(faults: list[Fault], fault: Fault, progress: float) -> None:
+    """Put ``fault``, due but without a target now, back into the rest of the plan
+    (``faults``, in plan order) behind the faults already due at ``progress``: it must not hold
+    them up, or near a run's end they wait until the jobs end and are never done (a keyed
+    control tries ``KEYED_TARGET_TRIES`` times, one try a second: seed 1621539983)."""
+    due = next((i for i, later in enumerate(faults) if later.at > progress), len(faults))
+    faults.insert(due, fault)
+
+
 # -- processes -----------------------------------------------------------------------------------
 
 #: The environment variable naming a run's hold directory (``freeze_in_transaction``).

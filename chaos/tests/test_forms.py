@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import re
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,20 @@ def test_grouped_jobs_are_exactly_once_jobs_of_the_long_form_named_by_their_grou
     assert group_of_id("chaos-7-00012-eo-g1") == "g1"
     assert group_of_id("chaos-7-00012-eo-g2-s") == "g2"
     assert group_of_id("chaos-7-00012-eo") is group_of_id("chaos-7-00012-alo-s") is None
+
+
+def test_a_fault_that_found_no_target_waits_behind_the_faults_already_due_not_before_them() -> None:
+    # Given the rest of a plan: faults due at 78% and 80% of the run, one at 90%
+    plan = F.plan(random.Random(7), count=4, kinds=F.WORKER_KINDS, lease_seconds=3)
+    rest = [replace(f, at=at) for f, at in zip(plan[1:], (0.78, 0.80, 0.90), strict=True)]
+    keyed = replace(plan[0], kind="cancel_keyed", at=0.77)
+
+    # When a keyed control due at 77% finds no keyed job to cancel at 81%
+    F.try_again(rest, keyed, 0.81)
+
+    # Then the two due faults go first, it tries again before the one not yet due
+    assert [f.at for f in rest] == [0.78, 0.80, 0.77, 0.90]
+    # and alone due, it is next
+    alone = [replace(plan[1], at=0.95)]
+    F.try_again(alone, keyed, 0.81)
+    assert alone[0] is keyed
