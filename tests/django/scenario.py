@@ -10,6 +10,7 @@ import re
 import sys
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import django
@@ -789,7 +790,30 @@ def admin_across_databases() -> dict[str, Any]:
     after = html.unescape(text(saved["Location"]))
     seen["cursors after the save"] = [stores[n].cursor(key) for n in ("default", "routed")]
     seen["page after the save"] = sorted(set(re.findall(r'"(home|away|edited)"', after)))
+    # The routed database down (its file gone: the empty one SQLite opens instead has no
+    # tables): the default job's page still opens, and a page of an id neither database
+    # holds says the routed one could not be searched
+    seen.update(_with_routed_down(client, page, ids["default"], f"nowhere-{tag}"))
     return seen
+
+
+def _with_routed_down(client: Any, page: str, there: str, nowhere: str) -> dict[str, Any]:
+    from django.db import connections
+
+    connections["routed"].close()
+    path = Path(connections["routed"].settings_dict["NAME"])
+    away = path.with_name(f"{path.name}.away")
+    path.rename(away)
+    try:
+        missing = client.get(f"{page}{nowhere}/change/", follow=True)
+        return {
+            "a job's page, routed down": client.get(f"{page}{there}/change/").status_code,
+            "a missing job's page, routed down": missing.status_code,
+            "its messages": [str(m) for m in missing.context["messages"]],
+        }
+    finally:
+        connections["routed"].close()
+        away.replace(path)
 
 
 def _filter_links(page: str, title: str) -> list[str]:

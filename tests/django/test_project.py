@@ -339,8 +339,8 @@ def test_the_admin_shows_each_leases_database_and_acts_where_a_job_lives(
     )
     shop.manage("migrate", "--verbosity", "0")
 
-    # When a staff user lists the jobs of each database, opens one, cancels it, and follows
-    # a group of the second database to its jobs
+    # When a staff user lists the jobs of each database, opens one, cancels it, follows a
+    # group of the second database to its jobs, and opens pages with the second one down
     seen = shop.run("admin_across_databases")
 
     # Then each list shows its database's jobs, each row saying where it lives; the filter
@@ -364,6 +364,14 @@ def test_the_admin_shows_each_leases_database_and_acts_where_a_job_lives(
     # (a key of one name in both: set where it was opened, shown from there after the save)
     assert seen["cursors after the save"] == ["home", "edited"], seen
     assert seen["page after the save"] == ["edited"], seen
+    # (the routed database down: a job of the default one opens; a page of an id in neither
+    # is Django's "doesn't exist", with a warning that the routed one could not be searched)
+    assert seen["a job's page, routed down"] == 200, seen
+    assert seen["a missing job's page, routed down"] == 200, seen
+    searched, missing = seen["its messages"]
+    assert searched.startswith("leases database 'routed' could not be searched: "), searched
+    assert missing.startswith("leased job with ID "), missing
+    assert f"nowhere-{seen['tag']}" in missing and "exist. Perhaps it was deleted?" in missing
 
     # And a routed database that DATABASES does not name is offered, and its list says how
     # to see its jobs

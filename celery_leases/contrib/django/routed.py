@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.core.exceptions import ValidationError
+from django.db import DatabaseError
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest, QueryDict
 
@@ -171,22 +172,34 @@ class RoutedAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return super().changelist_view(request, extra_context)
 
     def get_object(self, request: HttpRequest, object_id: str, from_field: Any = None) -> Any:
-        """The object in the database of the list it came from, else in any other."""
+        """The object in the database of the list it came from, else in any other. Another
+        database that fails to answer (down) is passed over with a warning: it must not fail
+        the page of an object that lives elsewhere."""
         try:
             first = chosen(request)
         except IncorrectLookupParameters:
             first = routes.DEFAULT
         found = aliases()
-        order = [found[first]] + [a for n, a in found.items() if n != first]
+        order = [(first, found[first])] + [(n, a) for n, a in found.items() if n != first]
         meta = self.model._meta
         field = meta.pk if from_field is None else meta.get_field(from_field)
         try:
             key = field.to_python(object_id)
         except (ValidationError, ValueError):
             return None
-        for alias in dict.fromkeys(a for a in order if a is not None):
+        searched: set[str] = set()
+        for name, alias in order:
+            if alias is None or alias in searched:
+                continue
+            searched.add(alias)
             queryset = super().get_queryset(request).using(alias)
-            obj = queryset.filter(**{field.name: key}).first()
+            try:
+                obj = queryset.filter(**{field.name: key}).first()
+            except DatabaseError as exc:
+                if name == first:
+                    raise  # the database the page is of: its error is the page's
+                messages.warning(request, f"leases database {name!r} could not be searched: {exc}")
+                continue
             if obj is not None:
                 return obj
         return None
