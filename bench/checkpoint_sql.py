@@ -8,10 +8,12 @@ that the round trip after a pause (section 17) weighs the same on every side:
 - ``bare``: ``UPDATE t SET checkpoint = %s WHERE id = %s``: a user's own;
 - ``bare + fence``: the same, also fenced by token and state;
 - ``library``: the library's checkpoint statement, as it sends it (its text and its
-  parameters read at the driver from a real ``Store.checkpoint`` call);
-- ``library - returning``: the same without ``RETURNING stop_requested``;
+  parameters read at the driver from a real ``Store.checkpoint`` call): fenced, skipping a row
+  with a stop request, returning nothing;
+- ``library + returning``: the same returning ``stop_requested``, as it sent it before it
+  skipped a row with a stop request (it sends that form only after skipping one);
 - ``checkpoint only``: fenced, setting ``checkpoint`` and ``checkpoint_at`` only (no renewal
-  columns), with ``RETURNING``: what a lease kept by its holder row strictly needs.
+  columns), returning nothing: what a lease kept by its holder row strictly needs.
 
 Each call saves a checkpoint of its own (~100 B). Medians in microseconds and the ratio to the
 bare UPDATE.
@@ -47,10 +49,9 @@ def variants(table: str, library: str) -> dict[str, str]:
         "bare": f"UPDATE {table} SET checkpoint = %(b_checkpoint)s WHERE id = %(b_id)s",
         "bare + fence": f"UPDATE {table} SET checkpoint = %(b_checkpoint)s WHERE {fence}",
         "library": library,
-        "library - returning": library.split(" RETURNING ")[0],
+        "library + returning": f"{library} RETURNING {table}.stop_requested",
         "checkpoint only": (
-            f"UPDATE {table} SET checkpoint = %(b_checkpoint)s, checkpoint_at = {now} "
-            f"WHERE {fence} RETURNING stop_requested"
+            f"UPDATE {table} SET checkpoint = %(b_checkpoint)s, checkpoint_at = {now} WHERE {fence}"
         ),
     }
 

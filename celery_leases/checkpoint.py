@@ -24,7 +24,8 @@ def save(
 ) -> None:
     """Save ``state`` for ``lease``'s job, fenced by its token (``LeasedTask.checkpoint``): in
     the caller's transaction (``connection``, or the one this thread is in: ``joined``)."""
-    text = _encoded(task, lease, state, "checkpoint")
+    settings, store = _settings_and_store(task, lease)
+    text = _encoded(settings, lease, state, "checkpoint")
     done_total = _progress(progress)
     if lease.stop_seen:
         # The last checkpoint (in a transaction of the caller's) was told to stop, and the task
@@ -36,7 +37,6 @@ def save(
     transaction = None
     if not lease.detached:  # a direct call keeps its checkpoints in memory only
         started = time.monotonic()
-        store = task.lease_store
         transaction = joined_by(store, lease, connection)
         saved, stop = _written(
             lease,
@@ -77,11 +77,11 @@ def save_cursor(task: Any, lease: Lease, state: Any, *, connection: Any = None) 
     (``LeasedTask.save_cursor``), in the caller's transaction as :func:`save` is."""
     if lease.key is None:
         lease.cursor  # noqa: B018  (raises the no-key error)
-    text = _encoded(task, lease, state, "cursor")
+    settings, store = _settings_and_store(task, lease)
+    text = _encoded(settings, lease, state, "cursor")
     if lease.lost:
         raise LeaseLost(f"job {lease.job_id}: this attempt lost its lease; stop")
     if not lease.detached:
-        store = task.lease_store
         key = str(lease.key)
         transaction = joined_by(store, lease, connection)
         saved = _written(
@@ -149,9 +149,18 @@ def fenced_out(task: Any, lease: Lease, what: str) -> NoReturn:
     )
 
 
-def _encoded(task: Any, lease: Lease, state: Any, what: str) -> str:
-    """The JSON text of ``state``, or :class:`CheckpointError` (not JSON, or too large)."""
-    settings = task.lease_settings
+def _settings_and_store(task: Any, lease: Lease) -> tuple[Any, Any]:
+    """The task's settings and the store its attempt writes to (none for a direct call, which
+    keeps its checkpoints in memory)."""
+    if lease.detached:
+        return task.lease_settings, None
+    settings, store = task.lease_settings_and_store()
+    return settings, store
+
+
+def _encoded(settings: Any, lease: Lease, state: Any, what: str) -> str:
+    """The JSON text of ``state``, or :class:`CheckpointError` (not JSON, or too large for
+    ``settings``)."""
     try:
         text = rows.dumps(state)
     except (TypeError, ValueError) as exc:

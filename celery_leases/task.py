@@ -134,12 +134,18 @@ class LeasedTask(Task):  # type: ignore[misc]
     def lease_store(self) -> Store:
         """The store of this task's leases database (one per process and database): with
         ``leases_routes``, the database of the job being acted on (``lease_settings``)."""
+        return self.lease_settings_and_store()[1]
+
+    def lease_settings_and_store(self) -> tuple[Settings, Store]:
+        """``lease_settings`` and ``lease_store`` read at once (the settings looked up once:
+        a checkpoint needs both)."""
         cached = self._lease_cache()
         if not cached.routed:
             if cached.store is None:
                 cached.store = store_for(cached.settings)
-            return cached.store
-        return store_for(self.lease_settings)
+            return cached.settings, cached.store
+        settings = routes.on(cached.settings, routes.active() or cached.home(self))
+        return settings, store_for(settings)
 
     def lease_home(self) -> str:
         """The leases database of this task's jobs sent to its default queue ('default'

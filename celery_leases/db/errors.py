@@ -141,20 +141,29 @@ class Wrapped:
         raise LeaseError(f"{self.prefix}{where} error: {first_line(exc)}") from exc
 
 
-@contextlib.contextmanager
-def interrupted(discard: Any, driver_errors: Any = ()) -> Iterator[None]:
+class interrupted:  # lower case: used as the function it was, ``with interrupted(...)``
     """Run a statement; if anything but a database error (SQLAlchemy's, or the driver's
     ``driver_errors``) interrupts it (a soft time limit, a ``KeyboardInterrupt``, a gevent
     timeout), call ``discard()`` (the connection is in an unknown state: closed, never used
-    again) and let the interruption go on."""
-    try:
-        yield
-    except (sa.exc.SQLAlchemyError, LeaseError, *driver_errors):
-        raise
-    except BaseException:
+    again) and let the interruption go on. A class, not a generator: every statement of the
+    hot path enters it (a third of the time)."""
+
+    __slots__ = ("discard", "driver_errors")
+
+    def __init__(self, discard: Any, driver_errors: Any = ()) -> None:
+        self.discard = discard
+        self.driver_errors = driver_errors
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        if kind is None or issubclass(kind, (sa.exc.SQLAlchemyError, LeaseError)):
+            return
+        if self.driver_errors and issubclass(kind, self.driver_errors):
+            return
         with contextlib.suppress(Exception):
-            discard()
-        raise
+            self.discard()
 
 
 def cancel_statement(dbapi_connection: Any) -> None:

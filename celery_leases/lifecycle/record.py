@@ -101,7 +101,7 @@ def record(
     if debounce is not None:
         countdown = debounce[0]
         message = _due(task, message, debounce, countdown)
-    store, settings = task.lease_store, task.lease_settings
+    settings, store = task.lease_settings_and_store()
     if group is not None:
         # The group's row before its job: a client that dies between recording and admitting
         # leaves a waiting job whose group the reaper finds (and the limits this call gives).
@@ -255,7 +255,7 @@ def hand_back_for_retry(
     failure of the job. A soft time limit inside the hand-back does not undo the retry the
     task asked for. ``lost``: when the lease runs out first, raise ``LeaseLost`` (else the
     error). What the hand-back leaves is handed on here (``run.handed_back``)."""
-    settings, store = task.lease_settings, task.lease_store
+    settings, store = task.lease_settings_and_store()
     wait = settings.queued_timeout or settings.reap_grace
     state = record_end(
         write=lambda: until_deadline(

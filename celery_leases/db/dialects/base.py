@@ -216,8 +216,18 @@ class Dialect:
     ) -> list[tuple[Any, ...]]:
         """The rows of a conditional write made :meth:`with_returning`: its returned rows, or,
         where there is no RETURNING, the rows of ``read_back`` (a SELECT of the same columns)
-        when it changed any. ``first_try``: (a narrower write, the row it stands for), tried
-        first where a read back would be needed (one statement in the usual case)."""
+        when it changed any. ``first_try``: (a narrower write returning nothing, the row it
+        stands for), tried first: one statement and no rows to read in the usual case."""
+        if first_try is not None:
+            narrower, row = first_try
+            if c.execute(narrower, params).rowcount == 1:
+                return [row]
+        return self.written_rows(c, statement, params, read_back)
+
+    def written_rows(
+        self, c: Any, statement: Any, params: dict[str, Any], read_back: Any
+    ) -> list[tuple[Any, ...]]:
+        """The rows of :meth:`rows`' write itself (no narrower one)."""
         return list(c.execute(statement, params).all())
 
     def inserted(

@@ -189,19 +189,9 @@ class MySQL(Dialect):
 
     # -- reading a write's outcome -----------------------------------------------------------
 
-    def rows(
-        self,
-        c: Any,
-        statement: Any,
-        params: dict[str, Any],
-        *,
-        read_back: Any = None,
-        first_try: tuple[Any, tuple[Any, ...]] | None = None,
+    def written_rows(
+        self, c: Any, statement: Any, params: dict[str, Any], read_back: Any
     ) -> list[tuple[Any, ...]]:
-        if first_try is not None:
-            narrower, row = first_try
-            if c.execute(narrower, params).rowcount == 1:
-                return [row]
         if c.execute(statement, params).rowcount < 1:
             return []
         return list(c.execute(read_back, params).all())

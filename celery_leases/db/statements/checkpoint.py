@@ -9,8 +9,8 @@ from .common import Parts, param
 
 
 class Checkpoint:
-    """The statements that save a checkpoint, fenced by the lease's token; each returns the
-    job's stop request (cancel, preempt) so the attempt sees it at once."""
+    """The statements that save a checkpoint, fenced by the lease's token; the job's stop
+    request (cancel, preempt) comes back with it, so the attempt sees it at once."""
 
     def __init__(self, p: Parts) -> None:
         t, d, now = p.table, p.dialect, p.now
@@ -44,16 +44,18 @@ class Checkpoint:
         #: The stop request of the row a checkpoint saved, read back where there is no
         #: RETURNING.
         self.stop_of = sa.select(stop).where(p.by_token)
-        # Where there is no RETURNING, a checkpoint first writes only a row with no stop
-        # request (one statement in the usual case); a row it skipped is then saved as
-        # above and its request read back.
+        # A checkpoint first writes only a row with no stop request, returning nothing: one
+        # statement in the usual case, and no result to read (a RETURNING's row costs its
+        # round trip more than the renewal's columns: benchmarks.md section 16). A row it
+        # skipped is then saved as above, and its request returned or read back.
         unstopped = sa.and_(p.by_token, stop.is_(None))
         plain_unstopped = sa.update(t).where(unstopped).values(saved)
         progress_unstopped = sa.update(t).where(unstopped).values(progress)
+        guarded = d.with_idle_guard
         #: Each checkpoint statement's write of a row with no stop request.
         self.unstopped = {
             self.save: plain_unstopped,
-            self.save_in_tx: plain_unstopped,
+            self.save_in_tx: guarded(plain_unstopped, "leases_idle_guard"),
             self.save_progress: progress_unstopped,
-            self.save_progress_in_tx: progress_unstopped,
+            self.save_progress_in_tx: guarded(progress_unstopped, "leases_idle_guard"),
         }

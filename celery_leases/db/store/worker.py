@@ -293,9 +293,10 @@ class AttemptOps(ClientOps):
             params["b_done"], params["b_total"] = progress
 
         def run(c: Any) -> tuple[bool, str | None]:
-            # Where there is no RETURNING, the write first skips a row with a stop request:
-            # one statement in the usual case; a row it skipped is saved (fenced as ever),
-            # then its request read, so a hand-off or a cancel is seen at this checkpoint.
+            # The write first skips a row with a stop request, returning nothing: one
+            # statement in the usual case; a row it skipped is saved (fenced as ever) and its
+            # request returned (or read back), so a hand-off or a cancel is seen at this
+            # checkpoint.
             found = self.dialect.rows(
                 c, stmt, params, read_back=sql.stop_of, first_try=(sql.unstopped[stmt], (None,))
             )
