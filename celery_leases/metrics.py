@@ -63,7 +63,8 @@ def count(name: str, *, task: str, amount: int = 1) -> None:
 
 #: The checkpoint histogram's child of each task (``labels()`` looks it up under a lock and
 #: validates the label at every call: a dictionary read on the hot path instead). The same
-#: object ``labels()`` returns; in multiprocess mode it follows a fork itself.
+#: object ``labels()`` returns; in multiprocess mode it follows a fork itself. (Code that
+#: calls the histogram's ``remove()`` or ``clear()`` clears this too.)
 _checkpoint_of: dict[str, Any] = {}
 
 

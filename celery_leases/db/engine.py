@@ -123,7 +123,9 @@ class Database:
     ) -> T:
         """Run ``operation`` in one transaction, run again on a connection the server had
         closed or after a concurrent transaction won (``errors.rerun``). ``single``: its
-        outcome rests on one statement, so where the dialect allows it runs in autocommit.
+        outcome rests on one statement (or on each of its fenced statements alone: a
+        checkpoint that skipped a row with a stop request saves it with a second), so where
+        the dialect allows it runs in autocommit.
         ``direct``: ``operation`` only executes statements and reads their rows
         (``dbapi.Direct``), so it runs on this process's direct connection, in autocommit if
         ``single``, else in a transaction. ``refused``: the error raised when the database

@@ -369,7 +369,10 @@ def test_the_admin_shows_each_leases_database_and_acts_where_a_job_lives(
     assert seen["a job's page, routed down"] == 200, seen
     assert seen["a missing job's page, routed down"] == 200, seen
     searched, missing = seen["its messages"]
-    assert searched.startswith("leases database 'routed' could not be searched: "), searched
+    assert searched == (
+        "leases database 'routed' could not be searched (OperationalError; the server's log "
+        "says why)"
+    ), searched
     assert missing.startswith("leased job with ID "), missing
     assert f"nowhere-{seen['tag']}" in missing and "exist. Perhaps it was deleted?" in missing
 

@@ -13,13 +13,14 @@ database that ``DATABASES`` does not name is offered too, and its list says how 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import sqlalchemy as sa
 from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.core.exceptions import ValidationError
-from django.db import DatabaseError
+from django.db import DatabaseError, transaction
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest, QueryDict
 
@@ -28,6 +29,8 @@ from ...db import Store, store_for
 from ...errors import ConfigurationError
 from ...settings import DEFAULTS, Settings
 from . import database
+
+logger = logging.getLogger("celery_leases")
 
 #: The query parameter of the database a list shows.
 DATABASE_VAR = "database"
@@ -192,14 +195,24 @@ class RoutedAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             if alias is None or alias in searched:
                 continue
             searched.add(alias)
-            queryset = super().get_queryset(request).using(alias)
-            try:
-                obj = queryset.filter(**{field.name: key}).first()
-            except DatabaseError as exc:
-                if name == first:
-                    raise  # the database the page is of: its error is the page's
-                messages.warning(request, f"leases database {name!r} could not be searched: {exc}")
-                continue
+            found_in = super().get_queryset(request).using(alias).filter(**{field.name: key})
+            if name == first:  # the database the page is of: its error is the page's
+                obj = found_in.first()
+            else:
+                try:
+                    # In a savepoint: a failed query must not leave a transaction of that
+                    # database (ATOMIC_REQUESTS, a POST's atomic()) aborted for what follows.
+                    with transaction.atomic(using=alias):
+                        obj = found_in.first()
+                except DatabaseError as exc:
+                    # The driver's text names hosts, users and files: in the log, not the page.
+                    logger.warning("admin: leases database %r not searched", name, exc_info=True)
+                    messages.warning(
+                        request,
+                        f"leases database {name!r} could not be searched "
+                        f"({type(exc).__name__}; the server's log says why)",
+                    )
+                    continue
             if obj is not None:
                 return obj
         return None
