@@ -125,10 +125,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         With ``leases_routes``, their ``database_url`` is that of the job being acted on
         (``routes.using``), else that of the task's own route (its default queue's).
         """
-        cached = self._lease_cache()
-        if not cached.routed:
-            return cached.settings
-        return routes.on(cached.settings, routes.active() or cached.home(self))
+        return self._lease_cache().settings_of(self)
 
     @property
     def lease_store(self) -> Store:
@@ -144,7 +141,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             if cached.store is None:
                 cached.store = store_for(cached.settings)
             return cached.settings, cached.store
-        settings = routes.on(cached.settings, routes.active() or cached.home(self))
+        settings = cached.settings_of(self)
         return settings, store_for(settings)
 
     def lease_home(self) -> str:
@@ -384,6 +381,13 @@ class _Cached:
         self.store: Store | None = None
         self.routed = routes.routed(settings)
         self._home: str | None = None
+
+    def settings_of(self, task: Any) -> Settings:
+        """The task's settings; with routes, for the database of the job being acted on
+        (``routes.using``), else of the task's own route."""
+        if not self.routed:
+            return self.settings
+        return routes.on(self.settings, routes.active() or self.home(task))
 
     def home(self, task: Any) -> str:
         """The database of the task's jobs sent to its default queue."""
