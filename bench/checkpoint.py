@@ -265,6 +265,7 @@ def measure(
         lease = Lease(
             "lease-row", token, 1, None, "bench@host/1", settings.duration,
             settings.renew_interval, stall_timeout=settings.stall_timeout,
+            store=store, settings=settings,  # as an attempt's claim makes it
         )  # fmt: skip
         bare = bare_connection(db, url)
         engine_statements: list[str] = []

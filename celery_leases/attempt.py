@@ -186,6 +186,8 @@ class Attempt:
             group=delivery.group,
             bound=outcome.bound,
             joined=outer,
+            store=self.store,
+            settings=settings,
         )
         if lease.key is not None:
             key_of_lease = lease.key

@@ -11,7 +11,7 @@ from . import event, metrics
 from .db import rows
 from .db.joined import Joined, joined, refuse_unjoined
 from .errors import Cancelled, CheckpointError, LeaseLost, Preempted, Superseded
-from .lease import Lease, until_deadline
+from .lease import Lease, saved_checkpoint, until_deadline
 from .lifecycle.run import why_refused
 from .log import job_fields, lease_fields
 from .signals import checkpoint_saved
@@ -41,12 +41,12 @@ def save(
         saved, stop = _written(
             lease,
             transaction,
-            lambda: store.checkpoint(
+            lambda: store.checkpoint_in(
+                transaction,
                 lease.job_id,
                 lease.token,
                 text,
                 progress=done_total,
-                connection=transaction,
                 idle_limit=lease.duration,
             ),
             what="checkpoint",
@@ -59,7 +59,7 @@ def save(
         if done_total is not None:
             _report_progress(task, *done_total)
             event.send_progress(task, lease, *done_total)
-    lease.checkpoint = json.loads(text)
+    saved_checkpoint(lease, text)
     checkpoint_saved.send(sender=task, lease=lease, progress=done_total)
     lease.stop_requested = stop or lease.stop_requested
     if lease.stop_requested is None:
@@ -87,12 +87,12 @@ def save_cursor(task: Any, lease: Lease, state: Any, *, connection: Any = None) 
         saved = _written(
             lease,
             transaction,
-            lambda: store.save_cursor(
+            lambda: store.save_cursor_in(
+                transaction,
                 key,
                 lease.job_id,
                 lease.token,
                 text,
-                connection=transaction,
                 idle_limit=lease.duration,
             ),
             what="cursor",
@@ -151,7 +151,9 @@ def fenced_out(task: Any, lease: Lease, what: str) -> NoReturn:
 
 def _settings_and_store(task: Any, lease: Lease) -> tuple[Any, Any]:
     """The task's settings and the store its attempt writes to (none for a direct call, which
-    keeps its checkpoints in memory)."""
+    keeps its checkpoints in memory): those the attempt claimed with, carried by its lease."""
+    if lease.store is not None:
+        return lease.settings, lease.store
     if lease.detached:
         return task.lease_settings, None
     settings, store = task.lease_settings_and_store()
@@ -168,7 +170,14 @@ def _encoded(settings: Any, lease: Lease, state: Any, what: str) -> str:
             f"{what} of job {lease.job_id} is not JSON-serializable ({exc}); "
             f"the previous {what} is kept"
         ) from exc
-    size = len(text.encode())
+    # Its UTF-8 length: one byte a character for ASCII text, which is told without encoding it.
+    try:
+        size = len(text) if text.isascii() else len(text.encode())
+    except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") has no UTF-8
+        raise CheckpointError(
+            f"{what} of job {lease.job_id} holds text that is not valid Unicode ({exc}); "
+            f"the previous {what} is kept"
+        ) from exc
     if size > settings.max_checkpoint_bytes:
         raise CheckpointError(
             f"{what} of job {lease.job_id} is {size} bytes, over "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -89,6 +90,11 @@ class Lease:
     held_back: Any = None
     #: Reads the key's cursor from the database (the first ``cursor`` read calls it).
     read_cursor: Callable[[], Any] | None = field(default=None, repr=False)
+    #: The store of the database the attempt claimed its job in, and its task's settings
+    #: there, from the claim: its checkpoints write there without looking them up again.
+    #: None (a lease made by hand): looked up at each write (``task.lease_settings_and_store``).
+    store: Any = field(default=None, repr=False)
+    settings: Any = field(default=None, repr=False)
     _cursor: Any = field(default=_UNREAD, repr=False)
     # Monotonic times of this process: when the lease ends without a renewal, and the last
     # checkpoint (for the stall deadline). Never compared with a database time.
@@ -163,6 +169,33 @@ class Lease:
         if self.stall_timeout is None:
             return False
         return time.monotonic() - self.last_progress > self.stall_timeout
+
+
+def _read_checkpoint(lease: Lease) -> Any:
+    text = lease.__dict__.pop("_checkpoint_text", None)
+    if text is not None:
+        lease.__dict__["_checkpoint"] = json.loads(text)
+    return lease.__dict__.get("_checkpoint")
+
+
+def _write_checkpoint(lease: Lease, value: Any) -> None:
+    lease.__dict__.pop("_checkpoint_text", None)
+    lease.__dict__["_checkpoint"] = value
+
+
+def saved_checkpoint(lease: Lease, text: str) -> None:
+    """``lease``'s checkpoint is now the state whose JSON is ``text``: ``lease.checkpoint``
+    decodes it at its first read (the value a resume would read), not at every save."""
+    lease.__dict__["_checkpoint_text"] = text
+
+
+# ``checkpoint`` stays a field of the dataclass (its __init__, repr and comparison go through
+# the property); a property written in the class body would be taken for its default.
+Lease.checkpoint = property(  # type: ignore[assignment]
+    _read_checkpoint,
+    _write_checkpoint,
+    doc="The last saved state (None before the first checkpoint), as a resume would read it.",
+)
 
 
 class _Current(threading.local):

@@ -114,7 +114,7 @@ class Wrapped:
         dialect: Dialect | None = None,
         refused: type[LeaseError] = LeaseError,
     ) -> None:
-        self.prefix = f"{what}, " if what else ""
+        self.what = what
         self.safe_url = safe_url
         self.dialect = dialect
         self.refused = refused
@@ -126,19 +126,18 @@ class Wrapped:
         if not isinstance(exc, sa.exc.SQLAlchemyError):
             return
         found = kind_of(exc, self.dialect)
+        prefix = f"{self.what}, " if self.what else ""
         where = f"leases database {self.safe_url}"
         if found in (Kind.GONE, Kind.UNAVAILABLE):
-            raise StoreUnavailable(
-                f"{self.prefix}{where} is unavailable: {first_line(exc)}"
-            ) from exc
+            raise StoreUnavailable(f"{prefix}{where} is unavailable: {first_line(exc)}") from exc
         if found is Kind.CONFLICT:
             raise WriteConflict(
-                f"{self.prefix}a concurrent transaction won in {where} ({first_line(exc)}); "
+                f"{prefix}a concurrent transaction won in {where} ({first_line(exc)}); "
                 f"run the transaction again"
             ) from exc
         if found is Kind.REFUSED:
-            raise self.refused(f"{self.prefix}{where} refuses it: {first_line(exc)}") from exc
-        raise LeaseError(f"{self.prefix}{where} error: {first_line(exc)}") from exc
+            raise self.refused(f"{prefix}{where} refuses it: {first_line(exc)}") from exc
+        raise LeaseError(f"{prefix}{where} error: {first_line(exc)}") from exc
 
 
 class interrupted:  # lower case: used as the function it was, ``with interrupted(...)``

@@ -188,9 +188,14 @@ class StateCounts:
         return sum(self.counts.values())
 
 
+#: What ``json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)``
+#: builds at each call, built once (a checkpoint's hot path encodes with it).
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+
+
 def dumps(value: Any) -> str:
     """JSON text of a checkpoint; NaN and Infinity are refused (they are not JSON)."""
-    return json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+    return _ENCODER.encode(value)
 
 
 def dumps_result(value: Any) -> str | None:

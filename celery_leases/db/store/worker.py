@@ -256,6 +256,18 @@ class AttemptOps(ClientOps):
         """Run ``operation`` on this process's direct connection (``connection`` None), or in
         the caller's transaction ``connection`` (anything ``joined.joined`` takes)."""
         joined = as_joined(self, connection)
+        return self._on_joined(joined, operation, reads_back=reads_back, refused=refused, what=what)
+
+    def _on_joined(
+        self,
+        joined: Joined | None,
+        operation: Any,
+        *,
+        reads_back: bool = False,
+        refused: type[LeaseError] = LeaseError,
+        what: str = "",
+    ) -> Any:
+        """:meth:`_on` with the caller's transaction already found (``joined.joined``)."""
         if joined is None:
             return self._hot(operation, reads_back=reads_back, refused=refused)
         if not self._schema_ready:
@@ -281,8 +293,28 @@ class AttemptOps(ClientOps):
         transaction may then sit idle ``idle_limit`` seconds at most (the lease's length;
         default ``leases_duration``) before the database ends it.
         """
+        return self.checkpoint_in(
+            as_joined(self, connection),
+            job_id,
+            token,
+            state,
+            progress=progress,
+            idle_limit=idle_limit,
+        )
+
+    def checkpoint_in(
+        self,
+        joined: Joined | None,
+        job_id: str,
+        token: int,
+        state: str,
+        *,
+        progress: tuple[int, int | None] | None = None,
+        idle_limit: float | None = None,
+    ) -> tuple[bool, str | None]:
+        """:meth:`checkpoint` in ``joined``, the caller's transaction already found
+        (``joined.joined``), or, None, on this process's direct connection."""
         sql = self.sql.checkpoint
-        joined = as_joined(self, connection)
         params: dict[str, Any] = {"b_id": job_id, "b_token": token, "b_checkpoint": state}
         stmt = sql.save if progress is None else sql.save_progress
         if joined is not None and joined.guard_idle:
@@ -302,7 +334,7 @@ class AttemptOps(ClientOps):
             )
             return (bool(found), found[0][0] if found and found[0] else None)
 
-        return self._on(  # type: ignore[no-any-return]
+        return self._on_joined(  # type: ignore[no-any-return]
             joined, run, refused=CheckpointError, what="checkpoint not saved"
         )
 
@@ -324,8 +356,22 @@ class AttemptOps(ClientOps):
         """Save the cursor of lease key ``key`` (JSON text), fenced by the lease ``token`` of
         the running job ``job_id`` of that key: False if this attempt lost the lease. One
         statement; with ``connection``, in the caller's transaction, as :meth:`checkpoint`."""
+        return self.save_cursor_in(
+            as_joined(self, connection), key, job_id, token, state, idle_limit=idle_limit
+        )
+
+    def save_cursor_in(
+        self,
+        joined: Joined | None,
+        key: str,
+        job_id: str,
+        token: int,
+        state: str,
+        *,
+        idle_limit: float | None = None,
+    ) -> bool:
+        """:meth:`save_cursor` in ``joined``, as :meth:`checkpoint_in`."""
         keys = self.sql.keys
-        joined = as_joined(self, connection)
         params = {"b_key": key, "b_id": job_id, "b_token": token, "b_cursor": state}
         stmt = keys.save_cursor
         if joined is not None and joined.guard_idle:
@@ -333,7 +379,7 @@ class AttemptOps(ClientOps):
             idle_limit = self._guard_idle_writes(joined, idle_limit)
             params["b_idle_ms"] = str(math.ceil(idle_limit * 1000))
         return bool(
-            self._on(
+            self._on_joined(
                 joined,
                 lambda c: self.dialect.upserted(c, stmt, params),
                 refused=CheckpointError,
