@@ -790,11 +790,32 @@ def admin_across_databases() -> dict[str, Any]:
     after = html.unescape(text(saved["Location"]))
     seen["cursors after the save"] = [stores[n].cursor(key) for n in ("default", "routed")]
     seen["page after the save"] = sorted(set(re.findall(r'"(home|away|edited)"', after)))
+    # The key's page by a link that names no database (a bookmark, "Recent actions"): it
+    # shows the default database's key and links to the routed one's, which shows that one
+    bookmark = client.get(opened.split("?")[0])
+    seen["bookmark"] = _shown_and_said(bookmark)
+    said = " ".join(seen["bookmark"][1])
+    there = re.findall(r'<a href="([^"]*)">routed</a>', html.unescape(said))
+    seen["its link"] = there
+    seen["the linked page"] = _shown_and_said(client.get(there[0]))[0] if there else None
+    seen["a job in one database, by a bare link"] = _shown_and_said(
+        client.get(f"{page}{ids['routed']}/change/")
+    )[1]
     # The routed database down (its file gone: the empty one SQLite opens instead has no
     # tables): the default job's page still opens, and a page of an id neither database
     # holds says the routed one could not be searched
     seen.update(_with_routed_down(client, page, ids["default"], f"nowhere-{tag}"))
     return seen
+
+
+def _shown_and_said(response: Any) -> tuple[list[str], list[str]]:
+    """The cursors a key's page shows ("home", "away", "edited"), and its messages."""
+    import html
+
+    assert response.status_code == 200, response.status_code
+    body = html.unescape(response.content.decode())
+    said = [str(m) for m in response.context["messages"]]
+    return sorted(set(re.findall(r'"(home|away|edited)"', body))), said
 
 
 def _with_routed_down(client: Any, page: str, there: str, nowhere: str) -> dict[str, Any]:

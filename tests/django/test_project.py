@@ -364,6 +364,18 @@ def test_the_admin_shows_each_leases_database_and_acts_where_a_job_lives(
     # (a key of one name in both: set where it was opened, shown from there after the save)
     assert seen["cursors after the save"] == ["home", "edited"], seen
     assert seen["page after the save"] == ["edited"], seen
+    # (the key's page by a bare link: the default database's, saying the routed one holds a
+    # key of that name too, with a link that opens that one; no such word for a job that
+    # lives in one database only)
+    shown, said = seen["bookmark"]
+    assert shown == ["home"] and len(said) == 1, seen
+    assert said[0].startswith("celery-leases: this page shows the object of leases database "), said
+    assert "default;" in said[0] and "named no database" in said[0], said
+    assert seen["its link"] == [
+        f"/admin/celery_leases/leasekey/cursor-{seen['tag']}/change/?database=routed"
+    ], seen
+    assert seen["the linked page"] == ["edited"], seen
+    assert seen["a job in one database, by a bare link"] == [], seen
     # (the routed database down: a job of the default one opens; a page of an id in neither
     # is Django's "doesn't exist", with a warning that the routed one could not be searched)
     assert seen["a job's page, routed down"] == 200, seen

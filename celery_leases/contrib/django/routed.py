@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 from typing import Any
+from urllib.parse import quote
 
 import sqlalchemy as sa
 from django.contrib import admin, messages
@@ -23,6 +24,7 @@ from django.core.exceptions import ValidationError
 from django.db import DatabaseError, transaction
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest, QueryDict
+from django.utils.html import format_html, format_html_join
 
 from ... import routes
 from ...db import Store, store_for
@@ -82,13 +84,20 @@ def chosen(request: HttpRequest) -> str:
     """The database a page shows: its query's ``database``, or that of the list it came
     from (a job's page keeps the list's filters in ``_changelist_filters``), else
     ``'default'``. :class:`IncorrectLookupParameters` for a name no database has."""
-    name = request.GET.get(DATABASE_VAR)
-    if name is None:
-        name = QueryDict(request.GET.get("_changelist_filters", "")).get(DATABASE_VAR)
+    name = named(request)
     if name is None:
         return routes.DEFAULT
     if name not in aliases():
         raise IncorrectLookupParameters(f"no leases database is named {name!r}")
+    return name
+
+
+def named(request: HttpRequest) -> str | None:
+    """The database a page's query names (its own ``database``, or its list's), else None:
+    a link from outside the admin's lists (a bookmark, "Recent actions")."""
+    name = request.GET.get(DATABASE_VAR)
+    if name is None:
+        name = QueryDict(request.GET.get("_changelist_filters", "")).get(DATABASE_VAR)
     return name
 
 
@@ -190,32 +199,48 @@ class RoutedAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             key = field.to_python(object_id)
         except (ValidationError, ValueError):
             return None
+        # A page whose link names no database (a bookmark, "Recent actions") shows the first
+        # database's object, and says which others hold one of the same name (a key or a
+        # group named alike in two databases): an edit must not land in another database
+        # than the one its user meant.
+        looks_everywhere = request.method == "GET" and named(request) is None and several()
+        held: list[tuple[str, Any]] = []
         searched: set[str] = set()
         for name, alias in order:
             if alias is None or alias in searched:
                 continue
             searched.add(alias)
-            found_in = super().get_queryset(request).using(alias).filter(**{field.name: key})
-            if name == first:  # the database the page is of: its error is the page's
-                obj = found_in.first()
-            else:
-                try:
-                    # In a savepoint: a failed query must not leave a transaction of that
-                    # database (ATOMIC_REQUESTS, a POST's atomic()) aborted for what follows.
-                    with transaction.atomic(using=alias):
-                        obj = found_in.first()
-                except DatabaseError as exc:
-                    # The driver's text names hosts, users and files: in the log, not the page.
-                    logger.warning("admin: leases database %r not searched", name, exc_info=True)
-                    messages.warning(
-                        request,
-                        f"leases database {name!r} could not be searched "
-                        f"({type(exc).__name__}; the server's log says why)",
-                    )
-                    continue
+            obj = self._found_in(request, name, alias, first, {field.name: key})
             if obj is not None:
-                return obj
-        return None
+                held.append((name, obj))
+                if not looks_everywhere:
+                    break
+        if len(held) > 1:
+            messages.warning(request, _also_in(request, [name for name, _ in held]))
+        return held[0][1] if held else None
+
+    def _found_in(
+        self, request: HttpRequest, name: str, alias: str, first: str, lookup: dict[str, Any]
+    ) -> Any:
+        """The object of ``lookup`` in database ``name`` (Django's ``alias``), or None. Only the
+        page's own database (``first``) may fail the page."""
+        found_in = super().get_queryset(request).using(alias).filter(**lookup)
+        if name == first:
+            return found_in.first()
+        try:
+            # In a savepoint: a failed query must not leave a transaction of that database
+            # (ATOMIC_REQUESTS, a POST's atomic()) aborted for what follows.
+            with transaction.atomic(using=alias):
+                return found_in.first()
+        except DatabaseError as exc:
+            # The driver's text names hosts, users and files: in the log, not the page.
+            logger.warning("admin: leases database %r not searched", name, exc_info=True)
+            messages.warning(
+                request,
+                f"leases database {name!r} could not be searched "
+                f"({type(exc).__name__}; the server's log says why)",
+            )
+            return None
 
     def get_list_display(self, request: HttpRequest) -> Any:
         shown = tuple(super().get_list_display(request))
@@ -234,6 +259,23 @@ class RoutedAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     @admin.display(description="database")
     def leases_database(self, obj: Model) -> str:
         return name_of(obj._state.db)
+
+
+def _also_in(request: HttpRequest, names: list[str]) -> str:
+    """The warning of a page whose object has a namesake in other leases databases: which
+    one it shows, and a link to the page of each other one."""
+    shown, *others = names
+    links = format_html_join(
+        ", ",
+        '<a href="{}">{}</a>',
+        ((f"{request.path}?{DATABASE_VAR}={quote(name)}", name) for name in others),
+    )
+    return format_html(
+        "celery-leases: this page shows the object of leases database {}; the link that opened "
+        "it named no database, and one of the same name is also in: {}",
+        shown,
+        links,
+    )
 
 
 def _not_in_databases(name: str) -> str:
