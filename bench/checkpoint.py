@@ -265,8 +265,8 @@ def measure(
         lease = Lease(
             "lease-row", token, 1, None, "bench@host/1", settings.duration,
             settings.renew_interval, stall_timeout=settings.stall_timeout,
-            store=store, settings=settings,  # as an attempt's claim makes it
         )  # fmt: skip
+        lease.carry(settings, store)  # as an attempt's claim does
         bare = bare_connection(db, url)
         engine_statements: list[str] = []
         sa.event.listen(

@@ -186,9 +186,8 @@ class Attempt:
             group=delivery.group,
             bound=outcome.bound,
             joined=outer,
-            store=self.store,
-            settings=settings,
         )
+        lease.carry(settings, self.store)
         if lease.key is not None:
             key_of_lease = lease.key
             lease.read_cursor = lambda: self.store.cursor(key_of_lease)

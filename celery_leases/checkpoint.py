@@ -152,8 +152,9 @@ def fenced_out(task: Any, lease: Lease, what: str) -> NoReturn:
 def _settings_and_store(task: Any, lease: Lease) -> tuple[Any, Any]:
     """The task's settings and the store its attempt writes to (none for a direct call, which
     keeps its checkpoints in memory): those the attempt claimed with, carried by its lease."""
-    if lease.store is not None:
-        return lease.settings, lease.store
+    carried = lease.carried
+    if carried is not None:
+        return carried
     if lease.detached:
         return task.lease_settings, None
     settings, store = task.lease_settings_and_store()

@@ -90,11 +90,6 @@ class Lease:
     held_back: Any = None
     #: Reads the key's cursor from the database (the first ``cursor`` read calls it).
     read_cursor: Callable[[], Any] | None = field(default=None, repr=False)
-    #: The store of the database the attempt claimed its job in, and its task's settings
-    #: there, from the claim: its checkpoints write there without looking them up again.
-    #: None (a lease made by hand): looked up at each write (``task.lease_settings_and_store``).
-    store: Any = field(default=None, repr=False)
-    settings: Any = field(default=None, repr=False)
     _cursor: Any = field(default=_UNREAD, repr=False)
     # Monotonic times of this process: when the lease ends without a renewal, and the last
     # checkpoint (for the stall deadline). Never compared with a database time.
@@ -163,6 +158,23 @@ class Lease:
     def cursor(self, value: Any) -> None:
         self._cursor = value
 
+    def carry(self, settings: Any, store: Any) -> None:
+        """Keep the task's settings and the store of the database the attempt claimed its job
+        in (the claim's): its checkpoints write there without looking them up again. Not a
+        field: a copy of the lease (``copy``, or serialized) leaves them out (a store holds an
+        engine), and then looks them up at each write, as a lease made by hand does."""
+        self.__dict__[_CARRIED] = (settings, store)
+
+    @property
+    def carried(self) -> tuple[Any, Any] | None:
+        """(settings, store) kept by :meth:`carry`, or None."""
+        return self.__dict__.get(_CARRIED)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop(_CARRIED, None)
+        return state
+
     @property
     def stalled(self) -> bool:
         """True when no checkpoint was saved for longer than the stall timeout."""
@@ -171,22 +183,41 @@ class Lease:
         return time.monotonic() - self.last_progress > self.stall_timeout
 
 
+#: Where a lease keeps what :meth:`Lease.carry` was given.
+_CARRIED = "_carried"
+
+
+class _Saved:
+    """A saved checkpoint's JSON text, decoded at its first read. One per save, never
+    changed but for its decoded value: a reader in another thread decodes this save's text
+    or finds it decoded, and never writes into the lease (a later save replaces the whole)."""
+
+    __slots__ = ("text", "value")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.value: Any = _UNREAD
+
+    def decoded(self) -> Any:
+        value = self.value
+        if value is _UNREAD:
+            value = self.value = json.loads(self.text)
+        return value
+
+
 def _read_checkpoint(lease: Lease) -> Any:
-    text = lease.__dict__.pop("_checkpoint_text", None)
-    if text is not None:
-        lease.__dict__["_checkpoint"] = json.loads(text)
-    return lease.__dict__.get("_checkpoint")
+    value = lease.__dict__.get("_checkpoint")
+    return value.decoded() if isinstance(value, _Saved) else value
 
 
 def _write_checkpoint(lease: Lease, value: Any) -> None:
-    lease.__dict__.pop("_checkpoint_text", None)
     lease.__dict__["_checkpoint"] = value
 
 
 def saved_checkpoint(lease: Lease, text: str) -> None:
     """``lease``'s checkpoint is now the state whose JSON is ``text``: ``lease.checkpoint``
     decodes it at its first read (the value a resume would read), not at every save."""
-    lease.__dict__["_checkpoint_text"] = text
+    lease.__dict__["_checkpoint"] = _Saved(text)
 
 
 # ``checkpoint`` stays a field of the dataclass (its __init__, repr and comparison go through

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import pickle
 import socket
@@ -98,6 +100,21 @@ def define_tasks(app: Celery) -> None:
         self.checkpoint(state)
         state["pages"] = "changed after the save"
         return self.lease.checkpoint
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tests.lease_copies")
+    def lease_copies(self: LeasedTask) -> Any:
+        self.checkpoint({"page": 3})
+        lease = self.lease
+        copies = {
+            "asdict": dataclasses.asdict(lease),
+            "deepcopy": copy.deepcopy(lease),
+            "pickle": pickle.loads(pickle.dumps(lease)),
+        }
+        as_dict = copies.pop("asdict")
+        found = {
+            way: [c.checkpoint, c.token == lease.token, c.carried] for way, c in copies.items()
+        }
+        return {"asdict": [as_dict["checkpoint"], as_dict["token"] == lease.token, None], **found}
 
     @app.task(base=LeasedTask, bind=True, shared=False, name="tests.lease_fields")
     def lease_fields(self: LeasedTask) -> dict[str, Any]:
@@ -252,6 +269,19 @@ def test_after_a_checkpoint_the_attempt_reads_what_a_resume_would_not_the_object
     assert result.get() == {"pages": [1, 2]}
     job = get_job(app, "job-1")
     assert job is not None and job.checkpoint == {"pages": [1, 2]}
+
+
+def test_a_running_attempts_lease_can_be_copied_pickled_and_turned_into_a_dict(
+    app: Celery,
+) -> None:
+    # (what it keeps of its store, which holds an engine, is left out of a copy)
+    result = task(app, "tests.lease_copies").apply(task_id="job-1")
+
+    assert result.get() == {
+        "asdict": [{"page": 3}, True, None],
+        "deepcopy": [{"page": 3}, True, None],
+        "pickle": [{"page": 3}, True, None],
+    }
 
 
 def test_a_direct_call_runs_without_a_lease_and_keeps_checkpoints_in_memory(
