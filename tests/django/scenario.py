@@ -794,10 +794,18 @@ def admin_across_databases() -> dict[str, Any]:
     # shows the default database's key and links to the routed one's, which shows that one
     bookmark = client.get(opened.split("?")[0])
     seen["bookmark"] = _shown_and_said(bookmark)
+    seen["bookmark's link, as the page has it"] = re.findall(
+        r'<a href="[^"<>]*">routed</a>', bookmark.content.decode()
+    )
     said = " ".join(seen["bookmark"][1])
     there = re.findall(r'<a href="([^"]*)">routed</a>', html.unescape(said))
     seen["its link"] = there
     seen["the linked page"] = _shown_and_said(client.get(there[0]))[0] if there else None
+    # The same key opened from the default list (whose query names no database): no warning
+    default_keys = text("/admin/celery_leases/leasekey/")
+    from_list = html.unescape(re.search(rf'href="([^"]*{key}[^"]*)"', default_keys)[1])
+    seen["the default list's row link"] = from_list
+    seen["opened from the default list"] = _shown_and_said(client.get(from_list))
     seen["a job in one database, by a bare link"] = _shown_and_said(
         client.get(f"{page}{ids['routed']}/change/")
     )[1]

@@ -372,8 +372,13 @@ def test_the_admin_shows_each_leases_database_and_acts_where_a_job_lives(
     assert said[0].startswith("celery-leases: this page shows the object of leases database "), said
     assert "default;" in said[0] and "named no database" in said[0], said
     assert seen["its link"] == [
-        f"/admin/celery_leases/leasekey/cursor-{seen['tag']}/change/?database=routed"
+        f"/admin/celery_leases/leasekey/cursor-{seen['tag']}/change/"
+        "?_changelist_filters=database%3Drouted"
     ], seen
+    assert len(seen["bookmark's link, as the page has it"]) == 1, seen  # a link, not its text
+    # (opened from the default list, whose rows' links name it: no warning)
+    assert "_changelist_filters=database%3Ddefault" in seen["the default list's row link"], seen
+    assert seen["opened from the default list"] == [["home"], []], seen
     assert seen["the linked page"] == ["edited"], seen
     assert seen["a job in one database, by a bare link"] == [], seen
     # (the routed database down: a job of the default one opens; a page of an id in neither

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import urlencode
 
 import sqlalchemy as sa
 from django.contrib import admin, messages
@@ -24,6 +24,7 @@ from django.core.exceptions import ValidationError
 from django.db import DatabaseError, transaction
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest, QueryDict
+from django.utils.encoding import escape_uri_path
 from django.utils.html import format_html, format_html_join
 
 from ... import routes
@@ -216,8 +217,46 @@ class RoutedAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 if not looks_everywhere:
                     break
         if len(held) > 1:
-            messages.warning(request, _also_in(request, [name for name, _ in held]))
+            # Said by the page itself once it is allowed (render_change_form), not here:
+            # Django looks the object up before it checks the user's permission.
+            setattr(request, _NAMESAKES, (held[0][1], [name for name, _ in held]))
         return held[0][1] if held else None
+
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: Any = None,
+    ) -> Any:
+        namesakes = getattr(request, _NAMESAKES, None)
+        if namesakes is not None and namesakes[0] is obj:
+            messages.warning(request, _also_in(request, namesakes[1]))
+        return super().render_change_form(request, context, add, change, form_url, obj)
+
+    def get_preserved_filters(self, request: HttpRequest) -> str:
+        """Django's (the list's query, carried by the links of its rows as
+        ``_changelist_filters``), naming the list's database even when its query does not
+        (the default one's): a page opened from a list is of that list's database, and only
+        a link from outside the lists (a bookmark, "Recent actions") names none."""
+        preserved = super().get_preserved_filters(request)
+        match = request.resolver_match
+        opts = self.model._meta
+        on_list = (
+            match is not None and match.url_name == f"{opts.app_label}_{opts.model_name}_changelist"
+        )
+        if not (on_list and several()):
+            return preserved
+        filters = QueryDict(QueryDict(preserved).get("_changelist_filters", ""), mutable=True)
+        if DATABASE_VAR in filters:
+            return preserved
+        try:
+            filters[DATABASE_VAR] = chosen(request)
+        except IncorrectLookupParameters:
+            return preserved
+        return urlencode({"_changelist_filters": filters.urlencode()})
 
     def _found_in(
         self, request: HttpRequest, name: str, alias: str, first: str, lookup: dict[str, Any]
@@ -261,15 +300,26 @@ class RoutedAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return name_of(obj._state.db)
 
 
+#: Where ``get_object`` leaves, for the page, the object it found and the databases that hold
+#: one of its name.
+_NAMESAKES = "_celery_leases_namesakes"
+
+
 def _also_in(request: HttpRequest, names: list[str]) -> str:
     """The warning of a page whose object has a namesake in other leases databases: which
-    one it shows, and a link to the page of each other one."""
+    one it shows, and a link to the page of each other one (its query kept, the database
+    named where Django carries a list's filters from page to page)."""
     shown, *others = names
-    links = format_html_join(
-        ", ",
-        '<a href="{}">{}</a>',
-        ((f"{request.path}?{DATABASE_VAR}={quote(name)}", name) for name in others),
-    )
+
+    def link(name: str) -> str:
+        query = request.GET.copy()
+        query.pop(DATABASE_VAR, None)
+        filters = QueryDict(query.get("_changelist_filters", ""), mutable=True)
+        filters[DATABASE_VAR] = name
+        query["_changelist_filters"] = filters.urlencode()
+        return f"{escape_uri_path(request.path)}?{query.urlencode()}"
+
+    links = format_html_join(", ", '<a href="{}">{}</a>', ((link(n), n) for n in others))
     return format_html(
         "celery-leases: this page shows the object of leases database {}; the link that opened "
         "it named no database, and one of the same name is also in: {}",
