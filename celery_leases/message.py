@@ -25,6 +25,7 @@ from kombu import Exchange
 from kombu.utils import json as kombu_json
 
 from .errors import ArgumentsError, ConfigurationError
+from .jsontext import celery_json
 
 #: Header naming the recorded version of a job's message: a new one for each message the
 #: library records (a publish, a retry), kept when the recorded message is sent again.
@@ -302,7 +303,7 @@ class Message:
         # As Celery's JSON serializer writes it (NaN and Infinity included, as Celery sends
         # them): what a resumed attempt reads back is what the first one got.
         try:
-            return str(kombu_json.dumps(document, separators=(",", ":"), ensure_ascii=False))
+            return celery_json(document)
         except (TypeError, ValueError) as exc:
             raise ArgumentsError(
                 f"arguments of {self.task} must be JSON-serializable to be recorded for a "

@@ -13,6 +13,7 @@ from typing import Any
 
 from kombu.utils import json as kombu_json
 
+from .. import jsontext
 from ..errors import CorruptJob
 from ..message import Message
 from ..states import State
@@ -188,21 +189,25 @@ class StateCounts:
         return sum(self.counts.values())
 
 
-#: What ``json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)``
-#: builds at each call, built once (a checkpoint's hot path encodes with it).
-_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+#: What ``json.dumps(value, allow_nan=False, separators=SEPARATORS, ensure_ascii=...)`` builds
+#: at each call, built once (a checkpoint's hot path encodes with it): non-ASCII characters
+#: as they are, and escaped (for a value UTF-8 cannot hold: ``jsontext``).
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=jsontext.SEPARATORS, ensure_ascii=False)
+_ESCAPING = json.JSONEncoder(allow_nan=False, separators=jsontext.SEPARATORS)
 
 
 def dumps(value: Any) -> str:
-    """JSON text of a checkpoint; NaN and Infinity are refused (they are not JSON)."""
-    return _ENCODER.encode(value)
+    """JSON text of a checkpoint, as stored (``jsontext``); NaN and Infinity are refused (they
+    are not JSON)."""
+    text = _ENCODER.encode(value)
+    return text if jsontext.storable(text) else _ESCAPING.encode(value)
 
 
 def dumps_result(value: Any) -> str | None:
     """Celery's JSON of a task's result (datetimes, UUIDs, Decimals, NaN as Celery stores them),
     or None when even that cannot hold it (the result backend keeps it then, the row does not)."""
     try:
-        return str(kombu_json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+        return jsontext.celery_json(value)
     except (TypeError, ValueError):
         return None
 
