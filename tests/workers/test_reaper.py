@@ -397,7 +397,12 @@ def test_a_job_that_kills_its_worker_on_every_attempt_ends_failed_and_says_why(
     assert "without saving a checkpoint" in job.error
     assert job.attempts == 3
     assert [(r.unit, r.attempt) for r in s.log.rows(job_id)] == [(0, 1), (0, 2), (0, 3)]
-    assert f"job {job_id} (e2e.poison): gave up" in s.logs()
+    # (the reaper logs its give-up right after the row's commit)
+    wait_for(
+        lambda: f"job {job_id} (e2e.poison): gave up" in s.logs(),
+        timeout=10,
+        what="the reaper's give-up line",
+    )
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
