@@ -7,10 +7,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from celery import Celery, Task
 
 from celery_leases import ArgumentsError, LeasedTask
 from celery_leases.config import settings_for
+from celery_leases.db.dbapi import KEPT_ROWS
 from celery_leases.db.rows import Claimed
 from celery_leases.db.schema import MAX_ID_LENGTH
 from celery_leases.db.store import Store, store_for
@@ -219,3 +221,37 @@ def queued(app: Celery, queue: str) -> int:
     """Messages waiting in ``queue`` of the embedded broker."""
     with app.connection_for_write() as connection:
         return int(connection.default_channel._size(queue))
+
+
+# -- 10. the direct connection's cursor ----------------------------------------------------------
+
+
+def test_the_direct_connections_cursor_serves_the_next_statement_unless_it_failed_or_read_many(
+    store: Store,
+) -> None:
+    # Given the store's direct connection after a claim, its cursor kept
+    token = claimed(store, "j1")
+    (direct,) = store.db.direct._idle
+    assert direct._kept is not None
+    cursor = direct._kept[1]
+
+    # When a checkpoint and a read follow, they run on that cursor
+    assert store.checkpoint("j1", token, '{"n": 1}') == (True, None)
+    job = store.get("j1")
+    assert job is not None and job.checkpoint == {"n": 1}
+    assert direct._kept is not None and direct._kept[1] is cursor
+
+    # Then a statement the database refuses drops it; the next statement runs on a new one
+    with pytest.raises(sa.exc.DBAPIError):
+        direct.query("SELECT no_such_column FROM no_such_table")
+    assert direct._kept is None
+    assert store.checkpoint("j1", token, '{"n": 2}') == (True, None)
+    assert direct._kept is not None and direct._kept[1] is not cursor
+
+    # and a read of more rows than KEPT_ROWS does not keep its rows alive on a kept cursor
+    for n in range(KEPT_ROWS + 1):
+        assert store.register(job_message(f"many-{n}")).outcome == "new"
+    assert len(direct.execute(sa.select(store.table.c.id)).rows) == KEPT_ROWS + 2
+    assert direct._kept is None
+    job = store.get("j1")
+    assert job is not None and job.checkpoint == {"n": 2}
