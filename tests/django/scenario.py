@@ -835,10 +835,27 @@ def _with_routed_down(client: Any, page: str, there: str, nowhere: str) -> dict[
     path.rename(away)
     try:
         missing = client.get(f"{page}{nowhere}/change/", follow=True)
+        # A staff user who may see no job is refused the page, and told nothing of the
+        # databases it looked in: not then, nor on the next page
+        from django.contrib.auth.models import User
+        from django.test import Client
+
+        tag = uuid.uuid4().hex[:8]
+        stranger = Client()
+        stranger.force_login(
+            User.objects.create_user(f"s-{tag}", f"s{tag}@example.com", "pw", is_staff=True)
+        )
+        refused = stranger.get(f"{page}{nowhere}/change/")
+        next_page = stranger.get("/admin/")
         return {
             "a job's page, routed down": client.get(f"{page}{there}/change/").status_code,
             "a missing job's page, routed down": missing.status_code,
             "its messages": [str(m) for m in missing.context["messages"]],
+            "refused, then the next page's messages": [
+                refused.status_code,
+                next_page.status_code,
+                [str(m) for m in next_page.context["messages"]],
+            ],
         }
     finally:
         connections["routed"].close()

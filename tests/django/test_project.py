@@ -385,13 +385,15 @@ def test_the_admin_shows_each_leases_database_and_acts_where_a_job_lives(
     # is Django's "doesn't exist", with a warning that the routed one could not be searched)
     assert seen["a job's page, routed down"] == 200, seen
     assert seen["a missing job's page, routed down"] == 200, seen
-    searched, missing = seen["its messages"]
+    missing, searched = seen["its messages"]
     assert searched == (
         "leases database 'routed' could not be searched (OperationalError; the server's log "
         "says why)"
     ), searched
     assert missing.startswith("leased job with ID "), missing
     assert f"nowhere-{seen['tag']}" in missing and "exist. Perhaps it was deleted?" in missing
+    # (a user who may not see the page is refused it, and is told nothing of the search)
+    assert seen["refused, then the next page's messages"] == [403, 200, []], seen
 
     # And a routed database that DATABASES does not name is offered, and its list says how
     # to see its jobs

@@ -272,14 +272,32 @@ class RoutedAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             with transaction.atomic(using=alias):
                 return found_in.first()
         except DatabaseError as exc:
-            # The driver's text names hosts, users and files: in the log, not the page.
+            # The driver's text names hosts, users and files: in the log, not the page. Said
+            # by the page once Django lets it through (``_said``), as the namesakes are.
             logger.warning("admin: leases database %r not searched", name, exc_info=True)
-            messages.warning(
-                request,
+            unsearched = getattr(request, _UNSEARCHED, None)
+            if unsearched is None:
+                unsearched = []
+                setattr(request, _UNSEARCHED, unsearched)
+            unsearched.append(
                 f"leases database {name!r} could not be searched "
-                f"({type(exc).__name__}; the server's log says why)",
+                f"({type(exc).__name__}; the server's log says why)"
             )
             return None
+
+    # Django looks an object up (get_object) before it checks the user's permission: what
+    # the lookup has to say waits until the view did not refuse the page.
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
+    ) -> Any:
+        return _said(request, super().change_view(request, object_id, form_url, extra_context))
+
+    def delete_view(self, request: HttpRequest, object_id: str, extra_context: Any = None) -> Any:
+        return _said(request, super().delete_view(request, object_id, extra_context))
+
+    def history_view(self, request: HttpRequest, object_id: str, extra_context: Any = None) -> Any:
+        return _said(request, super().history_view(request, object_id, extra_context))
 
     def get_list_display(self, request: HttpRequest) -> Any:
         shown = tuple(super().get_list_display(request))
@@ -303,6 +321,17 @@ class RoutedAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 #: Where ``get_object`` leaves, for the page, the object it found and the databases that hold
 #: one of its name.
 _NAMESAKES = "_celery_leases_namesakes"
+#: Where it leaves the warnings of the databases it could not search.
+_UNSEARCHED = "_celery_leases_unsearched"
+
+
+def _said(request: HttpRequest, response: Any) -> Any:
+    """``response``, a page Django let through, after the warnings of the databases its
+    lookup could not search (a page refused raised before this)."""
+    for warning in getattr(request, _UNSEARCHED, ()):
+        messages.warning(request, warning)
+    setattr(request, _UNSEARCHED, [])
+    return response
 
 
 def _also_in(request: HttpRequest, names: list[str]) -> str:
