@@ -30,8 +30,11 @@ T = TypeVar("T")
 
 #: Compiled statements kept per connection kind; a store has a few dozen.
 MAX_COMPILED = 512
-#: The most rows a statement may read for its cursor to be kept for the next (``Driver``).
+#: The most rows, and characters or bytes of text in its parameters and rows, a statement
+#: may have for its cursor to be kept for the next (``Driver``): a kept cursor holds both
+#: until then (psycopg its result and encoded parameters, PyMySQL its rows and SQL text).
 KEPT_ROWS = 64
+KEPT_TEXT = 64 * 1024
 
 
 class Compiled:
@@ -104,6 +107,22 @@ def _bind_processors(compiled: Any, dialect: Any) -> dict[str, Callable[[Any], A
         if processor is not None:
             found[name] = processor
     return found
+
+
+def _small(parameters: Any, rows: list[tuple[Any, ...]]) -> bool:
+    """Whether a statement that ran with ``parameters`` and read ``rows`` may leave them on a
+    kept cursor: KEPT_ROWS rows at most, KEPT_TEXT of text in all."""
+    if len(rows) > KEPT_ROWS:
+        return False
+    size = 0
+    for value in parameters.values() if isinstance(parameters, dict) else parameters:
+        if isinstance(value, (str, bytes)):
+            size += len(value)
+    for row in rows:
+        for value in row:
+            if isinstance(value, (str, bytes)):
+                size += len(value)
+    return size <= KEPT_TEXT
 
 
 def _processed(processors: dict[str, Callable[[Any], Any]], key: str, value: Any) -> Any:
@@ -188,9 +207,7 @@ class Driver:
                 else:
                     rows = [tuple(r) for r in cursor.fetchall()]
                     result = Result(rows, cursor.rowcount, compiled.keys)
-                # Kept after a statement that ran, and read few rows (a kept cursor holds the
-                # last result until the next statement).
-                keep = self.keeps_cursor and len(result.rows) <= KEPT_ROWS
+                keep = self.keeps_cursor and _small(parameters, result.rows)
                 return result
         except self.dialect.loaded_dbapi.Error as exc:
             raise self._wrapped(exc, sql, parameters, cursor) from exc
@@ -224,7 +241,7 @@ class Driver:
                 cursor = self._cursor()
                 cursor.execute(sql, parameters)
                 rows = [tuple(r) for r in cursor.fetchall()] if cursor.description else []
-                keep = self.keeps_cursor and len(rows) <= KEPT_ROWS
+                keep = self.keeps_cursor and _small(parameters, rows)
                 return rows
         except self.dialect.loaded_dbapi.Error as exc:
             raise self._wrapped(exc, sql, parameters, cursor) from exc

@@ -12,7 +12,7 @@ from celery import Celery, Task
 
 from celery_leases import ArgumentsError, LeasedTask
 from celery_leases.config import settings_for
-from celery_leases.db.dbapi import KEPT_ROWS
+from celery_leases.db.dbapi import KEPT_ROWS, KEPT_TEXT
 from celery_leases.db.rows import Claimed
 from celery_leases.db.schema import MAX_ID_LENGTH
 from celery_leases.db.store import Store, store_for
@@ -226,32 +226,57 @@ def queued(app: Celery, queue: str) -> int:
 # -- 10. the direct connection's cursor ----------------------------------------------------------
 
 
-def test_the_direct_connections_cursor_serves_the_next_statement_unless_it_failed_or_read_many(
+class CountedCursors:
+    """A DBAPI connection that counts the cursors made of it."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        self.made = 0
+
+    def cursor(self, *args: Any, **kwargs: Any) -> Any:
+        self.made += 1
+        return self.connection.cursor(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.connection, name)
+
+
+def test_the_direct_connections_cursor_serves_the_next_statement_unless_it_failed_or_held_much(
     store: Store,
 ) -> None:
-    # Given the store's direct connection after a claim, its cursor kept
+    # Given the store's direct connection after a claim, cursors of it counted
     token = claimed(store, "j1")
     (direct,) = store.db.direct._idle
-    assert direct._kept is not None
-    cursor = direct._kept[1]
+    counted = direct._dbapi_connection = CountedCursors(direct._dbapi_connection)
 
-    # When a checkpoint and a read follow, they run on that cursor
-    assert store.checkpoint("j1", token, '{"n": 1}') == (True, None)
-    job = store.get("j1")
-    assert job is not None and job.checkpoint == {"n": 1}
-    assert direct._kept is not None and direct._kept[1] is cursor
+    # When checkpoints and reads follow, they all run on one cursor
+    for n in range(3):
+        assert store.checkpoint("j1", token, f'{{"n": {n}}}') == (True, None)
+        job = store.get("j1")
+        assert job is not None and job.checkpoint == {"n": n}
+    assert counted.made == 1
 
     # Then a statement the database refuses drops it; the next statement runs on a new one
     with pytest.raises(sa.exc.DBAPIError):
         direct.query("SELECT no_such_column FROM no_such_table")
     assert direct._kept is None
-    assert store.checkpoint("j1", token, '{"n": 2}') == (True, None)
-    assert direct._kept is not None and direct._kept[1] is not cursor
+    assert store.checkpoint("j1", token, '{"n": 3}') == (True, None)
+    assert counted.made == 2 and direct._kept is not None
 
-    # and a read of more rows than KEPT_ROWS does not keep its rows alive on a kept cursor
-    for n in range(KEPT_ROWS + 1):
+    # and so does a statement that leaves more than KEPT_ROWS rows, or more than KEPT_TEXT of
+    # text, on it (a kept cursor holds them until the next statement)
+    for n in range(KEPT_ROWS - 1):
         assert store.register(job_message(f"many-{n}")).outcome == "new"
-    assert len(direct.execute(sa.select(store.table.c.id)).rows) == KEPT_ROWS + 2
-    assert direct._kept is None
+    ids = sa.select(store.table.c.id)
+    assert len(direct.execute(ids).rows) == KEPT_ROWS
+    assert direct._kept is not None and counted.made == 2
+    assert store.register(job_message("many-last")).outcome == "new"
+    assert len(direct.execute(ids).rows) == KEPT_ROWS + 1
+    assert direct._kept is None and counted.made == 2
+    big = '{"text": "%s"}' % ("x" * KEPT_TEXT)
+    assert store.checkpoint("j1", token, big) == (True, None)
+    assert direct._kept is None and counted.made == 3
+    assert store.checkpoint("j1", token, '{"n": 4}') == (True, None)
+    assert direct._kept is not None and counted.made == 4
     job = store.get("j1")
-    assert job is not None and job.checkpoint == {"n": 2}
+    assert job is not None and job.checkpoint == {"n": 4}
