@@ -429,6 +429,31 @@ def killed_after_done(e: Evidence, job_id: str) -> Kill | None:
     return None
 
 
+def killed_after_served(e: Evidence, job_id: str) -> Kill | None:
+    """For a served row (the triggers a run of their key served, recorded done with that
+    run's result and a notice for the result backend): the SIGKILL, sent at most
+    ``UNSTORED_WINDOW`` seconds after the row was recorded, of a process that may have taken
+    its notice and died before storing it (``take_notices`` hands a notice to one caller):
+    the serving run's own, whose worker settles the key's triggers as the run ends and tells
+    the backend at once, or, for a row recorded longer than that after the run ended (a
+    reaper pass settled them, in whichever pool process ran it), any. None if there was none.
+    """
+    job = e.jobs.get(job_id)
+    run = e.jobs.get(job.served_by or "") if job is not None else None
+    if job is None or job.finished_at is None or run is None:
+        return None
+    at = job.finished_at
+    if run.finished_at is not None and at - run.finished_at <= UNSTORED_WINDOW:
+        final = [r for r in e.unit_rows if r.job_id == run.id and r.token == run.token]
+        pids: set[int] | None = {final[-1].pid} if final else None
+    else:
+        pids = None
+    for kill in e.kills:
+        if 0.0 <= kill.at - at <= UNSTORED_WINDOW and (pids is None or pids & set(kill.pids)):
+            return kill
+    return None
+
+
 def _late_units(
     e: Evidence, job_id: str, rows: list[Unit]
 ) -> tuple[list[Unit], list[Unit], list[Unit]]:
@@ -1641,6 +1666,7 @@ def _no_trigger_lost(e: Evidence) -> Check:
         elif job.state != DONE:
             stopped += 1
     backend_wrong: list[str] = []
+    unstored = 0
     if e.key_backend is not None:
         for job_id in sorted({t.served for t in taken if t.served in e.jobs}):
             job = e.jobs[job_id or ""]
@@ -1649,11 +1675,13 @@ def _no_trigger_lost(e: Evidence) -> Check:
             same = got is not None and got.status == want
             if same and want == "SUCCESS":
                 same = got is not None and got.result == job.result
-            if not same and not (
-                want == "SUCCESS"
-                and (got is None or got.status == "PENDING")
-                and killed_after_done(e, job.id)
-            ):
+            if same:
+                continue
+            nothing = got is None or got.status == "PENDING"
+            killed = killed_after_served if job.served_by else killed_after_done
+            if want == "SUCCESS" and nothing and killed(e, job.id):
+                unstored += 1
+            else:
                 seen = "nothing" if got is None else f"{got.status} {_short(got.result)}"
                 backend_wrong.append(f"{job.id}: table {job.state}, backend {seen}")
     waiting = [f"{key}: triggers still waiting as {i}" for key, i in sorted(e.pending.items())]
@@ -1665,6 +1693,7 @@ def _no_trigger_lost(e: Evidence) -> Check:
         triggers_stopped_by_their_control=stopped,
         triggers_waiting_at_end=len(waiting),
         keyed_backend_disagree=len(backend_wrong),
+        keyed_backend_unstored=unstored,
     )
     text = (
         f"{len(taken) - len(lost)}/{len(taken)} triggers' result ids ended done or as a control "
@@ -1674,7 +1703,10 @@ def _no_trigger_lost(e: Evidence) -> Check:
         + (
             ""
             if e.key_backend is None
-            else f"; {len(backend_wrong)} result ids whose backend state disagrees"
+            else f"; {len(backend_wrong)} result ids whose backend state disagrees, {unstored} "
+            f"done with nothing stored, the process that would store it SIGKILLed <= "
+            f"{UNSTORED_WINDOW:g} s after it marked them done (tolerated, as for the result "
+            f"backend)"
         )
     )
     for problem in [*lost[:3], *waiting[:2], *backend_wrong[:2]]:

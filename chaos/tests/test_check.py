@@ -723,6 +723,35 @@ def test_triggers_served_by_a_run_that_started_after_them_keep_every_invariant()
     assert (e.figures["keyed_served_rows"], e.figures["keyed_jobs"]) == (1, 1)
 
 
+def test_a_served_rows_unstored_notice_is_tolerated_only_if_its_taker_was_killed_just_after() -> (
+    None
+):
+    # Given x (pid 101) serving the triggers of y, recorded at 7.6 as x ended (7.5), and the
+    # result backend told nothing of y: the worker that takes y's notice at x's end died
+    # before storing it (a notice goes to one taker), in the window the guarantees page leaves
+    runs = {"x": run_of("x", 1, range(KEY_UNITS), 4)}
+    served = with_served(keyed_evidence(runs, TRIGGERS, inserted={"x": -1.0}), "y", "x", at=7.6)
+    unstored = replace(served, key_backend={"x": served.key_backend["x"]})
+
+    # When x's process was SIGKILLed 0.3 s after y was recorded, it is tolerated and counted
+    killed = replace(unstored, kills=[Kill(7.9, (101,))])
+    assert failed_checks(killed) == []
+    assert killed.figures["keyed_backend_unstored"] == 1
+
+    # Then with no kill, a kill of another process, or one too late, it is caught
+    for kills in [[], [Kill(7.9, (999,))], [Kill(9.0, (101,))]]:
+        assert failed_checks(replace(unstored, kills=kills)) == [LOST], kills
+        (check,) = [c for c in check_all(replace(unstored, kills=kills)) if c.name.startswith(LOST)]
+        assert "y: table done, backend nothing" in check.text
+
+    # And a row a reaper pass recorded long after x ended (any pool process may run that pass)
+    # is tolerated with the SIGKILL of any process just after it, not of none
+    late = with_served(keyed_evidence(runs, TRIGGERS, inserted={"x": -1.0}), "y", "x", at=20.0)
+    late = replace(late, key_backend={"x": late.key_backend["x"]})
+    assert failed_checks(replace(late, kills=[Kill(20.4, (999,))])) == []
+    assert failed_checks(late) == [LOST]
+
+
 def test_triggers_served_by_a_run_that_started_before_one_of_them_are_caught() -> None:
     # Given x started at 0, before the triggers at 1 and 2, and yet recorded as serving them
     e = keyed_evidence({"x": run_of("x", 1, range(KEY_UNITS), 0)}, TRIGGERS, inserted={"x": -1.0})
