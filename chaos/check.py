@@ -58,7 +58,8 @@ DEBOUNCE_ALLOWANCE = 0.1
 #: Seconds after a job was marked done within which a SIGKILL of the process that marked it
 #: leaves its result unstored and its callbacks unsent, as the docs' guarantees page says ("A worker
 #: killed between the moment its attempt marks the job done and the moment Celery stores the
-#: result ... leaves the result unstored"): tolerated, and counted apart.
+#: result ... leaves the result unstored"): tolerated, and counted apart. The time a process
+#: was stopped (a freeze) does not count (``unstored_within``).
 UNSTORED_WINDOW = 1.0
 #: Seconds after a revoke that terminated a job's attempt (SIGTERM to its pool process, the
 #: job ended ``revoked`` at once in the worker's main process) in which that attempt may still
@@ -414,8 +415,9 @@ def allowed_ends(e: Evidence, job_id: str, controls: list[Control]) -> set[str]:
 
 def killed_after_done(e: Evidence, job_id: str) -> Kill | None:
     """The SIGKILL of the pool process whose run finished the job (the run of its final
-    token), sent at most ``UNSTORED_WINDOW`` seconds after the job was marked done; None if
-    there was none."""
+    token), sent at most ``UNSTORED_WINDOW`` seconds after the job was marked done, not
+    counting the time any process was stopped meanwhile (``unstored_within``); None if there
+    was none."""
     job = e.jobs.get(job_id)
     if job is None or job.state != DONE or job.finished_at is None:
         return None
@@ -424,9 +426,26 @@ def killed_after_done(e: Evidence, job_id: str) -> Kill | None:
         return None
     pid = final[-1].pid
     for kill in e.kills:
-        if pid in kill.pids and 0.0 <= kill.at - job.finished_at <= UNSTORED_WINDOW:
+        if pid in kill.pids and unstored_within(e, job.finished_at, kill.at):
             return kill
     return None
+
+
+def unstored_within(e: Evidence, done_at: float, killed_at: float) -> bool:
+    """Whether a SIGKILL at ``killed_at`` of the process that marked a job done at ``done_at``
+    came within ``UNSTORED_WINDOW`` of it, not counting the time any process was stopped
+    meanwhile (a freeze): a process stopped inside a write of the result backend (one SQLite
+    file, shared by every worker) holds its lock, and every other store of a result waits
+    for it, so the window lasts as long as the freeze."""
+    if killed_at < done_at:
+        return False
+    stopped, until = 0.0, done_at
+    for pause in sorted(e.pauses, key=lambda p: p.start):
+        start, end = max(pause.start, until), min(pause.end, killed_at)
+        if end > start:
+            stopped += end - start
+            until = end
+    return killed_at - done_at - stopped <= UNSTORED_WINDOW
 
 
 def killed_after_served(e: Evidence, job_id: str) -> Kill | None:
@@ -449,7 +468,7 @@ def killed_after_served(e: Evidence, job_id: str) -> Kill | None:
     else:
         pids = None
     for kill in e.kills:
-        if 0.0 <= kill.at - at <= UNSTORED_WINDOW and (pids is None or pids & set(kill.pids)):
+        if unstored_within(e, at, kill.at) and (pids is None or pids & set(kill.pids)):
             return kill
     return None
 
@@ -767,9 +786,9 @@ def _result_backend(e: Evidence) -> Check:
         f"SUCCESS with the same result {agree['SUCCESS']}/{total['SUCCESS']} done, FAILURE "
         f"{agree['FAILURE']}/{total['FAILURE']} failed, REVOKED {agree['REVOKED']}/"
         f"{total['REVOKED']} revoked or cancelled; {bad} disagree; {len(unstored)} done with "
-        f"nothing stored, their process SIGKILLed <= {UNSTORED_WINDOW:g} s after it marked "
-        f"them done (the window the docs' guarantees page leaves open; tolerated)"
-        + (f": {', '.join(unstored[:3])}" if unstored else "")
+        f"nothing stored, their process SIGKILLed <= {UNSTORED_WINDOW:g} s (freezes not "
+        f"counted) after it marked them done (the window the docs' guarantees page leaves "
+        f"open; tolerated)" + (f": {', '.join(unstored[:3])}" if unstored else "")
     )
     for example in examples[:3]:
         text += f"\n      {example}"
@@ -827,7 +846,8 @@ def _callbacks(e: Evidence) -> Check:
         f"link once with the result for {once}/{done_jobs} done jobs, errback once for "
         f"{failed_once}/{failed_jobs} failed ones, {wrong} jobs whose callbacks disagree; "
         f"{unsent} done jobs whose link was never sent, their process SIGKILLed <= "
-        f"{UNSTORED_WINDOW:g} s after it marked them done (tolerated, as for the result "
+        f"{UNSTORED_WINDOW:g} s (freezes not counted) after it marked them done (tolerated, "
+        f"as for the result "
         f"backend); callback jobs {callback_states[DONE]}/{len(e.callback_jobs)} done"
     )
     for example in examples[:3]:
@@ -1705,8 +1725,8 @@ def _no_trigger_lost(e: Evidence) -> Check:
             if e.key_backend is None
             else f"; {len(backend_wrong)} result ids whose backend state disagrees, {unstored} "
             f"done with nothing stored, the process that would store it SIGKILLed <= "
-            f"{UNSTORED_WINDOW:g} s after it marked them done (tolerated, as for the result "
-            f"backend)"
+            f"{UNSTORED_WINDOW:g} s (freezes not counted) after it marked them done (tolerated, "
+            f"as for the result backend)"
         )
     )
     for problem in [*lost[:3], *waiting[:2], *backend_wrong[:2]]:

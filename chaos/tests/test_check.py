@@ -439,6 +439,26 @@ def test_a_result_and_a_link_lost_to_a_kill_right_after_the_job_ended_done_are_t
     assert failed_checks(replace(failure, kills=[Kill(END + 0.2, (101,))])) == [BACKEND]
 
 
+def test_a_freeze_between_the_done_and_the_kill_stretches_the_window_by_its_length() -> None:
+    # Given a done job (pool process 101, done at END) with nothing stored and no callback
+    # sent, its process SIGKILLed 3.5 s after it marked the job done
+    e = evidence(EXACTLY_ONCE, run_of("j", 1, range(4), 0), attempts=1)
+    lost = replace(
+        e, backend={"j": Outcome("PENDING", None)}, callbacks=[], kills=[Kill(END + 3.5, (101,))]
+    )
+
+    # When another process was stopped from just after the done to after the kill (stopped
+    # inside its write of the result backend's one SQLite file, it held every other store of
+    # a result waiting): 0.2 s of the 3.5 ran, tolerated
+    frozen = replace(lost, pauses=[Pause((202,), END + 0.2, END + 9.0)])
+    assert failed_checks(frozen) == []
+
+    # Then a freeze that covers too little of it, or came before the done, is no excuse
+    for pause in [Pause((202,), END + 0.2, END + 1.0), Pause((202,), END - 9.0, END - 1.0)]:
+        assert failed_checks(replace(lost, pauses=[pause])) == [BACKEND, CALLBACKS], pause
+    assert failed_checks(lost) == [BACKEND, CALLBACKS]
+
+
 # -- keyed jobs: one run per key, triggers, cursors ------------------------------------------------
 
 KEY = "account:a"
